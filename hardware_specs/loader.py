@@ -1,0 +1,177 @@
+"""Strict loading of GPU, link and cluster specs from the YAML files beside this module.
+
+A spec is named (``a100-80gb``), given as a path to a YAML file, or (inside a cluster) inlined as a
+mapping. Unknown keys, missing keys, wrong types and non-positive numbers are refused with the file
+and the key named (calculon's systems/*.json and llm-analysis's gpu_configs are the model here).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .datafile import read_data_file
+from .specs import DTYPES, ClusterSpec, Efficiency, GPUSpec, HardwareSpecError, LinkSpec
+
+SPEC_DIR = Path(__file__).resolve().parent
+KINDS = {"gpu": "gpus", "link": "links", "cluster": "clusters"}
+MEASUREMENTS_DIR = SPEC_DIR / "measurements"
+
+DEFAULT_EFFICIENCY = Efficiency(
+    matmul={"default": ((1e6, 0.02), (1e8, 0.15), (1e9, 0.40), (1e10, 0.62), (1e11, 0.72), (1e12, 0.75))},
+    memory_bound=0.8, op_overhead_us=5.0, source="generic defaults (no efficiency data in the spec)")
+
+
+def names(kind: str) -> list[str]:
+    """The spec names of one kind (``gpu``, ``link``, ``cluster``) shipped with paraplan."""
+    return sorted(p.stem for p in (SPEC_DIR / KINDS[kind]).glob("*.yaml"))
+
+
+def _number(where: str, key: str, value: Any, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise HardwareSpecError(f"{where}: '{key}' must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise HardwareSpecError(f"{where}: '{key}' must be positive, got {value}")
+    return float(value)
+
+
+def _integer(where: str, key: str, value: Any, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HardwareSpecError(f"{where}: '{key}' must be a positive whole number, got {value!r}")
+    if value > limit:
+        raise HardwareSpecError(f"{where}: '{key}' = {value} is absurdly large (limit {limit})")
+    return value
+
+
+def _check_keys(where: str, data: Any, required: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(data, dict):
+        raise HardwareSpecError(f"{where}: expected a mapping of keys, got {type(data).__name__}")
+    allowed = required | optional
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise HardwareSpecError(f"{where}: unknown key '{key}'{hint}")
+    for key in sorted(required):
+        if key not in data:
+            raise HardwareSpecError(f"{where}: missing key '{key}'")
+    return data
+
+
+def _resolve(kind: str, ref: str) -> tuple[Path, Any]:
+    """A name or a path -> (file, parsed data)."""
+    if os.path.exists(ref):
+        path = Path(ref)
+    else:
+        path = SPEC_DIR / KINDS[kind] / f"{ref}.yaml"
+        if not path.exists():
+            close = difflib.get_close_matches(ref, names(kind), n=3, cutoff=0.4)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(names(kind))}"
+            raise HardwareSpecError(f"unknown {kind} spec {ref!r}{hint}")
+    return path, read_data_file(str(path), f"{kind} spec", HardwareSpecError)
+
+
+def parse_efficiency(where: str, data: Any) -> Efficiency:
+    data = _check_keys(where, data, {"matmul", "memory_bound", "op_overhead_us"}, {"source"})
+    curves = data["matmul"]
+    if not isinstance(curves, dict) or "default" not in curves:
+        raise HardwareSpecError(f"{where}: 'matmul' must map dtypes to curves and include 'default'")
+    parsed: dict[str, tuple[tuple[float, float], ...]] = {}
+    for dtype, points in curves.items():
+        if dtype != "default" and dtype not in DTYPES:
+            raise HardwareSpecError(f"{where}: matmul curve for unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+        if not isinstance(points, list) or not points:
+            raise HardwareSpecError(f"{where}: matmul.{dtype} must be a list of [flops, fraction] points")
+        pts = []
+        for p in points:
+            if not (isinstance(p, list | tuple) and len(p) == 2):
+                raise HardwareSpecError(f"{where}: matmul.{dtype} point {p!r} is not [flops, fraction]")
+            flops = _number(where, f"matmul.{dtype} flops", p[0])
+            frac = _number(where, f"matmul.{dtype} fraction", p[1])
+            if frac > 1:
+                raise HardwareSpecError(f"{where}: matmul.{dtype} fraction {frac} exceeds 1 (the peak)")
+            pts.append((flops, frac))
+        pts.sort()
+        parsed[dtype] = tuple(pts)
+    mb = _number(where, "memory_bound", data["memory_bound"])
+    if mb > 1:
+        raise HardwareSpecError(f"{where}: 'memory_bound' {mb} exceeds 1 (the peak bandwidth)")
+    return Efficiency(matmul=parsed, memory_bound=mb,
+                      op_overhead_us=_number(where, "op_overhead_us", data["op_overhead_us"], allow_zero=True),
+                      source=str(data.get("source", "unspecified")))
+
+
+def gpu_from_mapping(data: Any, where: str) -> GPUSpec:
+    data = _check_keys(where, data, {"name", "memory_GiB", "hbm_GBps", "peak_tflops"}, {"efficiency"})
+    peaks = _check_keys(f"{where}: peak_tflops", data["peak_tflops"], set(DTYPES))
+    peak = {d: None if peaks[d] is None else _number(where, f"peak_tflops.{d}", peaks[d]) for d in DTYPES}
+    if all(v is None for v in peak.values()):
+        raise HardwareSpecError(f"{where}: peak_tflops gives no dtype a number")
+    eff = parse_efficiency(f"{where}: efficiency", data["efficiency"]) if "efficiency" in data else DEFAULT_EFFICIENCY
+    return GPUSpec(name=str(data["name"]), memory_GiB=_number(where, "memory_GiB", data["memory_GiB"]),
+                   hbm_GBps=_number(where, "hbm_GBps", data["hbm_GBps"]), peak_tflops=peak, efficiency=eff)
+
+
+def link_from_mapping(data: Any, where: str, default_name: str) -> LinkSpec:
+    data = _check_keys(where, data, {"bandwidth_GBps", "latency_us"}, {"name", "kind"})
+    return LinkSpec(name=str(data.get("name", default_name)), kind=str(data.get("kind", "custom")),
+                    bandwidth_GBps=_number(where, "bandwidth_GBps", data["bandwidth_GBps"]),
+                    latency_us=_number(where, "latency_us", data["latency_us"], allow_zero=True))
+
+
+@lru_cache(maxsize=64)
+def load_gpu(ref: str) -> GPUSpec:
+    path, data = _resolve("gpu", ref)
+    return gpu_from_mapping(data, str(path))
+
+
+@lru_cache(maxsize=64)
+def load_link(ref: str) -> LinkSpec:
+    path, data = _resolve("link", ref)
+    return link_from_mapping(data, str(path), default_name=path.stem)
+
+
+def _gpu_field(where: str, value: Any) -> GPUSpec:
+    if isinstance(value, str):
+        return load_gpu(value)
+    return gpu_from_mapping(value, f"{where}: gpu")
+
+
+def _link_field(where: str, key: str, value: Any) -> LinkSpec:
+    if isinstance(value, str):
+        return load_link(value)
+    return link_from_mapping(value, f"{where}: {key}", default_name=key)
+
+
+def cluster_from_mapping(data: Any, where: str) -> ClusterSpec:
+    data = _check_keys(where, data, {"name", "gpu", "nodes", "gpus_per_node", "intra_node", "inter_node"},
+                       {"nics_per_node", "cost_per_gpu_hour_usd"})
+    nics = _integer(where, "nics_per_node", data.get("nics_per_node", 1), 64)
+    inter = _link_field(where, "inter_node", data["inter_node"])
+    if isinstance(data["inter_node"], str):  # a named link spec is one port: the node has nics_per_node of them
+        inter = LinkSpec(name=f"{nics}x {inter.name}", kind=inter.kind,
+                         bandwidth_GBps=inter.bandwidth_GBps * nics, latency_us=inter.latency_us)
+    cost = data.get("cost_per_gpu_hour_usd")
+    return ClusterSpec(
+        name=str(data["name"]), gpu=_gpu_field(where, data["gpu"]),
+        nodes=_integer(where, "nodes", data["nodes"], 1 << 20),
+        gpus_per_node=_integer(where, "gpus_per_node", data["gpus_per_node"], 1024),
+        intra_node=_link_field(where, "intra_node", data["intra_node"]), inter_node=inter, nics_per_node=nics,
+        cost_per_gpu_hour_usd=None if cost is None else _number(where, "cost_per_gpu_hour_usd", cost),
+        source=where)
+
+
+def load_cluster(ref: str, nodes: int | None = None) -> ClusterSpec:
+    """A cluster by name or path; a calibrated copy in measurements/ takes precedence over the shipped one.
+
+    ``nodes`` overrides the node count (the CLI's ``--nodes``).
+    """
+    calibrated = MEASUREMENTS_DIR / f"{ref}.yaml"
+    if not os.path.exists(ref) and calibrated.exists():
+        ref = str(calibrated)
+    path, data = _resolve("cluster", ref)
+    cluster = cluster_from_mapping(data, str(path))
+    return cluster.with_nodes(nodes) if nodes is not None else cluster

@@ -1,0 +1,65 @@
+"""The cluster as a graph: GPUs, the node's switch fabric, NICs and the network switch.
+
+Vertices: ``gpu{r}`` (global rank r, attributes ``node`` and ``local_rank``), ``fabric{n}`` (the
+node's NVSwitch / PCIe switch / shared memory), ``nic{n}.{i}`` and ``network``. Edges carry
+``bandwidth_GBps``, ``latency_us`` and ``kind``; each hop holds half its link's latency, so a route
+GPU-fabric-GPU costs one intra-node latency and GPU-...-network-...-GPU adds one network latency. Later parts ask it which ranks share a node and what
+link a group's traffic crosses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .specs import ClusterSpec, LinkSpec
+
+
+def build_topology(cluster: ClusterSpec) -> nx.Graph:
+    g = nx.Graph(name=cluster.name)
+    g.add_node("network", kind="switch")
+    nic_bw = cluster.inter_node.bandwidth_GBps / cluster.nics_per_node
+    for n in range(cluster.nodes):
+        fabric = f"fabric{n}"
+        g.add_node(fabric, kind=cluster.intra_node.kind, node=n)
+        for i in range(cluster.nics_per_node):
+            nic = f"nic{n}.{i}"
+            g.add_node(nic, kind="nic", node=n)
+            g.add_edge(fabric, nic, bandwidth_GBps=nic_bw, latency_us=0.0, kind=cluster.inter_node.kind)
+            g.add_edge(nic, "network", bandwidth_GBps=nic_bw, latency_us=cluster.inter_node.latency_us / 2,
+                       kind=cluster.inter_node.kind)
+        for local in range(cluster.gpus_per_node):
+            r = n * cluster.gpus_per_node + local
+            g.add_node(f"gpu{r}", kind="gpu", node=n, local_rank=local)
+            g.add_edge(f"gpu{r}", fabric, bandwidth_GBps=cluster.intra_node.bandwidth_GBps,
+                       latency_us=cluster.intra_node.latency_us / 2, kind=cluster.intra_node.kind)
+    return g
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """Where a communication group's ranks sit: how many nodes, and the most ranks on one node."""
+
+    size: int
+    nodes: int
+    max_per_node: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+def group_span(cluster: ClusterSpec, ranks: list[int]) -> GroupSpan:
+    per_node = Counter(cluster.node_of(r) for r in ranks)
+    return GroupSpan(size=len(ranks), nodes=len(per_node), max_per_node=max(per_node.values()))
+
+
+def path_link(graph: nx.Graph, a: int, b: int) -> LinkSpec:
+    """The route between ranks a and b as one link: its slowest hop's bandwidth, summed latency."""
+    path = nx.shortest_path(graph, f"gpu{a}", f"gpu{b}")
+    edges = [graph.edges[u, v] for u, v in zip(path, path[1:], strict=False)]
+    slowest = min(edges, key=lambda e: e["bandwidth_GBps"])
+    return LinkSpec(name=f"gpu{a}-gpu{b}", kind=slowest["kind"], bandwidth_GBps=slowest["bandwidth_GBps"],
+                    latency_us=sum(e["latency_us"] for e in edges))

@@ -1,0 +1,54 @@
+"""Built-in model presets (pure data; validated by specs.spec_from_mapping on use).
+
+Sources, per family:
+- GPT-2: Radford et al. 2019 and HF `gpt2` config.json (12 layers, 768 hidden, 12 heads, 1024 ctx).
+- GPT-3: Brown et al. 2020, Table 2.1. gpt3-13b's d_model is listed as 5140, which 40 heads do not
+  divide; we use 5120 as Megatron-LM and most reproductions do.
+- LLaMA 2: Touvron et al. 2023 and the released params.json/config.json files.
+- LLaMA 3: Llama 3 Herd of Models (Dubey et al. 2024), Table 3, and the released config.json files.
+- BERT-large: Devlin et al. 2019 (24 layers, 1024 hidden, 16 heads, 512 positions, 30522 WordPieces).
+- ResNet-50: He et al. 2016; VGG-16: Simonyan & Zisserman 2015 (torchvision layouts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tiny models for CPU tests and the executor (a few layers, real shapes, run in milliseconds).
+    "gpt-tiny": dict(family="gpt", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=1024,
+                     seq_length=128),
+    "llama-tiny": dict(family="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                       ffn_hidden_size=352, vocab_size=1024, seq_length=128),
+    "gpt2": dict(family="gpt", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
+                 seq_length=1024),
+    "gpt3-1.3b": dict(family="gpt", num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257,
+                      seq_length=2048),
+    "gpt3-2.7b": dict(family="gpt", num_layers=32, hidden_size=2560, num_attention_heads=32, vocab_size=50257,
+                      seq_length=2048),
+    "gpt3-6.7b": dict(family="gpt", num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=50257,
+                      seq_length=2048),
+    "gpt3-13b": dict(family="gpt", num_layers=40, hidden_size=5120, num_attention_heads=40, vocab_size=50257,
+                     seq_length=2048),
+    "gpt3-175b": dict(family="gpt", num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=50257,
+                      seq_length=2048),
+    "llama2-7b": dict(family="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096),
+    "llama2-13b": dict(family="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,
+                       ffn_hidden_size=13824, vocab_size=32000, seq_length=4096),
+    "llama2-70b": dict(family="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
+                       ffn_hidden_size=28672, vocab_size=32000, seq_length=4096),
+    "llama3-8b": dict(family="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
+                      ffn_hidden_size=14336, vocab_size=128256, seq_length=8192),
+    "llama3-70b": dict(family="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
+                       ffn_hidden_size=28672, vocab_size=128256, seq_length=8192),
+    "llama3-405b": dict(family="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
+                        num_kv_heads=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192),
+    "bert-large": dict(family="bert", num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=30522,
+                       seq_length=512),
+    "resnet50": dict(family="resnet", depth=50, num_classes=1000, image_size=224),
+    "vgg16": dict(family="vgg", depth=16, num_classes=1000, image_size=224),
+    # An MLP whose classifier (2048 x 1M = 2.05 B parameters) dwarfs its trunk: the canonical case for
+    # a data-parallel trunk with a class-sharded (model-parallel) classifier.
+    "mlp-bigfc": dict(family="mlp", input_size=1024, hidden_sizes=[2048, 2048], num_classes=1_000_000),
+}

@@ -1,0 +1,194 @@
+"""GPT, LLaMA and BERT as torch modules made of pipeline-splittable blocks.
+
+Blocks (FQNs): ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``. Q, K and V are separate
+linears (not one fused QKV) so that column-parallel sharding splits whole heads. Attention reads the
+head count from the tensor it gets (``view(b, s, -1, head_dim)``), so the same code runs with the
+local heads of a tensor-parallel rank. There is no dropout: training runs stay deterministic and
+independent of the layout (modern LLM pre-training uses none either).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .specs import TransformerSpec
+from .staged import StagedModel
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), halves layout as in HF LLaMA.  x: (b, a, s, d)."""
+    b, a, s, d = x.shape
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # (d/2,)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)  # (s, d/2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)  # (s, d)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) self-attention with separate Q/K/V projections."""
+
+    def __init__(self, spec: TransformerSpec):
+        super().__init__()
+        bias = spec.family != "llama"
+        h, d = spec.hidden_size, spec.head_dim
+        self.head_dim = d
+        self.causal = spec.family != "bert"
+        self.rotary = spec.family == "llama"
+        self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=bias)
+        self.wk = nn.Linear(h, spec.kv_heads * d, bias=bias)
+        self.wv = nn.Linear(h, spec.kv_heads * d, bias=bias)
+        self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # (b, s, h)
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, a_local, s, d)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_local, s, d)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.rotary:
+            q, k = _rotate(q), _rotate(k)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each K/V head among a group
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (b, a_local, s, d)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt, bert): fc2(gelu(fc1 x)); SwiGLU (llama): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, spec: TransformerSpec):
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_size
+        self.gated = spec.family == "llama"
+        if self.gated:
+            self.w1 = nn.Linear(h, f, bias=False)
+            self.w3 = nn.Linear(h, f, bias=False)
+            self.w2 = nn.Linear(f, h, bias=False)
+        else:
+            self.fc1 = nn.Linear(h, f)
+            self.fc2 = nn.Linear(f, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def _norm(spec: TransformerSpec) -> nn.Module:
+    if spec.family == "llama":
+        return nn.RMSNorm(spec.hidden_size, eps=1e-5)
+    return nn.LayerNorm(spec.hidden_size, eps=1e-5)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm (gpt, llama) or post-norm (bert) transformer layer."""
+
+    def __init__(self, spec: TransformerSpec):
+        super().__init__()
+        self.post_norm = spec.family == "bert"
+        self.attn_norm = _norm(spec)
+        self.attn = Attention(spec)
+        self.mlp_norm = _norm(spec)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+        if self.post_norm:
+            x = self.attn_norm(x + self.attn(x))
+            return self.mlp_norm(x + self.mlp(x))
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus learned positions (gpt, bert), token types and a LayerNorm (bert)."""
+
+    def __init__(self, spec: TransformerSpec):
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos = nn.Embedding(spec.seq_length, spec.hidden_size) if spec.family != "llama" else None
+        self.token_type = nn.Embedding(2, spec.hidden_size) if spec.family == "bert" else None
+        self.norm = nn.LayerNorm(spec.hidden_size, eps=1e-5) if spec.family == "bert" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) int64 -> (b, s, h)
+        x = self.tok(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (s,)
+        if self.pos is not None:
+            x = x + self.pos(positions)
+        if self.token_type is not None:
+            x = x + self.token_type(torch.zeros_like(positions))  # one segment: type 0 everywhere
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
+
+
+class LMHead(nn.Module):
+    """Final norm (gpt, llama) or BERT's MLM transform (dense, GELU, LayerNorm), then the vocabulary
+    projection ``proj`` (tied to the token embedding where the spec says so)."""
+
+    def __init__(self, spec: TransformerSpec):
+        super().__init__()
+        h = spec.hidden_size
+        self.transform = nn.Linear(h, h) if spec.family == "bert" else None
+        self.norm = _norm(spec)
+        self.proj = nn.Linear(h, spec.vocab_size, bias=spec.family == "bert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s, V)
+        if self.transform is not None:
+            x = F.gelu(self.transform(x))
+        return self.proj(self.norm(x))
+
+
+class Transformer(StagedModel):
+    """A GPT, LLaMA or BERT language model: embed -> layers -> head."""
+
+    def __init__(self, spec: TransformerSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = Embedding(spec)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(spec) for i in range(spec.num_layers)})
+        self.head = LMHead(spec)
+        if spec.tied:
+            self.head.proj.weight = self.embed.tok.weight
+        self.block_names = ["embed", *[f"layers.{i}" for i in range(spec.num_layers)], "head"]
+        self.block_kinds = {n: "transformer_layer" for n in self.block_names}
+        self.block_kinds.update(embed="embedding", head="lm_head")
+
+
+def transformer_tp_plan(spec: TransformerSpec) -> dict[str, str]:
+    """Megatron-LM tensor parallelism (Shoeybi et al. 2019, Fig. 3) as FQN pattern -> style.
+
+    Styles: ``colwise`` / ``rowwise`` linears (one all-reduce after each rowwise linear in forward,
+    one before each colwise group in backward); ``vocab_embedding`` (embedding sharded over the
+    vocabulary); ``vocab_head`` (output projection sharded over the vocabulary); ``norm`` (replicated,
+    or sequence-parallel when the plan turns sequence parallelism on, Korthikanti et al. 2022);
+    ``region`` marks a module whose input is all-gathered over the sequence under sequence parallelism.
+    """
+    plan = {"embed.tok": "vocab_embedding", "head.norm": "norm", "head.proj": "vocab_head"}
+    attn_in = ("wq", "wk", "wv")
+    mlp_in, mlp_out = (("w1", "w3"), "w2") if spec.family == "llama" else (("fc1",), "fc2")
+    plan.update({"layers.*.attn_norm": "norm", "layers.*.mlp_norm": "norm", "layers.*.attn": "region",
+                 "layers.*.mlp": "region", "layers.*.attn.wo": "rowwise", f"layers.*.mlp.{mlp_out}": "rowwise"})
+    plan.update({f"layers.*.attn.{n}": "colwise" for n in attn_in})
+    plan.update({f"layers.*.mlp.{n}": "colwise" for n in mlp_in})
+    return plan
+
+
+def transformer_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy. logits: (b, s, V), targets: (b, s)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def transformer_batch(spec: TransformerSpec, batch: int, generator: torch.Generator,
+                      seq_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens (b, s) and next-token targets (b, s), for profiling and smoke tests."""
+    s = seq_length or spec.seq_length
+    tokens = torch.randint(0, spec.vocab_size, (batch, s + 1), generator=generator)
+    if spec.family == "bert":  # masked-LM style: corrupt every 7th token, predict the originals
+        inputs = tokens[:, :s].clone()
+        inputs[:, ::7] = 0
+        return inputs, tokens[:, :s]
+    return tokens[:, :s], tokens[:, 1:]

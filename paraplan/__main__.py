@@ -1,0 +1,3 @@
+from paraplan.cli import main
+
+raise SystemExit(main())

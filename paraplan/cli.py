@@ -1,0 +1,206 @@
+"""The ``paraplan`` command line: one entry point, one sub-command per job (DESIGN.md, CLI).
+
+Sub-command handlers live in :mod:`paraplan.commands` and are imported only when used, so
+``paraplan hardware`` does not pay for importing torch. Every user error is one line on stderr and
+exit code 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from paraplan import __version__
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
+RECOMPUTE = ("none", "selective", "full")
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (not usage + error) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required,
+                   help="preset name, YAML spec, HF config.json or package.module:callable")
+    p.add_argument("--cluster", required=model_required, help="cluster name (paraplan hardware) or YAML file")
+    p.add_argument("--nodes", type=_positive_int, help="override the cluster's node count")
+    p.add_argument("--global-batch", type=_positive_int, required=batch_required, help="samples per iteration")
+    p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: the model's)")
+
+
+def _add_layout(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--dp", type=_positive_int, required=required, help="data-parallel degree")
+    p.add_argument("--tp", type=_positive_int, required=required, help="tensor-parallel degree")
+    p.add_argument("--pp", type=_positive_int, required=required, help="pipeline-parallel degree")
+    p.add_argument("--micro-batch", type=_positive_int, required=required, help="samples per micro-batch")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--virtual-stages", type=_positive_int, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs tp>1)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="training dtype (default bf16; fp32 on CPU)")
+    p.add_argument("--dp-mode", choices=("allreduce", "ps"), default="allreduce",
+                   help="gradient sync: ring all-reduce or parameter servers")
+    p.add_argument("--ps-servers", type=_positive_int, default=1, help="parameter servers (with --dp-mode ps)")
+    p.add_argument("--ps-staleness", type=int, default=0,
+                   help="asynchronous parameter server: staleness bound in steps (0 = synchronous)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="paraplan", description="Plan, predict and run distributed training.")
+    parser.add_argument("--version", action="version", version=f"paraplan {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+
+    p = sub.add_parser("models", help="list the model presets")
+    _add_common(p)
+
+    p = sub.add_parser("hardware", help="list the GPU, link and cluster specs")
+    _add_common(p)
+
+    p = sub.add_parser("profile", help="per-layer FLOPs, memory and time of a model")
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", choices=("meta", "cpu", "cuda"), default="meta")
+    p.add_argument("--micro-batch", type=_positive_int, default=1)
+    p.add_argument("--seq-len", type=_positive_int)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
+    p.add_argument("--tp", type=_positive_int, action="append", help="add the tensor-parallel view for degree T")
+    p.add_argument("--out", help="write the table as .csv, .json or .parquet")
+    p.add_argument("--save-measurements", metavar="NAME",
+                   help="save measured times under hardware_specs/measurements/NAME.json for the cost model")
+    _add_common(p)
+
+    p = sub.add_parser("simulate", help="predict one layout's iteration time, throughput and memory")
+    _add_workload(p)
+    _add_layout(p, required=True)
+    p.add_argument("--write-plan", metavar="PLAN.json", help="write the runnable plan")
+    p.add_argument("--gantt", metavar="FILE.png", help="draw the per-rank pipeline timeline")
+    p.add_argument("--event-sim", action="store_true", help="time the iteration with the event simulator")
+    _add_common(p)
+
+    p = sub.add_parser("plan", help="search for the fastest layout that fits, and report it")
+    _add_workload(p, model_required=False, batch_required=False)
+    p.add_argument("--gpus", type=_positive_int, help="GPUs to use (default: the whole cluster)")
+    p.add_argument("--out", help="report folder (default: reports/<model>-<cluster>-<gpus>)")
+    p.add_argument("--top", type=_positive_int, default=5, help="plans to list")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
+    p.add_argument("--train-tokens", type=float, help="tokens to train on: adds time-to-train and cost")
+    p.add_argument("--no-charts", action="store_true", help="skip the charts (faster)")
+    _add_common(p)
+
+    p = sub.add_parser("compare", help="several strategies and the optimum side by side")
+    _add_workload(p)
+    p.add_argument("--gpus", type=_positive_int)
+    p.add_argument("--strategy", action="append", default=[], metavar="S",
+                   help='e.g. "tp=8,pp=4,dp=2,zero=1" (repeatable)')
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
+    p.add_argument("--out", help="folder for the table and charts")
+    p.add_argument("--no-optimum", action="store_true", help="skip the search for the optimum")
+    _add_common(p)
+
+    p = sub.add_parser("execute", help="train a plan with torch.distributed")
+    p.add_argument("--plan", required=True, metavar="PLAN.json")
+    p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--out", help="folder for run.json")
+    p.add_argument("--nnodes", type=_positive_int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous (instead of master addr/port)")
+    p.add_argument("--timeout", type=_non_negative_float, default=300.0,
+                   help="seconds a rank may hang before the job is ended")
+    _add_common(p)
+
+    p = sub.add_parser("calibrate", help="measure this machine (or, under torchrun, the cluster)")
+    p.add_argument("--cluster", default="local")
+    p.add_argument("--out", help="spec file to write (default: hardware_specs/measurements/<cluster>.yaml)")
+    p.add_argument("--ranks", type=_positive_int, default=2, help="processes for the collective measurements")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    _add_common(p)
+
+    p = sub.add_parser("validate", help="run layouts and compare measured with predicted")
+    _add_workload(p)
+    p.add_argument("--gpus", type=_positive_int, required=True)
+    p.add_argument("--strategy", action="append", default=[], metavar="S")
+    p.add_argument("--steps", type=_positive_int, default=4)
+    p.add_argument("--top", type=_positive_int, default=3, help="planner's top-k added to the layouts")
+    p.add_argument("--out", help="folder for the report")
+    p.add_argument("--update-spec", action="store_true", help="feed the measurements back into the cluster spec")
+    _add_common(p)
+    return parser
+
+
+def user_error_types() -> tuple[type[Exception], ...]:
+    """The exception types that mean "the input is wrong" (shown as one line, exit 2)."""
+    from paraplan.hardware_specs import HardwareSpecError
+    from paraplan.models import ModelSpecError
+
+    types: list[type[Exception]] = [ModelSpecError, HardwareSpecError]
+    for module, name in (("paraplan.profiler.errors", "ProfileError"), ("paraplan.planner.errors", "PlanError"),
+                         ("paraplan.executor.errors", "ExecutionError")):
+        try:
+            types.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    debug = getattr(args, "debug", False)
+    try:
+        handler = importlib.import_module(f"paraplan.commands.{args.command}")
+        return int(handler.run(args) or 0)
+    except KeyboardInterrupt:
+        sys.stderr.write("paraplan: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, user_error_types()):
+            sys.stderr.write(f"paraplan {args.command}: error: {e}\n")
+            return 2
+        if isinstance(e, MemoryError):
+            sys.stderr.write(f"paraplan {args.command}: error: out of host memory\n")
+            return 2
+        sys.stderr.write(f"paraplan {args.command}: internal error: {type(e).__name__}: {e} "
+                         "(run again with --debug for the traceback, and report it)\n")
+        return 1

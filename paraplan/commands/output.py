@@ -1,0 +1,56 @@
+"""Shared terminal output: one JSON object on stdout, rich tables, one-line messages on stderr."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+# Off a terminal rich would wrap tables at 80 columns; reports and logs read better wider.
+stdout = Console(width=None if sys.stdout.isatty() else 160)
+stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: map them to null; tuples to lists; numpy scalars to Python."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str | bytes):
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            pass
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def to_json(obj: Any, indent: int | None = 2) -> str:
+    return json.dumps(_clean(obj), indent=indent, sort_keys=False)
+
+
+def print_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(to_json(obj) + "\n")
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_from: int = 1) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right" if i >= justify_right_from else "left")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    return t
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23 M'."""
+    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {suffix}{unit}"
+    return f"{n:.3g} {unit}".rstrip()

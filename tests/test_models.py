@@ -1,0 +1,227 @@
+"""Model zoo: published parameter counts, analytic counts, spec validation, HF configs, builders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from paraplan.models import (
+    PRESETS,
+    ModelSpecError,
+    block_names,
+    build_model,
+    count_parameters,
+    initialize,
+    load_model_spec,
+    loss_function,
+    sample_batch,
+    spec_from_mapping,
+    tp_plan,
+    tp_style,
+)
+
+# Published parameter counts (sources: HF model cards / released checkpoints; torchvision docs).
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616,    # Meta Llama-2-7b checkpoint
+    "llama2-70b": 68_976_648_192,  # Meta Llama-2-70b checkpoint
+    "gpt2": 124_439_808,           # HF gpt2 (tied LM head)
+    "resnet50": 25_557_032,        # torchvision.models.resnet50
+    "vgg16": 138_357_544,          # torchvision.models.vgg16
+    "llama3-8b": 8_030_261_248,    # Meta Llama-3-8B checkpoint
+    "bert-large": 335_174_458,     # HF bert-large-uncased as BertForMaskedLM (no pooler)
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_built_module_matches_published_count(name):
+    model = build_model(load_model_spec(name), "meta")
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_analytic_count_agrees_with_module(name):
+    spec = load_model_spec(name)
+    model = build_model(spec, "meta")
+    assert count_parameters(spec) == sum(p.numel() for p in model.parameters())
+
+
+def test_analytic_count_on_nonstandard_shapes():
+    for data in [dict(family="gpt", num_layers=3, hidden_size=96, num_attention_heads=6, vocab_size=77,
+                      seq_length=33, ffn_hidden_size=200, tied_embeddings=False),
+                 dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=2,
+                      vocab_size=100, seq_length=16, ffn_hidden_size=100, tied_embeddings=True),
+                 dict(family="resnet", depth=18, num_classes=10, image_size=64),
+                 dict(family="resnet", depth=101, num_classes=7),
+                 dict(family="vgg", depth=11, num_classes=5, image_size=64),
+                 dict(family="mlp", input_size=7, hidden_sizes=[5, 3], num_classes=2)]:
+        spec = spec_from_mapping(data, "test")
+        assert count_parameters(spec) == sum(p.numel() for p in build_model(spec, "meta").parameters())
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_tiny_transformers_train_on_cpu(name):
+    spec = load_model_spec(name)
+    model = build_model(spec, "cpu")
+    initialize(model, spec, seed=0)
+    x, y = sample_batch(spec, 2, torch.Generator().manual_seed(0))
+    assert x.shape == (2, spec.seq_length) and y.shape == (2, spec.seq_length)
+    logits = model(x)
+    assert logits.shape == (2, spec.seq_length, spec.vocab_size)  # (b, s, V)
+    loss = loss_function(spec)(logits, y)
+    # An untrained LM with small random weights predicts nearly uniformly: loss ~ ln(V).
+    assert abs(loss.item() - torch.log(torch.tensor(float(spec.vocab_size))).item()) < 0.5
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_small_cnns_and_mlp_run_on_cpu():
+    for data in [dict(family="resnet", depth=18, num_classes=10, image_size=32),
+                 dict(family="vgg", depth=11, num_classes=10, image_size=32),
+                 dict(family="mlp", input_size=16, hidden_sizes=[32], num_classes=10)]:
+        spec = spec_from_mapping(data, "test")
+        x, y = sample_batch(spec, 2, torch.Generator().manual_seed(0))
+        out = build_model(spec, "cpu")(x)
+        assert out.shape == (2, 10)
+        loss_function(spec)(out, y).backward()
+
+
+def test_blocks_cover_every_parameter_once_and_prune_keeps_names():
+    spec = load_model_spec("gpt-tiny")
+    model = build_model(spec, "meta")
+    blocks = block_names(spec)
+    assert blocks == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    owned = [n for n, _ in model.named_parameters() if any(n.startswith(b + ".") for b in blocks)]
+    assert len(owned) == len(list(model.named_parameters()))
+    model.keep_only(["layers.2", "layers.3", "head"])
+    assert model.present_blocks() == ["layers.2", "layers.3", "head"]
+    # The tied LM head keeps its own weight when the embedding is cut away (Megatron's layout).
+    assert model.head.proj.weight.shape == (spec.vocab_size, spec.hidden_size)
+
+
+def test_cut_model_runs_stage_by_stage_like_the_whole():
+    spec = load_model_spec("llama-tiny")
+    torch.manual_seed(0)
+    whole = build_model(spec, "cpu")
+    first, second = build_model(spec, "cpu"), build_model(spec, "cpu")
+    first.load_state_dict(whole.state_dict())
+    second.load_state_dict(whole.state_dict())
+    first.keep_only(["embed", "layers.0"])
+    second.keep_only(["layers.1", "layers.2", "layers.3", "head"])
+    x, _ = sample_batch(spec, 2, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(second(first(x)), whole(x))
+
+
+def test_tp_plan_shards_every_layer_linear():
+    for name in ("gpt-tiny", "llama-tiny", "bert-large"):
+        spec = load_model_spec(name)
+        plan = tp_plan(spec)
+        model = build_model(spec, "meta")
+        for fqn, mod in model.named_modules():
+            if fqn.startswith("layers.") and isinstance(mod, torch.nn.Linear):
+                assert tp_style(plan, fqn) in ("colwise", "rowwise"), fqn
+        assert tp_style(plan, "head.proj") == "vocab_head"
+
+
+# ---- spec validation ----
+
+def _err(data) -> str:
+    with pytest.raises(ModelSpecError) as e:
+        spec_from_mapping(data, "my.yaml")
+    return str(e.value)
+
+
+BASE = dict(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=16)
+
+
+def test_spec_errors_name_source_and_field():
+    assert "heads" in _err({**BASE, "num_attention_heads": 5}) and "my.yaml" in _err({**BASE, "num_attention_heads": 5})
+    assert "num_kv_heads" in _err({**BASE, "num_kv_heads": 3})
+    assert "'hidden_size' must be positive" in _err({**BASE, "hidden_size": -64})
+    assert "absurdly large" in _err({**BASE, "num_layers": 10**7})
+    assert "whole number" in _err({**BASE, "num_layers": 2.5})
+    assert "whole number" in _err({**BASE, "num_layers": True})
+    assert "whole number" in _err({**BASE, "vocab_size": "100"})
+    assert "missing field 'seq_length'" in _err({k: v for k, v in BASE.items() if k != "seq_length"})
+    assert "unknown family" in _err({**BASE, "family": "gtp"}) and "'gpt'" in _err({**BASE, "family": "gtp"})
+    msg = _err({**BASE, "hiden_size": 64})
+    assert "unknown field 'hiden_size'" in msg and "hidden_size" in msg
+    assert "mapping" in _err([1, 2])
+    assert "depth" in _err(dict(family="resnet", depth=51))
+    assert "hidden_sizes" in _err(dict(family="mlp", input_size=4, hidden_sizes=[], num_classes=3))
+    assert "tied_embeddings" in _err({**BASE, "tied_embeddings": "yes"})
+
+
+def test_unknown_preset_suggests_nearest():
+    with pytest.raises(ModelSpecError) as e:
+        load_model_spec("llama2-7")
+    assert "llama2-7b" in str(e.value)
+
+
+def test_yaml_spec_file(write):
+    path = write("mine.yaml", "family: llama\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                              "num_kv_heads: 2\nffn_hidden_size: 128\nvocab_size: 50\nseq_length: 8\n")
+    spec = load_model_spec(path)
+    assert spec.name == "mine" and spec.kv_heads == 2 and not spec.tied
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("", "empty"),
+    (b"\x00\x01\x02binary", "binary"),
+    ("family: gpt\nnum_layers: [1,\n", "malformed YAML"),
+    ("!!python/object/apply:os.system ['echo pwned']\n", "refused YAML tag"),
+    ("- 1\n- 2\n", "mapping"),
+])
+def test_bad_spec_files_are_one_line_errors(write, content, fragment):
+    path = write("bad.yaml", content)
+    with pytest.raises(ModelSpecError) as e:
+        load_model_spec(path)
+    assert fragment in str(e.value) and "bad.yaml" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# ---- Hugging Face config.json ----
+
+HF_CONFIGS = {
+    # Excerpts of the published config.json files (extra keys are HF's and are ignored).
+    "gpt2": ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+              "n_positions": 1024, "n_ctx": 1024, "activation_function": "gelu_new", "n_inner": None},
+             124_439_808),
+    "llama": ({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+               "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
+               "max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-5},
+              6_738_415_616),
+    "bert": ({"model_type": "bert", "num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16,
+              "intermediate_size": 4096, "vocab_size": 30522, "max_position_embeddings": 512,
+              "type_vocab_size": 2}, 335_174_458),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HF_CONFIGS))
+def test_hf_config_loading(write, kind):
+    config, expected = HF_CONFIGS[kind]
+    path = write("config.json", json.dumps(config))
+    spec = load_model_spec(path)
+    assert count_parameters(spec) == expected
+
+
+def test_hf_config_unsupported_type(write):
+    path = write("config.json", json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    with pytest.raises(ModelSpecError, match="model_type 'mamba' is not supported"):
+        load_model_spec(path)
+
+
+def test_initialisation_depends_on_seed_and_name_only():
+    spec = load_model_spec("gpt-tiny")
+    whole = build_model(spec, "cpu")
+    initialize(whole, spec, seed=3)
+    last = build_model(spec, "cpu")
+    last.keep_only(["layers.3", "head"])
+    initialize(last, spec, seed=3)
+    # The cut-off head's own copy of the tied weight starts equal to the embedding it is tied to.
+    torch.testing.assert_close(last.head.proj.weight, whole.embed.tok.weight)
+    torch.testing.assert_close(last.layers["3"].attn.wq.weight, whole.layers["3"].attn.wq.weight)
+    other = build_model(spec, "cpu")
+    initialize(other, spec, seed=4)
+    assert not torch.equal(other.layers["3"].attn.wq.weight, whole.layers["3"].attn.wq.weight)
