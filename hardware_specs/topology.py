@@ -3,8 +3,8 @@
 Vertices: ``gpu{r}`` (global rank r, attributes ``node`` and ``local_rank``), ``fabric{n}`` (the
 node's NVSwitch / PCIe switch / shared memory), ``nic{n}.{i}`` and ``network``. Edges carry
 ``bandwidth_GBps``, ``latency_us`` and ``kind``; each hop holds half its link's latency, so a route
-GPU-fabric-GPU costs one intra-node latency and GPU-...-network-...-GPU adds one network latency. Later parts ask it which ranks share a node and what
-link a group's traffic crosses.
+GPU-fabric-GPU costs one intra-node latency and GPU-...-network-...-GPU adds one network latency.
+Later parts ask it which ranks share a node and what link a group's traffic crosses.
 """
 
 from __future__ import annotations

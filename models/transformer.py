@@ -9,12 +9,40 @@ independent of the layout (modern LLM pre-training uses none either).
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .specs import TransformerSpec
 from .staged import StagedModel
+
+_UNFUSED_ATTENTION: ContextVar[bool] = ContextVar("unfused_attention", default=False)
+
+
+@contextlib.contextmanager
+def unfused_attention():
+    """Run attention as explicit matmul-softmax-matmul in the model's dtype (what Megatron's unfused
+    kernels do and Korthikanti et al. 2022 analyse), instead of torch's fused SDPA. The profiler
+    traces under this on the meta device, where SDPA would take a CPU math path that upcasts to fp32."""
+    token = _UNFUSED_ATTENTION.set(True)
+    try:
+        yield
+    finally:
+        _UNFUSED_ATTENTION.reset(token)
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v.  q, k, v: (b, a, s, d) -> (b, a, s, d)."""
+    if not _UNFUSED_ATTENTION.get():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    s = q.shape[2]
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (b, a, s, s)
+    if causal:  # an additive mask: autograd keeps nothing for it (Megatron's fused scale-mask-softmax)
+        scores = scores + torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +81,7 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each K/V head among a group
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (b, a_local, s, d)
+        y = _attention_core(q, k, v, self.causal)  # (b, a_local, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
 
 

@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
     p.add_argument("--tp", type=_positive_int, action="append", help="add the tensor-parallel view for degree T")
     p.add_argument("--out", help="write the table as .csv, .json or .parquet")
-    p.add_argument("--save-measurements", metavar="NAME",
-                   help="save measured times under hardware_specs/measurements/NAME.json for the cost model")
+    p.add_argument("--save-measurements", metavar="GPU",
+                   help="save the measured times as GPU spec GPU's (e.g. cpu, h200-141gb) under "
+                        "hardware_specs/measurements/, where the cost model finds them")
     _add_common(p)
 
     p = sub.add_parser("simulate", help="predict one layout's iteration time, throughput and memory")

@@ -1,0 +1,121 @@
+"""What the profiler produces: per-block records and the ModelProfile the planner consumes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Collective:
+    """One tensor-parallel collective a block issues per micro-batch: ``op`` over the tp group."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter
+    phase: str  # fwd | bwd
+    bytes: int  # size of the full (unsharded) tensor the collective produces or reduces
+    what: str = ""
+
+
+@dataclass
+class TPView:
+    """One block on one rank of a ``tp``-way tensor-parallel group (without / with sequence parallelism)."""
+
+    tp: int
+    fwd_flops: int
+    bwd_flops: int
+    param_bytes: int
+    activation_bytes: int  # saved for backward on one rank, without sequence parallelism
+    activation_bytes_sp: int  # the same with sequence parallelism (replicated parts split over the sequence)
+    collectives: list[Collective]
+    collectives_sp: list[Collective]
+
+
+@dataclass
+class OpMix:
+    """The kernels of one pass of a block, as the cost model needs them.
+
+    ``gemm_flops`` lists each matmul-like kernel's FLOPs (its efficiency depends on its size);
+    ``other_bytes`` is the memory traffic of everything else (elementwise, norms, softmax);
+    ``kernels`` counts kernels that really run (views are free). ``*_sharded`` are the parts a
+    tensor-parallel rank splits over its group.
+    """
+
+    gemm_flops: list[int] = field(default_factory=list)
+    gemm_sharded: list[bool] = field(default_factory=list)
+    other_bytes: int = 0
+    other_bytes_sharded: int = 0
+    kernels: int = 0
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    kind: str
+    params: int
+    param_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    activation_bytes: int
+    output_bytes: int
+    input_bytes: int
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None
+    peak_memory_bytes: int | None = None
+    signature: str = ""
+    tied_params: int = 0  # parameters shared with an earlier block (a tied LM head's weight)
+    fwd_ops: OpMix = field(default_factory=OpMix)
+    bwd_ops: OpMix = field(default_factory=OpMix)
+    tp_views: dict[int, TPView] = field(default_factory=dict)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The keys of the ``profile --json`` contract, plus a few more."""
+        return {"name": self.name, "kind": self.kind, "params": self.params, "param_bytes": self.param_bytes,
+                "fwd_flops": self.fwd_flops, "bwd_flops": self.bwd_flops, "activation_bytes": self.activation_bytes,
+                "output_bytes": self.output_bytes, "fwd_ms": self.fwd_ms, "bwd_ms": self.bwd_ms,
+                "peak_memory_bytes": self.peak_memory_bytes}
+
+
+@dataclass
+class ModelProfile:
+    model: str
+    family: str
+    spec: dict[str, Any]
+    micro_batch: int
+    seq_length: int | None
+    dtype: str
+    device: str
+    device_name: str
+    num_parameters: int
+    vocab_size: int | None
+    layers: list[LayerProfile]
+
+    @property
+    def total_fwd_flops(self) -> int:
+        return sum(x.fwd_flops for x in self.layers)
+
+    @property
+    def total_bwd_flops(self) -> int:
+        return sum(x.bwd_flops for x in self.layers)
+
+    def to_json_dict(self, full: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model, "family": self.family, "micro_batch": self.micro_batch,
+            "seq_length": self.seq_length, "dtype": self.dtype, "device": self.device,
+            "device_name": self.device_name, "num_parameters": self.num_parameters, "vocab_size": self.vocab_size,
+            "total_fwd_flops": self.total_fwd_flops, "total_bwd_flops": self.total_bwd_flops,
+            "layers": [x.public_dict() for x in self.layers],
+        }
+        tps = sorted({t for x in self.layers for t in x.tp_views})
+        if tps:
+            out["tensor_parallel"] = {str(t): [dict(name=x.name, **_view_dict(x.tp_views[t])) for x in self.layers]
+                                      for t in tps}
+        if full:
+            out["layers_full"] = [dataclasses.asdict(x) for x in self.layers]
+        return out
+
+
+def _view_dict(v: TPView) -> dict[str, Any]:
+    d = dataclasses.asdict(v)
+    d.pop("tp")
+    return d

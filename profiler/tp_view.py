@@ -1,0 +1,56 @@
+"""A block as one rank of a tensor-parallel group sees it: per-rank FLOPs, bytes and collectives.
+
+Rules (Megatron-LM, Shoeybi et al. 2019 Sec. 3; sequence parallelism, Korthikanti et al. 2022 Sec. 4.2):
+- FLOPs and saved activations produced inside TP-sharded modules are divided by t; the rest is
+  replicated — or, with sequence parallelism, divided by t over the sequence too.
+- A ``region`` (attention, MLP) all-reduces its output in forward (the ``g`` operator) and its input
+  gradient in backward (the ``f`` operator); with sequence parallelism each all-reduce becomes an
+  all-gather before the region plus a reduce-scatter after it, in both passes.
+- A vocabulary-parallel embedding all-reduces (SP: reduce-scatters) its output in forward.
+- A vocabulary-parallel output layer with its parallel cross-entropy all-reduces three fp32 numbers
+  per token in forward (max, sum of exponentials, target logit) and its input gradient in backward.
+Collective sizes are those of the full tensor; the cost model turns them into time per algorithm.
+"""
+
+from __future__ import annotations
+
+from .records import Collective, TPView
+
+FP32 = 4
+
+
+def region_collectives(style: str, in_bytes: int, out_bytes: int, tokens: int, sp: bool) -> list[Collective]:
+    if style == "region":
+        if sp:
+            return [Collective("all_gather", "fwd", in_bytes, "region input"),
+                    Collective("reduce_scatter", "fwd", out_bytes, "region output"),
+                    Collective("all_gather", "bwd", out_bytes, "output grad"),
+                    Collective("reduce_scatter", "bwd", in_bytes, "input grad")]
+        return [Collective("all_reduce", "fwd", out_bytes, "region output"),
+                Collective("all_reduce", "bwd", in_bytes, "input grad")]
+    if style == "vocab_embedding":
+        return [Collective("reduce_scatter" if sp else "all_reduce", "fwd", out_bytes, "embedding output")]
+    if style in ("vocab_head", "class_sharded"):
+        out = [Collective("all_reduce", "fwd", 3 * FP32 * tokens, "parallel cross-entropy"),
+               Collective("all_reduce", "bwd", in_bytes, "input grad")]
+        if sp:
+            out = [Collective("all_gather", "fwd", in_bytes, "head input"), out[0],
+                   Collective("reduce_scatter", "bwd", in_bytes, "input grad")]
+        return out
+    return []
+
+
+def tp_view(t: int, *, fwd_flops: int, bwd_flops: int, gemm_flops: list[int], gemm_sharded: list[bool],
+            param_bytes: int, param_bytes_sharded: int, saved_bytes: int, saved_bytes_sharded: int,
+            region_io: list[tuple[str, int, int, int]]) -> TPView:
+    total = sum(gemm_flops)
+    sharded = sum(f for f, s in zip(gemm_flops, gemm_sharded, strict=True) if s)
+    ratio = ((sharded / t + (total - sharded)) / total) if total else 1.0
+    replicated_saved = saved_bytes - saved_bytes_sharded
+    colls = [c for style, i, o, tok in region_io for c in region_collectives(style, i, o, tok, sp=False)]
+    colls_sp = [c for style, i, o, tok in region_io for c in region_collectives(style, i, o, tok, sp=True)]
+    return TPView(tp=t, fwd_flops=round(fwd_flops * ratio), bwd_flops=round(bwd_flops * ratio),
+                  param_bytes=round(param_bytes_sharded / t + param_bytes - param_bytes_sharded),
+                  activation_bytes=round(saved_bytes_sharded / t + replicated_saved),
+                  activation_bytes_sp=round(saved_bytes / t),
+                  collectives=colls if t > 1 else [], collectives_sp=colls_sp if t > 1 else [])

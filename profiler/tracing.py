@@ -1,0 +1,173 @@
+"""Trace one block on the meta device: FLOPs, kernels, memory traffic and saved activations.
+
+FLOPs come from torch's own counter (``torch.utils.flop_counter``): totals from
+``FlopCounterMode`` and, per kernel, the same ``flop_registry`` formulas. Saved activations come
+from autograd's saved-tensor hooks, deduplicated by storage, parameters excluded. Every tensor an
+op produces is tagged with whether it came from a tensor-parallel-sharded module (the nearest
+enclosing module with a TP style in the model's plan), which is how the tensor-parallel view splits
+FLOPs and saved bytes per rank (Korthikanti et al. 2022, Sec. 4.1: the parts inside the TP regions
+are divided by t, the rest is replicated unless sequence parallelism splits it too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from paraplan.models import unfused_attention
+
+from .records import OpMix
+
+SHARDED_STYLES = {"colwise", "rowwise", "region", "vocab_head", "class_sharded"}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records each kernel's FLOPs (torch's formulas) or bytes moved, and who produced each tensor."""
+
+    def __init__(self, sharded_now: Callable[[], bool]):
+        super().__init__()
+        self.sharded_now = sharded_now
+        self.mix = OpMix()
+        self.producer_sharded: dict[int, bool] = {}
+        self.keep_alive: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "is_view", False) or func.overloadpacket in (torch.ops.aten.detach,):
+            return out
+        sharded = self.sharded_now()
+        outs = _tensors(out)
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)  # the formula FlopCounterMode uses
+            self.mix.gemm_flops.append(int(flops))
+            self.mix.gemm_sharded.append(sharded)
+        else:
+            moved = _nbytes(_tensors(args)) + _nbytes(outs)
+            self.mix.other_bytes += moved
+            if sharded:
+                self.mix.other_bytes_sharded += moved
+        self.mix.kernels += 1
+        for t in outs:
+            self.producer_sharded[_storage_key(t)] = sharded
+            self.keep_alive.append(t)
+        return out
+
+
+@dataclass
+class BlockTrace:
+    outputs: Any
+    fwd_flops: int
+    bwd_flops: int
+    fwd_ops: OpMix
+    bwd_ops: OpMix
+    saved_bytes: int
+    saved_bytes_sharded: int
+    input_bytes: int
+    output_bytes: int
+    region_io: list[tuple[str, int, int, int]] = field(default_factory=list)  # (style, in/out bytes, tokens)
+
+
+class _ModuleStack:
+    """Which TP style encloses the running code: hooks push/pop module names during forward."""
+
+    def __init__(self, block: nn.Module, block_fqn: str, style_of: Callable[[str], str | None]):
+        self.stack: list[str | None] = []
+        self.handles = []
+        self.region_io: list[tuple[str, int, int, int]] = []
+        for name, mod in block.named_modules():
+            fqn = f"{block_fqn}.{name}" if name else block_fqn
+            style = style_of(fqn)
+            self.handles.append(mod.register_forward_pre_hook(self._push(style)))
+            self.handles.append(mod.register_forward_hook(self._pop(style)))
+
+    def _push(self, style):
+        def hook(mod, args):
+            self.stack.append(style)
+        return hook
+
+    def _pop(self, style):
+        def hook(mod, args, out):
+            self.stack.pop()
+            if style in ("region", "vocab_embedding", "vocab_head", "class_sharded"):
+                ins = _tensors(args)
+                tokens = ins[0].numel() // max(ins[0].shape[-1], 1) if ins and ins[0].dim() > 1 else 0
+                self.region_io.append((style, _nbytes(ins), _nbytes(_tensors(out)), tokens))
+        return hook
+
+    def sharded(self) -> bool:
+        for style in reversed(self.stack):
+            if style is not None and style != "norm":
+                return style in SHARDED_STYLES
+        return False
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Callable[[str], str | None],
+                loss_fn: Callable[[Any], torch.Tensor] | None = None) -> BlockTrace:
+    """Run ``block(*inputs)`` forward and backward on the meta device and account for everything.
+
+    ``loss_fn`` turns the block's output into the scalar whose backward is traced (the model's loss
+    for the last block); otherwise the backward starts from a gradient of ones on the outputs.
+    """
+    params = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
+    stack = _ModuleStack(block, block_fqn, style_of)
+    recorder = _OpRecorder(stack.sharded)
+    saved: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in params and key not in saved:
+            saved[key] = (t.untyped_storage().nbytes(), recorder.producer_sharded.get(key, False))
+        return t
+
+    try:
+        with FlopCounterMode(display=False) as counter, unfused_attention():
+            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outputs = block(*inputs)
+                # A vocabulary- or class-sharded head computes its loss shard by shard (Megatron's
+                # parallel cross-entropy): what the loss saves is sharded like the logits.
+                head_styles = [r[0] for r in stack.region_io if r[0] in ("vocab_head", "class_sharded")]
+                stack.stack.append(head_styles[-1] if head_styles else None)
+                root = loss_fn(outputs) if loss_fn is not None else None
+                stack.stack.pop()
+            fwd_flops = counter.get_total_flops()
+            fwd_mix = recorder.mix
+            recorder.mix = OpMix()
+            with recorder:
+                if root is not None:
+                    root.backward()
+                else:
+                    outs = [t for t in _tensors(outputs) if t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            bwd_flops = counter.get_total_flops() - fwd_flops
+    finally:
+        stack.remove()
+    return BlockTrace(
+        outputs=outputs, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_ops=fwd_mix, bwd_ops=recorder.mix,
+        saved_bytes=sum(b for b, _ in saved.values()), saved_bytes_sharded=sum(b for b, s in saved.values() if s),
+        input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io)
