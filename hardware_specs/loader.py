@@ -116,10 +116,13 @@ def gpu_from_mapping(data: Any, where: str) -> GPUSpec:
 
 
 def link_from_mapping(data: Any, where: str, default_name: str) -> LinkSpec:
-    data = _check_keys(where, data, {"bandwidth_GBps", "latency_us"}, {"name", "kind"})
+    data = _check_keys(where, data, {"bandwidth_GBps", "latency_us"}, {"name", "kind", "efficiency"})
+    eff = _number(where, "efficiency", data.get("efficiency", 1.0))
+    if eff > 1:
+        raise HardwareSpecError(f"{where}: 'efficiency' {eff} exceeds 1")
     return LinkSpec(name=str(data.get("name", default_name)), kind=str(data.get("kind", "custom")),
                     bandwidth_GBps=_number(where, "bandwidth_GBps", data["bandwidth_GBps"]),
-                    latency_us=_number(where, "latency_us", data["latency_us"], allow_zero=True))
+                    latency_us=_number(where, "latency_us", data["latency_us"], allow_zero=True), efficiency=eff)
 
 
 @lru_cache(maxsize=64)
@@ -152,8 +155,8 @@ def cluster_from_mapping(data: Any, where: str) -> ClusterSpec:
     nics = _integer(where, "nics_per_node", data.get("nics_per_node", 1), 64)
     inter = _link_field(where, "inter_node", data["inter_node"])
     if isinstance(data["inter_node"], str):  # a named link spec is one port: the node has nics_per_node of them
-        inter = LinkSpec(name=f"{nics}x {inter.name}", kind=inter.kind,
-                         bandwidth_GBps=inter.bandwidth_GBps * nics, latency_us=inter.latency_us)
+        inter = LinkSpec(name=f"{nics}x {inter.name}", kind=inter.kind, bandwidth_GBps=inter.bandwidth_GBps * nics,
+                         latency_us=inter.latency_us, efficiency=inter.efficiency)
     cost = data.get("cost_per_gpu_hour_usd")
     return ClusterSpec(
         name=str(data["name"]), gpu=_gpu_field(where, data["gpu"]),

@@ -72,10 +72,12 @@ class LinkSpec:
     kind: str
     bandwidth_GBps: float
     latency_us: float
+    efficiency: float = 1.0  # fraction of bandwidth_GBps that collectives reach (NCCL bus bandwidth / link rate)
 
     @property
     def bandwidth_Bps(self) -> float:
-        return self.bandwidth_GBps * 1e9
+        """Achieved bytes per second (the link rate times its collective efficiency)."""
+        return self.bandwidth_GBps * 1e9 * self.efficiency
 
     @property
     def latency_s(self) -> float:

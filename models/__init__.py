@@ -20,12 +20,12 @@ from .registry import (
 )
 from .specs import FAMILIES, MLPSpec, ModelSpec, ResNetSpec, TransformerSpec, VGGSpec, spec_from_mapping
 from .staged import StagedModel
-from .transformer import unfused_attention
+from .transformer import in_attention_core, unfused_attention
 
 __all__ = [
     "CallableSpec", "CustomModel", "FAMILIES", "MLPSpec", "ModelSpec", "ModelSpecError", "PRESETS", "ResNetSpec",
     "StagedModel", "TransformerSpec", "VGGSpec", "block_names", "build_model", "count_parameters",
     "initialize", "parameter_generator", "tied_aliases",
     "load_callable_model", "load_model_spec", "loss_function", "parse_data_file", "reference_init", "sample_batch",
-    "spec_from_mapping", "tokens_per_sample", "tp_plan", "tp_style", "unfused_attention",
+    "spec_from_mapping", "tokens_per_sample", "tp_plan", "tp_style", "unfused_attention", "in_attention_core",
 ]

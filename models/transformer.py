@@ -20,6 +20,12 @@ from .specs import TransformerSpec
 from .staged import StagedModel
 
 _UNFUSED_ATTENTION: ContextVar[bool] = ContextVar("unfused_attention", default=False)
+_IN_ATTENTION_CORE: ContextVar[bool] = ContextVar("in_attention_core", default=False)
+
+
+def in_attention_core() -> bool:
+    """True while softmax(QK^T)V runs: the part selective recomputation recomputes (the profiler asks)."""
+    return _IN_ATTENTION_CORE.get()
 
 
 @contextlib.contextmanager
@@ -36,6 +42,14 @@ def unfused_attention():
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v.  q, k, v: (b, a, s, d) -> (b, a, s, d)."""
+    token = _IN_ATTENTION_CORE.set(True)
+    try:
+        return _attention_math(q, k, v, causal)
+    finally:
+        _IN_ATTENTION_CORE.reset(token)
+
+
+def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     if not _UNFUSED_ATTENTION.get():
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     s = q.shape[2]

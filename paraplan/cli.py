@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="predict one layout's iteration time, throughput and memory")
     _add_workload(p)
     _add_layout(p, required=True)
+    p.add_argument("--gpus", type=_positive_int, help="GPUs the layout must use (checks dp x tp x pp)")
     p.add_argument("--write-plan", metavar="PLAN.json", help="write the runnable plan")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the per-rank pipeline timeline")
     p.add_argument("--event-sim", action="store_true", help="time the iteration with the event simulator")

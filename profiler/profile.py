@@ -22,6 +22,7 @@ from paraplan.models import (
     CallableSpec,
     ModelSpec,
     ModelSpecError,
+    TransformerSpec,
     build_model,
     load_callable_model,
     load_model_spec,
@@ -33,6 +34,7 @@ from paraplan.models import (
     tp_style,
 )
 
+from . import cache
 from .errors import ProfileError
 from .records import LayerProfile, ModelProfile
 from .timing import time_block
@@ -186,7 +188,9 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
         name=name, kind=work.kinds.get(name, type(block).__name__), params=params, param_bytes=pbytes,
         fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, activation_bytes=trace.saved_bytes,
         output_bytes=trace.output_bytes, input_bytes=trace.input_bytes, signature=_signature(block, inputs),
-        tied_params=tied, fwd_ops=trace.fwd_ops, bwd_ops=trace.bwd_ops)
+        tied_params=tied, fwd_ops=trace.fwd_ops, bwd_ops=trace.bwd_ops, param_bytes_sharded=psharded,
+        activation_bytes_sharded=trace.saved_bytes_sharded, activation_bytes_selective=trace.saved_bytes_selective,
+        activation_bytes_selective_sharded=trace.saved_bytes_selective_sharded, region_io=trace.region_io)
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,
@@ -198,8 +202,42 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
 def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int = 1, seq_length: int | None = None,
                   dtype: str | None = None, tp_degrees: list[int] | None = None, warmup: int = 2,
                   repeats: int = 5) -> ModelProfile:
-    """Profile ``model`` at ``micro_batch`` samples (and ``seq_length`` tokens each, for language models)."""
+    """Profile ``model`` at ``micro_batch`` samples (and ``seq_length`` tokens each, for language models).
+
+    A transformer's layers are identical, so a two-layer copy of the model is traced (and timed) and
+    its second layer's record stands for every layer: a 126-layer model costs what a 2-layer one does.
+    """
     spec = load_model_spec(model) if isinstance(model, str) else model
+    key = None
+    if device == "meta" and not isinstance(spec, CallableSpec):
+        key = cache.cache_key(spec.to_dict(), micro_batch, seq_length, dtype or default_dtype(device),
+                              sorted(set(tp_degrees or [])))
+        hit = cache.load(key)
+        if hit is not None:
+            return hit
+    if isinstance(spec, TransformerSpec) and spec.num_layers > 2:
+        short = profile_model(spec.replace(num_layers=2), device, micro_batch, seq_length, dtype, tp_degrees,
+                              warmup, repeats)
+        embed, _, layer, head = short.layers
+        layers = [embed]
+        for i in range(spec.num_layers):
+            copy_ = copy.deepcopy(layer)
+            copy_.name = f"layers.{i}"
+            layers.append(copy_)
+        layers.append(head)
+        short.layers = layers
+        short.num_parameters += (spec.num_layers - 2) * layer.params
+        short.model, short.spec = spec.name, spec.replace(seq_length=short.seq_length).to_dict()
+        result = short
+    else:
+        result = _profile_model(spec, device, micro_batch, seq_length, dtype, tp_degrees, warmup, repeats)
+    if key is not None:
+        cache.store(key, result)
+    return result
+
+
+def _profile_model(spec: ModelSpec, device: str, micro_batch: int, seq_length: int | None, dtype: str | None,
+                   tp_degrees: list[int] | None, warmup: int, repeats: int) -> ModelProfile:
     if micro_batch <= 0 or micro_batch > MAX_MICRO_BATCH:
         raise ProfileError(f"--micro-batch {micro_batch} is out of range (1..{MAX_MICRO_BATCH})")
     if seq_length is not None:

@@ -43,9 +43,14 @@ class OpMix:
 
     gemm_flops: list[int] = field(default_factory=list)
     gemm_sharded: list[bool] = field(default_factory=list)
+    gemm_core: list[bool] = field(default_factory=list)  # inside softmax(QK^T)V (selective recompute)
     other_bytes: int = 0
     other_bytes_sharded: int = 0
+    other_bytes_core: int = 0
     kernels: int = 0
+    kernels_core: int = 0
+    core_scores_bytes: int = 0  # the attention score matrix (b, a, s, s): what a fused softmax reads and writes
+    core_output_bytes: int = 0  # the attention core's output (b, a, s, d): what a fused (flash) kernel saves
 
 
 @dataclass
@@ -64,6 +69,11 @@ class LayerProfile:
     peak_memory_bytes: int | None = None
     signature: str = ""
     tied_params: int = 0  # parameters shared with an earlier block (a tied LM head's weight)
+    param_bytes_sharded: int = 0  # what a tensor-parallel rank splits over its group
+    activation_bytes_sharded: int = 0
+    activation_bytes_selective: int = 0  # saved when the attention core is recomputed (Korthikanti Sec. 5)
+    activation_bytes_selective_sharded: int = 0
+    region_io: list[tuple[str, int, int, int]] = field(default_factory=list)
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

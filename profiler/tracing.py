@@ -21,11 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from paraplan.models import unfused_attention
+from paraplan.models import in_attention_core, unfused_attention
 
 from .records import OpMix
 
-SHARDED_STYLES = {"colwise", "rowwise", "region", "vocab_head", "class_sharded"}
+SHARDED_STYLES = {"colwise", "rowwise", "region", "vocab_head", "vocab_embedding", "class_sharded"}
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -47,7 +47,8 @@ class _OpRecorder(TorchDispatchMode):
         super().__init__()
         self.sharded_now = sharded_now
         self.mix = OpMix()
-        self.producer_sharded: dict[int, bool] = {}
+        self.producer: dict[int, tuple[bool, bool]] = {}  # storage -> (sharded, produced in attention core)
+        self.core_inputs: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, sharded) fed into the core
         self.keep_alive: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -55,21 +56,31 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if getattr(func, "is_view", False) or func.overloadpacket in (torch.ops.aten.detach,):
             return out
-        sharded = self.sharded_now()
-        outs = _tensors(out)
+        sharded, core = self.sharded_now(), in_attention_core()
+        outs, ins = _tensors(out), _tensors(args)
         packet = func.overloadpacket
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)  # the formula FlopCounterMode uses
             self.mix.gemm_flops.append(int(flops))
             self.mix.gemm_sharded.append(sharded)
+            self.mix.gemm_core.append(core)
+            if core:
+                self.mix.core_scores_bytes = max(self.mix.core_scores_bytes, _nbytes(outs))
+                self.mix.core_output_bytes = _nbytes(outs)  # the last core GEMM's output is the core's
         else:
-            moved = _nbytes(_tensors(args)) + _nbytes(outs)
+            moved = _nbytes(ins) + _nbytes(outs)
             self.mix.other_bytes += moved
-            if sharded:
-                self.mix.other_bytes_sharded += moved
+            self.mix.other_bytes_sharded += moved if sharded else 0
+            self.mix.other_bytes_core += moved if core else 0
         self.mix.kernels += 1
+        self.mix.kernels_core += int(core)
+        if core:
+            for t in ins:
+                key = _storage_key(t)
+                if not self.producer.get(key, (False, False))[1]:
+                    self.core_inputs[key] = (t.untyped_storage().nbytes(), self.producer.get(key, (sharded, False))[0])
         for t in outs:
-            self.producer_sharded[_storage_key(t)] = sharded
+            self.producer[_storage_key(t)] = (sharded, core)
             self.keep_alive.append(t)
         return out
 
@@ -83,6 +94,8 @@ class BlockTrace:
     bwd_ops: OpMix
     saved_bytes: int
     saved_bytes_sharded: int
+    saved_bytes_selective: int
+    saved_bytes_selective_sharded: int
     input_bytes: int
     output_bytes: int
     region_io: list[tuple[str, int, int, int]] = field(default_factory=list)  # (style, in/out bytes, tokens)
@@ -136,12 +149,12 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     params = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
     stack = _ModuleStack(block, block_fqn, style_of)
     recorder = _OpRecorder(stack.sharded)
-    saved: dict[int, tuple[int, bool]] = {}
+    saved: dict[int, tuple[int, bool, bool]] = {}  # storage -> (bytes, sharded, produced in attention core)
 
     def pack(t: torch.Tensor):
         key = _storage_key(t)
         if key not in params and key not in saved:
-            saved[key] = (t.untyped_storage().nbytes(), recorder.producer_sharded.get(key, False))
+            saved[key] = (t.untyped_storage().nbytes(), *recorder.producer.get(key, (False, False)))
         return t
 
     try:
@@ -167,7 +180,13 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
             bwd_flops = counter.get_total_flops() - fwd_flops
     finally:
         stack.remove()
+    # Selective recomputation (Korthikanti et al. 2022, Sec. 5) drops what the attention core saved and
+    # keeps the core's inputs (Q, K, V) instead, where nothing else already saves them.
+    kept = [(b, s) for b, s, core in saved.values() if not core]
+    kept += [(b, s) for key, (b, s) in recorder.core_inputs.items() if key not in saved and key not in params]
     return BlockTrace(
         outputs=outputs, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_ops=fwd_mix, bwd_ops=recorder.mix,
-        saved_bytes=sum(b for b, _ in saved.values()), saved_bytes_sharded=sum(b for b, s in saved.values() if s),
+        saved_bytes=sum(b for b, _, _ in saved.values()),
+        saved_bytes_sharded=sum(b for b, s, _ in saved.values() if s),
+        saved_bytes_selective=sum(b for b, _ in kept), saved_bytes_selective_sharded=sum(b for b, s in kept if s),
         input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io)

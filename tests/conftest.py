@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "paraplan"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Hermetic profile cache: shared by this test session (and its subprocesses), empty at its start.
+os.environ["PARAPLAN_CACHE"] = tempfile.mkdtemp(prefix="paraplan-test-cache-")
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,0 +1,65 @@
+"""``paraplan simulate``: one layout's predicted iteration time, throughput, memory and breakdown."""
+
+from __future__ import annotations
+
+import os
+
+from paraplan.planner.api import simulate
+from paraplan.planner.errors import PlanError
+
+from .common import layout_from_args, workload_from_args
+from .output import print_json, stderr, stdout, table
+
+
+def _check_out(path: str, flag: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise PlanError(f"{flag} {path}: folder {parent} does not exist")
+
+
+def prediction_rows(d: dict) -> list[list[str]]:
+    t, mem = d["time_s"], d["memory_gib"]
+    rows = [["iteration time", f"{d['iteration_time_s']:.4g} s"],
+            ["throughput", f"{d['tokens_per_s']:,.0f} tokens/s  ({d['samples_per_s']:.4g} samples/s)"],
+            ["TFLOP/s per GPU", f"model {d['model_tflops_per_gpu']:.1f}, hardware {d['hardware_tflops_per_gpu']:.1f}"],
+            ["MFU / HFU", f"{100 * d['mfu']:.1f}% / {100 * d['hfu']:.1f}%"],
+            ["memory per GPU", f"{d['peak_memory_gib']:.2f} GiB of {d['memory_capacity_gib']:g} "
+                               f"({'fits' if d['fits'] else 'DOES NOT FIT'})"],
+            ["  params / grads / optimizer", f"{mem['params']:.2f} / {mem['grads']:.2f} / {mem['optimizer']:.2f} GiB"],
+            ["  activations / other", f"{mem['activations']:.2f} / {mem['other']:.2f} GiB"]]
+    for k in ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer"):
+        share = 100 * t[k] / d["iteration_time_s"] if d["iteration_time_s"] else 0
+        rows.append([f"  time: {k.replace('_', ' ')}", f"{t[k]:.4g} s ({share:.1f}%)"])
+    return rows
+
+
+def run(args) -> int:
+    work = workload_from_args(args)
+    lay = layout_from_args(args, work)
+    if args.gpus is not None and lay.num_gpus != args.gpus:
+        raise PlanError(f"dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp} = {lay.num_gpus}, not the --gpus {args.gpus}")
+    if args.write_plan:
+        _check_out(args.write_plan, "--write-plan")
+    if args.gantt:
+        _check_out(args.gantt, "--gantt")
+    pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt))
+    if args.write_plan:
+        plan.write(args.write_plan)
+    if args.gantt:
+        from paraplan.planner.charts import gantt  # matplotlib is slow to import; only when drawing
+
+        gantt(pred, args.gantt)
+    out = {**plan.prediction, "plan": {k: v for k, v in plan.to_dict().items() if k != "prediction"}}
+    if args.json:
+        print_json(out)
+        return 0
+    title = (f"{work.spec.name} on {work.cluster.name} ({lay.num_gpus} GPUs, {work.cluster.gpu.name}): "
+             f"{lay.short()}, global batch {lay.global_batch}, {lay.num_micro_batches} micro-batches per replica")
+    stdout.print(table(title, ["", "predicted"], prediction_rows(out)))
+    for note in pred.notes:
+        stdout.print(f"note: {note}")
+    if args.write_plan:
+        stderr.print(f"plan written to {args.write_plan}")
+    if args.gantt:
+        stderr.print(f"timeline drawn to {args.gantt}")
+    return 0

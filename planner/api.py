@@ -1,0 +1,54 @@
+"""The planner's front door for one layout: validate it, cut the model into stages, price it.
+
+``simulate`` is what ``paraplan simulate`` and the executor's ``--plan`` predictions call; it returns
+the Prediction and the runnable Plan (DESIGN.md: one object from planner to simulator to executor).
+"""
+
+from __future__ import annotations
+
+from .costmodel import CostModel, Prediction, default_stages, validate_layout
+from .errors import PlanError
+from .layout import Layout
+from .plan import Plan
+from .workload import Workload
+
+# The event simulator walks every task of the iteration; beyond this many it would dominate the answer's
+# latency, and the closed forms (exact on uniform stages) take over.
+EVENT_SIM_MAX_TASKS = 400_000
+
+
+def plan_for(work: Workload, lay: Layout, stages: list[list[int]], prediction: Prediction | None = None,
+             stage_recompute: list[str] | None = None, seed: int = 0,
+             layer_strategies: dict | None = None) -> Plan:
+    names = [x.name for x in work.profile(lay.dtype).layers]
+    return Plan(model=work.model_ref, cluster=work.cluster_ref, layout=lay,
+                stages=[[names[i] for i in s] for s in stages], seed=seed, model_spec=work.spec.to_dict(),
+                seq_length=work.seq_length, nodes=work.cluster.nodes, stage_recompute=stage_recompute,
+                layer_strategies=layer_strategies or {}, attention=work.attention,
+                prediction=None if prediction is None else prediction.to_dict())
+
+
+def stage_indices(work: Workload, lay: Layout, plan_stages: list[list[str]]) -> list[list[int]]:
+    names = [x.name for x in work.profile(lay.dtype).layers]
+    index = {n: i for i, n in enumerate(names)}
+    try:
+        return [[index[n] for n in s] for s in plan_stages]
+    except KeyError as e:
+        raise PlanError(f"stage lists {e.args[0]!r}, which is not a block of {work.spec.name}") from None
+
+
+def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
+             stage_recompute: list[str] | None = None, event_sim: bool = True,
+             keep_timeline: bool = False) -> tuple[Prediction, Plan]:
+    """Price ``lay`` on ``work`` (balanced stages unless given) and return the prediction and the plan."""
+    model = CostModel(work)
+    validate_layout(model, lay)
+    stages = stages or default_stages(model, lay)
+    tasks = lay.num_stages * lay.num_micro_batches * 3
+    use_sim = (event_sim or keep_timeline) and tasks <= EVENT_SIM_MAX_TASKS
+    pred = model.evaluate(lay, stages, stage_recompute, simulate=use_sim, keep_timeline=keep_timeline)
+    plan = plan_for(work, lay, stages, pred, stage_recompute)
+    pred_dict = pred.to_dict()
+    pred_dict["plan"] = {k: v for k, v in plan.to_dict().items() if k != "prediction"}
+    plan.prediction = {k: v for k, v in pred_dict.items() if k != "plan"}
+    return pred, plan

@@ -1,0 +1,99 @@
+"""Time of one block's forward and backward on one GPU, from its kernels or from measurements.
+
+A block's pass is the sum of its kernels: each matmul-like kernel takes FLOPs / (peak x the GPU's
+achievable fraction for a GEMM of that size); every other kernel is bandwidth-bound and takes its
+bytes moved / (HBM bandwidth x achievable fraction); each kernel adds a fixed launch overhead (the
+roofline view, Williams et al. 2009, with measured efficiency curves as in calculon and llm-analysis).
+
+Backward kernels: every forward GEMM becomes two GEMMs of the same size (input gradient and weight
+gradient; for the attention core both operands are activations), so backward GEMM FLOPs are 2x forward,
+as torch's flop counter also finds. The weight-gradient half is what zero-bubble schedules defer (W).
+
+The attention core (softmax(QK^T)V) follows the attention kernel: ``flash`` (fused, what torch's SDPA
+runs on GPUs) moves no score matrix through memory; ``unfused`` is Megatron-LM's GPT as the 2021-2022
+papers ran it: a fused scale-mask-softmax between two batched GEMMs that reads and writes the score
+matrix once per pass, and dropout (p > 0) on the attention probabilities and on both residual branches,
+each reading and writing its tensor and writing a one-byte mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paraplan.hardware_specs import GPUSpec
+from paraplan.profiler import LayerProfile
+
+ATTENTION_KERNELS = ("flash", "unfused")
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds for one micro-batch through one block on one rank."""
+
+    fwd: float
+    bwd_input: float  # backward minus the weight-gradient GEMMs (the B of zero-bubble schedules)
+    bwd_weight: float  # weight-gradient GEMMs (the W)
+    core_fwd: float  # the attention core's forward (what selective recomputation repeats)
+
+    @property
+    def bwd(self) -> float:
+        return self.bwd_input + self.bwd_weight
+
+
+def _gemm(flops: float, gpu: GPUSpec, dtype: str) -> float:
+    if flops <= 0:
+        return 0.0
+    return flops / (gpu.peak_flops(dtype) * gpu.efficiency.matmul_fraction(flops, dtype))
+
+
+def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, sp: bool, gpu: GPUSpec, dtype: str,
+                        attention: str) -> PassTimes:
+    """Peak-and-efficiency estimate for a block profiled at one micro-batch, scaled to ``micro_batch_scale``.
+
+    Tensor parallelism divides the GEMMs and memory traffic of the sharded modules by ``tp``;
+    sequence parallelism divides the replicated rest (norms, residual adds) too.
+    """
+    mix, b = layer.fwd_ops, micro_batch_scale
+    gemm_all = gemm_core = 0.0
+    for flops, sharded, core in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, strict=True):
+        t = _gemm(flops * b / (tp if sharded else 1), gpu, dtype)
+        gemm_all += t
+        gemm_core += t if core else 0.0
+    hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    overhead = gpu.efficiency.op_overhead_us * 1e-6
+    if mix.other_bytes:  # the forward's split of memory traffic, applied to both passes
+        core_frac = mix.other_bytes_core / mix.other_bytes
+        sharded_frac = max(mix.other_bytes_sharded - mix.other_bytes_core, 0) / mix.other_bytes
+    else:
+        core_frac = sharded_frac = 0.0
+    replicated_frac = 1.0 - core_frac - sharded_frac
+
+    def traffic(total_bytes: int) -> float:
+        """Seconds of non-attention-core memory traffic of a pass, per rank."""
+        moved = total_bytes * b * (sharded_frac / tp + replicated_frac / (tp if sp else 1))
+        return moved / hbm
+
+    scores = mix.core_scores_bytes * b / tp if attention == "unfused" else 0.0
+    # Scale-mask-softmax reads and writes the scores (2), its backward reads output and gradient and
+    # writes the gradient (3); attention dropout reads, writes and writes a half-size mask (2.5 each way).
+    core_fwd_traffic = (2 + 2.5) * scores / hbm
+    core_bwd_traffic = (3 + 2.5) * scores / hbm
+    hidden_dropout = 0.0
+    if attention == "unfused" and layer.kind == "transformer_layer":  # two residual-branch dropouts
+        hidden_dropout = 2 * 2.5 * layer.input_bytes * b / (tp if sp else 1) / hbm
+    fwd = gemm_all + traffic(mix.other_bytes) + core_fwd_traffic + hidden_dropout + mix.kernels * overhead
+    bwd_weight = gemm_all - gemm_core  # one weight-gradient GEMM per linear GEMM
+    bwd_input = (gemm_all + gemm_core + traffic(layer.bwd_ops.other_bytes) + core_bwd_traffic + hidden_dropout
+                 + layer.bwd_ops.kernels * overhead)
+    return PassTimes(fwd=fwd, bwd_input=bwd_input, bwd_weight=bwd_weight, core_fwd=gemm_core + core_fwd_traffic)
+
+
+def measured_pass_times(fwd_ms: float, bwd_ms: float, estimate_tp1: PassTimes, estimate: PassTimes) -> PassTimes:
+    """Measured tp=1 times of a block, carried to this layout by the estimate's own ratios."""
+    f_scale = estimate.fwd / estimate_tp1.fwd if estimate_tp1.fwd else 1.0
+    b_scale = estimate.bwd / estimate_tp1.bwd if estimate_tp1.bwd else 1.0
+    bwd = bwd_ms * 1e-3 * b_scale
+    w_frac = estimate.bwd_weight / estimate.bwd if estimate.bwd else 0.0
+    core_frac = estimate.core_fwd / estimate.fwd if estimate.fwd else 0.0
+    fwd = fwd_ms * 1e-3 * f_scale
+    return PassTimes(fwd=fwd, bwd_input=bwd * (1 - w_frac), bwd_weight=bwd * w_frac, core_fwd=fwd * core_frac)

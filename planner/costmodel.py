@@ -1,0 +1,440 @@
+"""The cost model: one layout + stage boundaries -> iteration time, its breakdown, memory per GPU.
+
+Composition (each piece is its own module, each formula tested against its source):
+- per block and micro-batch: compute time (:mod:`compute`), tensor-parallel collectives (the
+  profiler's TP view, timed by :mod:`comm`), recomputation, saved activations (:mod:`memory`);
+- per pipeline stage: the sums, plus the point-to-point send of its boundary tensor (1/t of it per
+  rank: Megatron's scatter/gather optimisation, or the sequence-parallel shard);
+- the pipeline: closed forms for the search, or the event simulator (:mod:`simulator`);
+- data parallelism once per iteration (gradient accumulation: one sync, not one per micro-batch),
+  overlapped with the last backward where the schedule allows; ZeRO-3 gathers per micro-batch;
+  parameter servers; the optimizer step;
+- memory per rank: ZeRO's model states, activations x the schedule's in-flight micro-batches,
+  the framework allowance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paraplan.profiler.tp_view import region_collectives
+
+from . import comm
+from .compute import estimate_pass_times, measured_pass_times
+from .errors import InvalidLayout
+from .layout import Layout
+from .memory import FRAGMENTATION, GiB, framework_allowance, layer_activation_bytes, model_state_bytes
+from .placement import Placement, placement
+from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
+from .simulator import SimResult, simulate_pipeline
+from .workload import Workload
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+# Optimizer step traffic per parameter: Adam reads and writes fp32 master weights, momentum and variance
+# (24 B), reads the fp32 gradient (4 B; Megatron and FSDP accumulate gradients in fp32) and writes the
+# 16-bit weights (2 B); the gradient-norm clip reads the gradient again and zeroing writes it (8 B).
+ADAM_BYTES_PER_PARAM = 38
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block, one micro-batch, one rank of a layout."""
+
+    fwd: float
+    bwd_input: float
+    bwd_weight: float
+    recompute: float  # forward work repeated in backward
+    recompute_flops: float
+    tp_fwd: float
+    tp_bwd: float
+    act_bytes: float  # kept from forward to backward
+    act_working: float  # live while this block's backward runs under full recomputation
+    params: float  # parameters held by one rank (tensor-parallel shard)
+    output_bytes: float  # the boundary tensor a pipeline sends after this block (per rank)
+
+
+@dataclass
+class StageCost:
+    index: int
+    rank: int
+    blocks: list[int]
+    recompute: str
+    fwd: float = 0.0
+    bwd_input: float = 0.0
+    bwd_weight: float = 0.0
+    recompute_time: float = 0.0
+    tp_fwd: float = 0.0
+    tp_bwd: float = 0.0
+    p2p_fwd: float = 0.0
+    p2p_bwd: float = 0.0
+    act_bytes: float = 0.0
+    act_working: float = 0.0
+    params: float = 0.0
+
+    @property
+    def t_f(self) -> float:
+        return self.fwd + self.tp_fwd + self.p2p_fwd
+
+    @property
+    def t_b(self) -> float:
+        """Input-gradient part of the backward (with recomputation, TP collectives, the send)."""
+        return self.bwd_input + self.recompute_time + self.tp_bwd + self.p2p_bwd
+
+    @property
+    def t_w(self) -> float:
+        return self.bwd_weight
+
+    @property
+    def total(self) -> float:
+        return self.t_f + self.t_b + self.t_w
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    num_parameters: int
+    iteration_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    fits: bool
+    peak_memory_gib: float
+    memory_capacity_gib: float
+    memory_gib: dict[str, float]
+    time_s: dict[str, float]
+    bubble_fraction: float
+    stages: list[StageCost]
+    rank_memory_gib: list[float]
+    rank_finish_s: list[float]  # when each pipeline rank ends its last backward
+    rank_dp_exposed_s: list[float]  # the data-parallel sync each rank waits for after that
+    in_flight: list[dict[int, int]]
+    method: str
+    sim: SimResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def oom_by_gib(self) -> float:
+        return max(0.0, self.peak_memory_gib - self.memory_capacity_gib)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_parameters": self.num_parameters, "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu, "hfu": self.hfu, "fits": self.fits, "peak_memory_gib": self.peak_memory_gib,
+            "memory_capacity_gib": self.memory_capacity_gib, "memory_gib": self.memory_gib, "time_s": self.time_s,
+            "bubble_fraction": self.bubble_fraction, "num_gpus": self.layout.num_gpus,
+            "world_size": self.layout.world_size, "method": self.method,
+            "stages": [{"index": s.index, "rank": s.rank, "num_blocks": len(s.blocks), "recompute": s.recompute,
+                        "fwd_ms": s.t_f * 1e3, "bwd_ms": (s.t_b + s.t_w) * 1e3,
+                        "activations_per_micro_batch_gib": s.act_bytes / GiB, "params": s.params}
+                       for s in self.stages],
+            "rank_memory_gib": self.rank_memory_gib, "notes": self.notes,
+        }
+
+
+class CostModel:
+    """Prices layouts of one workload; caches per-block costs across calls (the search calls it a lot)."""
+
+    def __init__(self, work: Workload):
+        self.work = work
+        self._blocks: dict[tuple, BlockCost] = {}
+
+    # ---- per block ----
+    def block_cost(self, i: int, lay: Layout, place: Placement, recompute: str) -> BlockCost:
+        work = self.work
+        prof = work.profile(lay.dtype)
+        layer = prof.layers[i]
+        n = len(prof.layers)
+        mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
+        key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
+               place.tp, place.gpus_per_node_busy)
+        hit = self._blocks.get(key)
+        if hit is not None:
+            return hit
+        cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch, lay.tp, lay.sequence_parallel
+        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention)
+        measured = work.measurement(b, lay.dtype)
+        if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
+            m = measured["layers"][i]
+            base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention)
+            times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
+        colls = [c for style, ib, ob, tok in layer.region_io for c in region_collectives(style, ib, ob, tok, sp)] \
+            if t > 1 else []
+        busy = place.gpus_per_node_busy
+        tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "fwd")
+        tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "bwd")
+        sharded_ratio = (layer.param_bytes_sharded / t + layer.param_bytes - layer.param_bytes_sharded) / \
+            layer.param_bytes if layer.param_bytes else 1.0
+        if mode == "full":
+            recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
+            working = layer_activation_bytes(layer, b, t, sp, "none", work.attention)
+        elif mode == "selective":
+            core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
+            recompute_time, rflops, working = times.core_fwd, core_flops * b, 0.0
+        else:
+            recompute_time, rflops, working = 0.0, 0.0, 0.0
+        if work.overlap_tp:  # Megatron's async all-reduce of input gradients runs under the weight-gradient GEMMs
+            tp_bwd = max(0.0, tp_bwd - times.bwd_weight)
+        if mode == "full":
+            tp_bwd += tp_fwd  # the recomputed forward's collectives
+        cost = BlockCost(
+            fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
+            recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
+            act_bytes=layer_activation_bytes(layer, b, t, sp, mode, work.attention), act_working=working,
+            params=layer.params * sharded_ratio, output_bytes=layer.output_bytes * b / t)
+        self._blocks[key] = cost
+        return cost
+
+    # ---- per stage ----
+    def stage_costs(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
+                    ) -> list[StageCost]:
+        place = placement(self.work.cluster, lay.dp, lay.tp, lay.pp)
+        prof = self.work.profile(lay.dtype)
+        n_blocks = len(prof.layers)
+        out = []
+        tied = prof.layers[-1].tied_params
+        for s, blocks in enumerate(stages):
+            mode = stage_recompute[s] if stage_recompute else lay.recompute
+            st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
+            for i in blocks:
+                c = self.block_cost(i, lay, place, mode)
+                st.fwd += c.fwd
+                st.bwd_input += c.bwd_input
+                st.bwd_weight += c.bwd_weight
+                st.recompute_time += c.recompute
+                st.tp_fwd += c.tp_fwd
+                st.tp_bwd += c.tp_bwd
+                st.act_bytes += c.act_bytes
+                st.act_working = max(st.act_working, c.act_working)
+                st.params += c.params
+            if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
+                st.params -= tied * (self.block_cost(n_blocks - 1, lay, place, mode).params / prof.layers[-1].params)
+            out.append(st)
+        # Point-to-point: stage s sends its output forward and receives/sends gradients backward.
+        for s in range(len(out) - 1):
+            a, b = out[s], out[s + 1]
+            if a.rank == b.rank:
+                continue
+            boundary = self.block_cost(a.blocks[-1], lay, place, a.recompute).output_bytes
+            cross = place.pp_cross_node if (b.rank - a.rank) % lay.pp in (1, lay.pp - 1) else True
+            t = comm.p2p(boundary, cross, self.work.cluster, place.gpus_per_node_busy)
+            a.p2p_fwd += t
+            b.p2p_bwd += t
+        return out
+
+    # ---- the whole iteration ----
+    def evaluate(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None,
+                 simulate: bool = False, keep_timeline: bool = False) -> Prediction:
+        work = self.work
+        cluster, gpu = work.cluster, work.cluster.gpu
+        prof = work.profile(lay.dtype)
+        _check_stages(stages, len(prof.layers), lay)
+        place = placement(cluster, lay.dp, lay.tp, lay.pp)
+        costs = self.stage_costs(lay, stages, stage_recompute)
+        p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+        ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
+        rank_time = [sum(costs[s].total for s in rs) for rs in ranks]
+        rank_fwd = [sum(costs[s].t_f for s in rs) for rs in ranks]
+        rank_w = [sum(costs[s].t_w for s in rs) for rs in ranks]
+        rank_b = [sum(costs[s].t_b for s in rs) for rs in ranks]
+        sim = None
+        schedule = lay.schedule if p > 1 else "1f1b"
+        if simulate:
+            sim = simulate_pipeline(schedule, p, v, m, [c.t_f for c in costs], [c.t_b for c in costs],
+                                    [c.t_w for c in costs], act_bytes=[c.act_bytes for c in costs],
+                                    keep_timeline=keep_timeline)
+            makespan, finish = sim.makespan, sim.rank_finish
+            method = "event simulation"
+        else:
+            makespan = closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)
+            drain = 0.0
+            finish = []
+            for r in range(p):  # backwards drain from the last rank to rank 0, which finishes last
+                finish.append(makespan - drain)
+                drain += 0.0 if schedule == "zb-v" else (rank_b[r] + rank_w[r]) / v
+            method = "closed form"
+        # ---- data parallelism, once per iteration ----
+        dp_exposed, opt_time = [], []
+        notes: list[str] = []
+        grad_elem = 4 if lay.dtype == "fp32" else 2
+        busy = place.gpus_per_node_busy
+        for r in range(p):
+            params = sum(costs[s].params for s in ranks[r])
+            window = rank_b[r] + rank_w[r] if work.overlap_dp else 0.0  # the last micro-batch's backward
+            grads = params * grad_elem
+            if lay.dp_mode == "ps":
+                t_sync = comm.parameter_server_sync(grads, lay.num_gpus, lay.ps_servers, cluster,
+                                                    all_in_one_node=lay.world_size <= cluster.gpus_per_node,
+                                                    worker_busy=busy)
+                if lay.ps_staleness > 0:
+                    t_sync = max(0.0, t_sync - lay.ps_staleness * makespan)
+                exposed = t_sync
+            elif lay.dp == 1:
+                exposed = 0.0
+            elif lay.zero == 0:
+                t_ar = comm.all_reduce(grads, place.dp, cluster, busy)
+                exposed = _overlapped(t_ar, window, grads)
+            else:
+                t_rs = comm.gather(grads, place.dp, cluster, busy)
+                t_ag = comm.gather(params * grad_elem, place.dp, cluster, busy)
+                exposed = _overlapped(t_rs, window, grads)
+                if lay.zero == 3:  # parameters gathered for every micro-batch's forward and backward
+                    fwd_r = sum(costs[s].fwd for s in ranks[r])
+                    bwd_r = sum(costs[s].bwd_input + costs[s].bwd_weight for s in ranks[r])
+                    exposed += m * (max(0.0, t_ag - fwd_r) + max(0.0, t_ag - bwd_r))
+                else:
+                    exposed += t_ag  # updated parameter shards gathered after the step
+            if r in (0, p - 1) and p > 1 and prof.layers[-1].tied_params:
+                # Megatron all-reduces the tied embedding's gradient between the first and last stage.
+                emb = prof.layers[-1].tied_params / lay.tp * grad_elem
+                exposed += comm.ring_all_reduce(emb, 2, comm.network_share(cluster, busy)
+                                                if place.pp_cross_node else cluster.intra_node)
+            dp_exposed.append(exposed)
+            opt_params = 0.0 if lay.dp_mode == "ps" else (params / lay.dp if lay.zero >= 1 else params)
+            opt_time.append(opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound))
+        end = [finish[r] + dp_exposed[r] for r in range(p)]
+        iteration = max(end) + max(opt_time)
+        # ---- breakdown on the bottleneck rank ----
+        rb = max(range(p), key=lambda r: rank_time[r])
+        rs = ranks[rb]
+        compute = m * sum(costs[s].fwd + costs[s].bwd_input + costs[s].bwd_weight for s in rs)
+        recompute = m * sum(costs[s].recompute_time for s in rs)
+        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs)
+        pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
+        bubble = max(0.0, makespan - m * rank_time[rb])
+        dp_comm = max(0.0, iteration - makespan - max(opt_time))
+        time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
+                  "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time)}
+        # ---- memory per rank ----
+        flights = list(in_flight(schedule, p, v, m))
+        rank_mem, breakdowns = [], []
+        for r in range(p):
+            params = sum(costs[s].params for s in ranks[r])
+            w, g, o = model_state_bytes(params, lay.dtype, lay.zero, lay.dp, optimizer_on_servers=lay.dp_mode == "ps")
+            if sim is not None and sim.peak_activation_bytes:
+                acts = sim.peak_activation_bytes[r]
+            else:
+                acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in ranks[r])
+            acts += max(costs[s].act_working for s in ranks[r])
+            other = framework_allowance(gpu)
+            if lay.zero == 3:  # two blocks' gathered weights live at once (FSDP's prefetch)
+                biggest = max(self.block_cost(i, lay, place, costs[s].recompute).params for s in ranks[r]
+                              for i in costs[s].blocks)
+                other += 2 * biggest * (4 if lay.dtype == "fp32" else 2)
+            other += FRAGMENTATION * (w + g + o + acts)
+            breakdowns.append({"params": w / GiB, "grads": g / GiB, "optimizer": o / GiB, "activations": acts / GiB,
+                               "other": other / GiB})
+            rank_mem.append((w + g + o + acts + other) / GiB)
+        worst = max(range(p), key=lambda r: rank_mem[r])
+        peak = rank_mem[worst]
+        # ---- throughput and FLOP utilisation ----
+        fwd_flops_per_sample = prof.total_fwd_flops
+        model_flops = 3 * fwd_flops_per_sample * lay.global_batch
+        recompute_flops = sum(self.block_cost(i, lay, place, costs[s].recompute).recompute_flops
+                              for s in range(len(costs)) for i in costs[s].blocks) / lay.micro_batch
+        hw_flops = model_flops + recompute_flops * lay.global_batch
+        n_gpus = lay.num_gpus
+        peak_flops = gpu.peak_flops(lay.dtype)
+        model_tflops = model_flops / iteration / n_gpus / 1e12
+        hw_tflops = hw_flops / iteration / n_gpus / 1e12
+        tokens = lay.global_batch * work.tokens_per_sample
+        if lay.dtype == "fp32" and gpu.name != "cpu":
+            notes.append("fp32 matmuls priced at the fp32 (not TF32) peak, as PyTorch runs them by default")
+        return Prediction(
+            layout=lay, num_parameters=prof.num_parameters, iteration_time_s=iteration,
+            tokens_per_s=tokens / iteration, samples_per_s=lay.global_batch / iteration,
+            model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,
+            mfu=model_tflops * 1e12 / peak_flops, hfu=hw_tflops * 1e12 / peak_flops,
+            fits=peak <= gpu.memory_GiB, peak_memory_gib=peak, memory_capacity_gib=gpu.memory_GiB,
+            memory_gib=breakdowns[worst], time_s=time_s, bubble_fraction=bubble / iteration if iteration else 0.0,
+            stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
+            in_flight=flights, method=method, sim=sim, notes=notes)
+
+
+def _overlapped(t: float, window: float, nbytes: float) -> float:
+    """Exposed time of a bucketed gradient collective that starts during the last backward.
+
+    Buckets fill as the backward runs, so all but the last bucket can hide behind it (PyTorch DDP,
+    Li et al. 2020, VLDB, Sec. 3.2.3); what cannot hide is the excess over the window, and at least
+    the last bucket's share.
+    """
+    if t <= 0:
+        return 0.0
+    last_bucket = t * min(1.0, DDP_BUCKET_BYTES / nbytes) if nbytes > 0 else t
+    return max(t - window, last_bucket)
+
+
+def _check_stages(stages: list[list[int]], n_blocks: int, lay: Layout) -> None:
+    if len(stages) != lay.num_stages:
+        raise InvalidLayout(f"{len(stages)} stages given, pp x virtual stages = {lay.num_stages}", "stage count")
+    flat = [i for s in stages for i in s]
+    if flat != list(range(n_blocks)) or any(not s for s in stages):
+        raise InvalidLayout("stages must split the blocks into contiguous, non-empty groups in order",
+                            "bad stage boundaries")
+
+
+def balanced_stages(weights: list[float], k: int) -> list[list[int]]:
+    """Contiguous split of blocks into k non-empty stages minimising the heaviest (binary search + greedy)."""
+    n = len(weights)
+    assert 1 <= k <= n
+
+    def split(limit: float) -> list[list[int]] | None:
+        stages, cur, acc = [], [], 0.0
+        for i, w in enumerate(weights):
+            remaining_blocks = n - i
+            remaining_stages = k - len(stages)
+            if cur and (acc + w > limit or remaining_blocks < remaining_stages):
+                stages.append(cur)
+                cur, acc = [], 0.0
+            cur.append(i)
+            acc += w
+        stages.append(cur)
+        if len(stages) > k:
+            return None
+        while len(stages) < k:  # split the largest stage with at least two blocks
+            j = max((s for s in range(len(stages)) if len(stages[s]) > 1), key=lambda s: len(stages[s]))
+            stages[j:j + 1] = [stages[j][:1], stages[j][1:]]
+        return stages
+
+    lo, hi = max(weights), sum(weights)
+    best = split(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = split(mid)
+        if got is not None:
+            best, hi = got, mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * max(hi, 1e-30):
+            break
+    assert best is not None
+    return best
+
+
+def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
+    """Stage boundaries balancing each stage's time (used when the user gives none)."""
+    place = placement(model.work.cluster, lay.dp, lay.tp, lay.pp)
+    n = len(model.work.profile(lay.dtype).layers)
+    if lay.num_stages > n:
+        raise InvalidLayout(f"pp x virtual stages = {lay.num_stages} exceeds the model's {n} blocks",
+                            "more stages than blocks")
+    weights = []
+    for i in range(n):
+        c = model.block_cost(i, lay, place, lay.recompute)
+        weights.append(c.fwd + c.bwd_input + c.bwd_weight + c.recompute + c.tp_fwd + c.tp_bwd + 1e-12)
+    return balanced_stages(weights, lay.num_stages)
+
+
+def validate_layout(model: CostModel, lay: Layout) -> None:
+    """Raise InvalidLayout (with the reason) for a layout this model and cluster cannot run."""
+    work = model.work
+    lay.validate(work.spec, len(work.profile(lay.dtype).layers), work.cluster.num_gpus)
+    try:
+        work.cluster.gpu.peak_flops(lay.dtype)
+    except ValueError as e:
+        raise InvalidLayout(str(e), f"{lay.dtype} unsupported") from None

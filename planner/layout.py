@@ -1,0 +1,137 @@
+"""A parallel layout: the degrees and switches that, with stage boundaries, make a Plan.
+
+Following torchtitan's ParallelDims: one small frozen dataclass, validated against the model and
+cluster; derived facts are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from paraplan.models import ModelSpec, TransformerSpec
+
+from .errors import InvalidLayout
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp16", "fp32")
+DP_MODES = ("allreduce", "ps")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    global_batch: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    dtype: str = "bf16"
+    dp_mode: str = "allreduce"
+    ps_servers: int = 1
+    ps_staleness: int = 0
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs that train (parameter servers, when used, come on top)."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus + (self.ps_servers if self.dp_mode == "ps" else 0)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel replica runs per iteration (gradient accumulation steps)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def num_stages(self) -> int:
+        """Model chunks in the pipeline: pp ranks x virtual stages each."""
+        return self.pp * self.virtual_stages
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        """A compact human name: dp8 tp4 pp2 mb1 1f1b z1 sel sp."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"mb{self.micro_batch}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.zero:
+            parts.append(f"z{self.zero}")
+        if self.recompute != "none":
+            parts.append({"selective": "sel", "full": "full"}[self.recompute])
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.dp_mode == "ps":
+            parts.append(f"ps{self.ps_servers}" + (f"s{self.ps_staleness}" if self.ps_staleness else ""))
+        return " ".join(parts)
+
+    def validate(self, spec: ModelSpec, num_blocks: int, cluster_gpus: int | None = None) -> None:
+        """Raise InvalidLayout with the reason if this layout cannot run this model."""
+        for name in ("dp", "tp", "pp", "micro_batch", "global_batch", "virtual_stages", "ps_servers"):
+            if getattr(self, name) <= 0:
+                raise InvalidLayout(f"{name} must be positive, got {getattr(self, name)}", f"{name} not positive")
+        if self.schedule not in SCHEDULES:
+            raise InvalidLayout(f"unknown schedule {self.schedule!r} (one of {', '.join(SCHEDULES)})", "schedule")
+        if self.recompute not in RECOMPUTE:
+            raise InvalidLayout(f"unknown recompute {self.recompute!r} (one of {', '.join(RECOMPUTE)})", "recompute")
+        if self.dtype not in DTYPES:
+            raise InvalidLayout(f"unknown dtype {self.dtype!r} (one of {', '.join(DTYPES)})", "dtype")
+        if self.zero not in (0, 1, 2, 3):
+            raise InvalidLayout(f"zero must be 0, 1, 2 or 3, got {self.zero}", "zero stage")
+        if self.dp_mode not in DP_MODES:
+            raise InvalidLayout(f"unknown dp mode {self.dp_mode!r}", "dp mode")
+        if self.ps_staleness < 0:
+            raise InvalidLayout("ps staleness must be >= 0", "ps staleness")
+        if cluster_gpus is not None and self.world_size > cluster_gpus:
+            extra = f" + {self.ps_servers} parameter servers" if self.dp_mode == "ps" else ""
+            raise InvalidLayout(f"dp x tp x pp = {self.num_gpus}{extra} needs more GPUs than the cluster's "
+                                f"{cluster_gpus}", "more GPUs than the cluster")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise InvalidLayout(f"global batch {self.global_batch} is not divisible by dp x micro-batch = "
+                                f"{self.dp} x {self.micro_batch}", "batch not divisible by dp x micro-batch")
+        if isinstance(spec, TransformerSpec):
+            if spec.num_attention_heads % self.tp:
+                raise InvalidLayout(f"tp {self.tp} does not divide the {spec.num_attention_heads} attention heads",
+                                    "tp does not divide heads")
+            if spec.kv_heads % self.tp and self.tp % spec.kv_heads:
+                raise InvalidLayout(f"tp {self.tp} and the {spec.kv_heads} key/value heads do not divide each other",
+                                    "tp vs kv heads")
+            if spec.ffn_size % self.tp:
+                raise InvalidLayout(f"tp {self.tp} does not divide the FFN size {spec.ffn_size}", "tp vs ffn")
+        elif self.tp > 1 and spec.family != "custom":
+            pass  # CNNs and MLPs shard only their classifier (hybrid parallelism); checked by the cost model
+        if self.sequence_parallel and self.tp == 1:
+            raise InvalidLayout("sequence parallelism needs tp > 1", "sequence parallel without tp")
+        if self.sequence_parallel and isinstance(spec, TransformerSpec) and spec.seq_length % self.tp:
+            raise InvalidLayout(f"sequence parallelism needs tp {self.tp} to divide the sequence length "
+                                f"{spec.seq_length}", "tp vs sequence")
+        if self.pp == 1 and (self.virtual_stages > 1 or self.schedule in ("interleaved-1f1b", "zb-v")):
+            raise InvalidLayout(f"schedule {self.schedule} with {self.virtual_stages} virtual stages needs pp > 1",
+                                "pipeline schedule without pp")
+        if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
+            raise InvalidLayout("interleaved-1f1b needs --virtual-stages >= 2", "interleaved without virtual stages")
+        if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
+            raise InvalidLayout(f"{self.schedule} runs one stage per rank; use interleaved-1f1b for virtual stages",
+                                "virtual stages need interleaving")
+        if self.schedule == "zb-v" and self.virtual_stages != 2:
+            raise InvalidLayout("zb-v runs exactly two stages per rank (--virtual-stages 2)", "zb-v needs v=2")
+        m = self.num_micro_batches
+        if self.schedule == "interleaved-1f1b":
+            rounds = max(1, m // self.pp)
+            if m % rounds:
+                raise InvalidLayout(f"interleaved-1f1b needs the {m} micro-batches per replica to be a multiple of "
+                                    f"max(1, m // pp) = {rounds}", "interleaved micro-batch count")
+        if self.num_stages > num_blocks:
+            raise InvalidLayout(f"pp x virtual stages = {self.num_stages} exceeds the model's {num_blocks} blocks",
+                                "more stages than blocks")
+        if self.dp_mode == "ps" and self.zero:
+            raise InvalidLayout("parameter servers hold the optimizer themselves: use zero 0 with --dp-mode ps",
+                                "ps with zero")

@@ -1,0 +1,133 @@
+"""The Plan: what the planner picks, ``simulate --write-plan`` writes and ``execute`` runs (DESIGN.md).
+
+One object passes from planner to simulator to executor: the layout, the stage boundaries (module
+names per pipeline stage, in stage order) and the prediction. The executor never decides a layout
+by itself; it validates the plan against the model and refuses one that does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from paraplan.hardware_specs import read_data_file
+
+from .errors import PlanError
+from .layout import Layout
+
+PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp", "schedule",
+             "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
+OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
+                 "ps_staleness", "stage_recompute", "attention")
+
+
+@dataclass
+class Plan:
+    model: str
+    cluster: str
+    layout: Layout
+    stages: list[list[str]]
+    seed: int = 0
+    model_spec: dict[str, Any] | None = None  # the spec itself, so a plan runs where the model file is not
+    seq_length: int | None = None
+    nodes: int | None = None
+    stage_recompute: list[str] | None = None  # per stage, when the planner chose recomputation per stage
+    layer_strategies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attention: str = "flash"
+    prediction: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        out: dict[str, Any] = {
+            "model": self.model, "cluster": self.cluster, "global_batch": lay.global_batch,
+            "micro_batch": lay.micro_batch, "num_micro_batches": lay.num_micro_batches, "dp": lay.dp, "tp": lay.tp,
+            "pp": lay.pp, "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "zero": lay.zero,
+            "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel, "dtype": lay.dtype,
+            "seed": self.seed, "stages": self.stages, "dp_mode": lay.dp_mode, "ps_servers": lay.ps_servers,
+            "ps_staleness": lay.ps_staleness, "seq_length": self.seq_length, "nodes": self.nodes,
+            "attention": self.attention, "model_spec": self.model_spec,
+        }
+        if self.stage_recompute is not None:
+            out["stage_recompute"] = self.stage_recompute
+        if self.layer_strategies:
+            out["layer_strategies"] = self.layer_strategies
+        if self.prediction is not None:
+            out["prediction"] = self.prediction
+        return out
+
+    def write(self, path: str) -> None:
+        try:
+            with open(path, "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+                f.write("\n")
+        except OSError as e:
+            raise PlanError(f"cannot write plan {path}: {e.strerror}") from None
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object")
+        missing = [k for k in PLAN_KEYS if k not in data]
+        if missing:
+            raise PlanError(f"{source}: missing key '{missing[0]}'")
+        unknown = [k for k in data if k not in PLAN_KEYS and k not in OPTIONAL_KEYS and k != "num_micro_batches"]
+        if unknown:
+            raise PlanError(f"{source}: unknown key '{unknown[0]}'")
+        ints = ("global_batch", "micro_batch", "dp", "tp", "pp", "virtual_stages", "zero", "seed")
+        for k in ints:
+            if isinstance(data[k], bool) or not isinstance(data[k], int):
+                raise PlanError(f"{source}: '{k}' must be a whole number, got {data[k]!r}")
+        stages = data["stages"]
+        if (not isinstance(stages, list) or not stages
+                or not all(isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in stages)):
+            raise PlanError(f"{source}: 'stages' must be a non-empty list of non-empty lists of module names")
+        try:
+            layout = Layout(dp=data["dp"], tp=data["tp"], pp=data["pp"], micro_batch=data["micro_batch"],
+                            global_batch=data["global_batch"], schedule=data["schedule"],
+                            virtual_stages=data["virtual_stages"], zero=data["zero"], recompute=data["recompute"],
+                            sequence_parallel=bool(data["sequence_parallel"]), dtype=data["dtype"],
+                            dp_mode=data.get("dp_mode", "allreduce"), ps_servers=data.get("ps_servers", 1),
+                            ps_staleness=data.get("ps_staleness", 0))
+        except TypeError as e:
+            raise PlanError(f"{source}: {e}") from None
+        if layout.global_batch % max(layout.dp * layout.micro_batch, 1) == 0 and \
+                data["num_micro_batches"] != layout.num_micro_batches:
+            raise PlanError(f"{source}: num_micro_batches {data['num_micro_batches']} disagrees with "
+                            f"global_batch / (dp x micro_batch) = {layout.num_micro_batches}")
+        return cls(model=str(data["model"]), cluster=str(data["cluster"]), layout=layout, stages=stages,
+                   seed=data["seed"], model_spec=data.get("model_spec"), seq_length=data.get("seq_length"),
+                   nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
+                   layer_strategies=data.get("layer_strategies") or {}, attention=data.get("attention", "flash"),
+                   prediction=data.get("prediction"))
+
+    @classmethod
+    def read(cls, path: str) -> Plan:
+        return cls.from_dict(read_data_file(path, "plan", PlanError), source=path)
+
+    def validate_stages(self, block_names: list[str]) -> None:
+        """Every block exactly once, in model order, in pp x virtual_stages non-empty stages."""
+        lay = self.layout
+        if len(self.stages) != lay.num_stages:
+            raise PlanError(f"plan lists {len(self.stages)} stages but pp x virtual_stages = {lay.num_stages}")
+        flat = [n for s in self.stages for n in s]
+        known = set(block_names)
+        for n in flat:
+            if n not in known:
+                raise PlanError(f"plan stage lists {n!r}, which is not a block of {self.model}")
+        seen: set[str] = set()
+        for n in flat:
+            if n in seen:
+                raise PlanError(f"plan lists block {n!r} twice")
+            seen.add(n)
+        missing = [n for n in block_names if n not in seen]
+        if missing:
+            raise PlanError(f"plan leaves out block {missing[0]!r}")
+        if flat != block_names:
+            raise PlanError("plan stages must hold contiguous blocks in model order")
+        if self.stage_recompute is not None and len(self.stage_recompute) != lay.num_stages:
+            raise PlanError("stage_recompute must give one mode per stage")
+
+    def replace(self, **changes) -> Plan:
+        return dataclasses.replace(self, **changes)

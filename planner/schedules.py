@@ -1,0 +1,191 @@
+"""Pipeline schedules: each rank's order of work, stage placement, in-flight micro-batches, closed forms.
+
+Orders follow torch.distributed.pipelining (what the executor runs), which follow the papers:
+- ``gpipe`` (Huang et al. 2019): all forwards, then all backwards.
+- ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021 Sec. 2.2): p - r - 1 warm-up forwards on rank r,
+  then one forward / one backward, then the remaining backwards.
+- ``interleaved-1f1b`` (Narayanan et al. 2021 Sec. 2.2.2): v model chunks per rank, chunk c of rank r
+  is stage c*p + r; torch's "flexible" variant groups micro-batches in rounds of max(1, m // p).
+- ``zb-v`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 6): two chunks per rank in a V
+  (rank r holds stages r and 2p-1-r), backward split into input (B) and weight (W) gradients.
+An op is (kind, stage, micro-batch) with kind F, B (full backward, or input backward in zb-v) or W.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+
+Op = tuple[str, int, int]
+
+
+def stage_rank(schedule: str, stage: int, pp: int) -> int:
+    """The pipeline rank that runs (virtual) stage ``stage``."""
+    if schedule == "zb-v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def rank_stages(schedule: str, rank: int, pp: int, v: int) -> list[int]:
+    return [s for s in range(pp * v) if stage_rank(schedule, s, pp) == rank]
+
+
+def _gpipe(r: int, m: int) -> list[Op]:
+    return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+
+
+def _one_f_one_b(r: int, p: int, m: int) -> list[Op]:
+    warmup = min(p - r - 1, m)
+    ops: list[Op] = [("F", r, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [("F", r, warmup + i), ("B", r, i)]
+    ops += [("B", r, i) for i in range(m - warmup, m)]
+    return ops
+
+
+def _interleaved(r: int, p: int, v: int, m: int) -> list[Op]:
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - r), v * m)
+    total = v * m
+    fwd_stage = lambda step: ((step // per_round) % v) * p + r
+    bwd_stage = lambda step: (v - 1 - ((step - warmup) // per_round) % v) * p + r
+    next_f: dict[int, int] = defaultdict(int)
+    next_b: dict[int, int] = defaultdict(int)
+    ops: list[Op] = []
+
+    def f(step):
+        s = fwd_stage(step)
+        ops.append(("F", s, next_f[s]))
+        next_f[s] += 1
+
+    def b(step):
+        s = bwd_stage(step)
+        ops.append(("B", s, next_b[s]))
+        next_b[s] += 1
+
+    for step in range(total + warmup):
+        if step < warmup:
+            f(step)
+        elif step < total:
+            f(step)
+            b(step)
+        else:
+            b(step)
+    return ops
+
+
+def _zbv(r: int, p: int, m: int) -> list[Op]:
+    n = max(2 * p - 1, m)  # torch pads to at least 2p-1 micro-batches, then drops the padding
+    c0, c1 = r, 2 * p - 1 - r
+    cnt = defaultdict(int)
+    ops: list[Op] = []
+
+    def add(kind: str, stage: int) -> None:
+        key = (kind, stage)
+        ops.append((kind, stage, cnt[key]))
+        cnt[key] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        add("F", c0)
+    for _ in range(r):
+        add("F", c1)
+        add("F", c0)
+    for _ in range(p - r):
+        add("F", c1)
+        add("B", c1)
+        add("W", c1)
+    while cnt[("F", c1)] < cnt[("F", c0)] or cnt[("F", c0)] < n:
+        if cnt[("F", c0)] < n:
+            add("F", c0)
+        add("B", c0)
+        add("W", c0)
+        add("F", c1)
+        add("B", c1)
+        add("W", c1)
+    for _ in range(r):
+        add("B", c0)
+        add("B", c1)
+    for _ in range(p - r):
+        add("B", c0)
+        add("W", c0)
+    while cnt[("W", c1)] < cnt[("B", c1)]:
+        add("W", c1)
+    while cnt[("W", c0)] < cnt[("B", c0)]:
+        add("W", c0)
+    return [op for op in ops if op[2] < m]
+
+
+@lru_cache(maxsize=512)
+def rank_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...]:
+    """Each pipeline rank's ops in the order it runs them."""
+    if schedule == "gpipe":
+        return tuple(tuple(_gpipe(r, m)) for r in range(pp))
+    if schedule == "1f1b":
+        return tuple(tuple(_one_f_one_b(r, pp, m)) for r in range(pp))
+    if schedule == "interleaved-1f1b":
+        return tuple(tuple(_interleaved(r, pp, v, m)) for r in range(pp))
+    if schedule == "zb-v":
+        return tuple(tuple(_zbv(r, pp, m)) for r in range(pp))
+    raise AssertionError(f"unknown schedule {schedule}")
+
+
+@lru_cache(maxsize=512)
+def in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[dict[int, int], ...]:
+    """Per rank, the micro-batches of each of its stages holding activations at the rank's peak.
+
+    Walking the rank's order: a forward stores a micro-batch's activations, its backward (in zb-v: its
+    weight-gradient pass, which still needs the saved inputs) frees them. The peak is the most
+    micro-batch-stages held at once.
+    """
+    frees = "W" if schedule == "zb-v" else "B"
+    out = []
+    for order in rank_orders(schedule, pp, v, m):
+        held: dict[int, int] = defaultdict(int)
+        best: dict[int, int] = {}
+        best_total = -1
+        for kind, stage, _ in order:
+            if kind == "F":
+                held[stage] += 1
+                total = sum(held.values())
+                if total > best_total:
+                    best_total, best = total, dict(held)
+            elif kind == frees:
+                held[stage] -= 1
+        out.append(best)
+    return tuple(out)
+
+
+def closed_form_makespan(schedule: str, pp: int, v: int, m: int, rank_time: list[float],
+                         rank_fwd: list[float], rank_bwd_weight: list[float]) -> float:
+    """Iteration time of the pipeline part, from each rank's time per micro-batch (all its stages).
+
+    - gpipe, 1f1b: (m - 1) x slowest rank + sum over ranks (fill and drain); for equal ranks
+      (m + p - 1) x t, i.e. the bubble fraction (p - 1)/(m + p - 1) (Huang et al. 2019, Sec. 2.3;
+      Narayanan et al. 2021, Sec. 2.2.1).
+    - interleaved-1f1b (m >= p): m x slowest rank + (p - 1)/v x mean rank time, i.e. the bubble
+      fraction (p - 1)/(v m) of the 1F1B one divided by v (Narayanan et al. 2021, Sec. 2.2.2).
+    - zb-v, and interleaved with fewer micro-batches than ranks: m x slowest rank plus the bubble of
+      the schedule's warm-up and cool-down, which does not grow with m once m >= 2p; it is found by
+      running the schedule's own order on uniform stages for min(m, 2p) micro-batches (cached).
+    """
+    slow = max(rank_time)
+    if schedule in ("gpipe", "1f1b"):
+        return (m - 1) * slow + sum(rank_time)
+    mean = sum(rank_time) / pp
+    if schedule == "interleaved-1f1b" and m >= pp:
+        return m * slow + (pp - 1) / v * mean
+    r = max(range(pp), key=lambda i: rank_time[i])
+    t_f, t_w = rank_fwd[r] / v, rank_bwd_weight[r] / v  # per stage (chunk)
+    t_b = rank_time[r] / v - t_f - t_w
+    m0 = min(m, 2 * pp)
+    unit = _uniform_makespan(schedule, pp, v, m0, round(t_f / slow, 6), round(t_b / slow, 6), round(t_w / slow, 6))
+    return m * slow + (unit - m0) * slow
+
+
+@lru_cache(maxsize=4096)
+def _uniform_makespan(schedule: str, pp: int, v: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    from .simulator import simulate_pipeline  # the simulator imports this module
+
+    n = pp * v
+    return simulate_pipeline(schedule, pp, v, m, [t_f] * n, [t_b] * n, [t_w] * n).makespan

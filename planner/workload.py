@@ -1,0 +1,80 @@
+"""What is being trained, on what: the model (spec and profile), the cluster, the batch.
+
+The profile is taken once per dtype on the meta device at one sample per micro-batch; every
+per-micro-batch quantity the cost model needs is linear in the micro-batch size (FLOPs, bytes
+moved, saved activations, boundary tensors), and each GEMM's size scales with it for the efficiency
+curve. Measured block times, where a measurement file matches the workload exactly, replace the
+estimates (see :mod:`paraplan.profiler.measurements`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paraplan.hardware_specs import ClusterSpec, load_cluster
+from paraplan.models import ModelSpec, load_model_spec, tokens_per_sample
+from paraplan.profiler import ModelProfile, profile_model
+from paraplan.profiler.measurements import find_measurement
+
+from .compute import ATTENTION_KERNELS
+from .errors import PlanError
+
+
+@dataclass
+class Workload:
+    model_ref: str
+    spec: ModelSpec
+    cluster_ref: str
+    cluster: ClusterSpec
+    global_batch: int
+    attention: str = "flash"  # flash (fused SDPA, what torch runs) or unfused (Megatron 2021-22)
+    overlap_dp: bool = True  # gradient buckets reduced during the last backward (DDP, FSDP)
+    overlap_tp: bool = False  # TP all-reduce of input gradients hidden behind weight-gradient GEMMs (Megatron)
+    _profiles: dict[str, ModelProfile] = field(default_factory=dict, repr=False)
+    _measurements: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def create(cls, model: str | ModelSpec, cluster: str | ClusterSpec, global_batch: int,
+               seq_length: int | None = None, nodes: int | None = None, attention: str = "flash",
+               overlap_dp: bool = True, overlap_tp: bool = False) -> Workload:
+        spec = load_model_spec(model) if isinstance(model, str) else model
+        if spec.family == "custom":
+            raise PlanError(f"{spec.name}: planning needs a zoo model or spec file (a callable's module has no "
+                            "tensor-parallel plan or loss); use `paraplan profile` for callables")
+        if seq_length is not None:
+            if not spec.is_transformer:
+                raise PlanError(f"--seq-len applies to language models; {spec.name} is a {spec.family}")
+            spec = spec.replace(seq_length=seq_length)
+        cl = load_cluster(cluster, nodes=nodes) if isinstance(cluster, str) else (
+            cluster.with_nodes(nodes) if nodes else cluster)
+        if global_batch <= 0:
+            raise PlanError(f"--global-batch must be positive, got {global_batch}")
+        if attention not in ATTENTION_KERNELS:
+            raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+        model_ref = model if isinstance(model, str) else spec.name
+        cluster_ref = cluster if isinstance(cluster, str) else cl.name
+        return cls(model_ref=model_ref, spec=spec, cluster_ref=cluster_ref, cluster=cl, global_batch=global_batch,
+                   attention=attention, overlap_dp=overlap_dp, overlap_tp=overlap_tp)
+
+    @property
+    def seq_length(self) -> int | None:
+        return getattr(self.spec, "seq_length", None) if self.spec.is_transformer else None
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return tokens_per_sample(self.spec)
+
+    def profile(self, dtype: str) -> ModelProfile:
+        if dtype not in self._profiles:
+            self._profiles[dtype] = profile_model(self.spec, "meta", micro_batch=1, dtype=dtype)
+        return self._profiles[dtype]
+
+    def measurement(self, micro_batch: int, dtype: str) -> dict | None:
+        key = (micro_batch, dtype)
+        if key not in self._measurements:
+            self._measurements[key] = find_measurement(self.cluster.gpu.name, self.spec.to_dict(), micro_batch,
+                                                       self.seq_length, dtype)
+        return self._measurements[key]
+
+    def default_dtype(self) -> str:
+        return "fp32" if self.cluster.gpu.name == "cpu" else "bf16"

@@ -1,0 +1,87 @@
+"""On-disk cache of meta-device profiles (they are deterministic and cost ~1 s of torch start-up each).
+
+Key: the spec, micro-batch, sequence length, dtype, TP degrees, torch and paraplan versions and the
+profiler's own source; value: the ModelProfile as JSON. ``PARAPLAN_CACHE`` sets the folder
+(default ``~/.cache/paraplan``); ``PARAPLAN_CACHE=off`` disables it. A broken or unwritable cache is
+ignored, never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
+
+_FORMAT = 3
+
+
+def _folder() -> Path | None:
+    where = os.environ.get("PARAPLAN_CACHE", "")
+    if where.lower() in ("off", "0", "false", "no"):
+        return None
+    return Path(where) if where else Path.home() / ".cache" / "paraplan" / "profiles"
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    models = Path(__file__).resolve().parent.parent / "models"
+    for f in sorted(models.glob("*.py")) if models.is_dir() else []:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(spec: dict[str, Any], micro_batch: int, seq_length: int | None, dtype: str,
+              tp_degrees: list[int]) -> str:
+    import torch
+
+    from paraplan import __version__
+
+    payload = json.dumps([_FORMAT, spec, micro_batch, seq_length, dtype, tp_degrees, torch.__version__, __version__,
+                          _source_digest()], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def load(key: str) -> ModelProfile | None:
+    folder = _folder()
+    if folder is None:
+        return None
+    try:
+        data = json.loads((folder / f"{key}.json").read_text())
+        return _profile_from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(key: str, profile: ModelProfile) -> None:
+    folder = _folder()
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(dataclasses.asdict(profile), f)
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError:
+        pass
+
+
+def _profile_from_dict(d: dict[str, Any]) -> ModelProfile:
+    layers = []
+    for x in d["layers"]:
+        x = dict(x)
+        x["fwd_ops"], x["bwd_ops"] = OpMix(**x["fwd_ops"]), OpMix(**x["bwd_ops"])
+        x["region_io"] = [tuple(r) for r in x["region_io"]]
+        x["tp_views"] = {int(t): TPView(**{**v, "collectives": [Collective(**c) for c in v["collectives"]],
+                                           "collectives_sp": [Collective(**c) for c in v["collectives_sp"]]})
+                         for t, v in x["tp_views"].items()}
+        layers.append(LayerProfile(**x))
+    return ModelProfile(**{**d, "layers": layers})

@@ -1,0 +1,257 @@
+"""Cost-model formulas pinned to their sources, and the simulator against the closed forms."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paraplan.hardware_specs import GroupSpan, LinkSpec, load_cluster
+from paraplan.models import load_model_spec
+from paraplan.planner import comm
+from paraplan.planner.api import simulate
+from paraplan.planner.costmodel import CostModel, balanced_stages, default_stages
+from paraplan.planner.layout import Layout
+from paraplan.planner.memory import layer_activation_bytes, model_state_bytes
+from paraplan.planner.placement import placement
+from paraplan.planner.schedules import closed_form_makespan, in_flight
+from paraplan.planner.simulator import build_graph, graph_makespan, simulate_pipeline
+from paraplan.planner.workload import Workload
+from paraplan.profiler import profile_model
+
+# ---------------- pipeline schedules ----------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32), (4, 3)])
+def test_gpipe_1f1b_bubble_fraction(schedule, p, m):
+    """Bubble fraction (p-1)/(m+p-1) (Huang et al. 2019 Sec. 2.3; Narayanan et al. 2021 Sec. 2.2.1)."""
+    t = 3.0  # forward 1 + backward 2 per stage and micro-batch
+    sim = simulate_pipeline(schedule, p, 1, m, [1.0] * p, [2.0] * p, [0.0] * p).makespan
+    bubble = (sim - m * t) / sim
+    assert bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert closed_form_makespan(schedule, p, 1, m, [t] * p, [1.0] * p, [0.0] * p) == pytest.approx(sim)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 3, 12), (8, 2, 16), (2, 4, 8)])
+def test_interleaved_bubble_divided_by_v(p, v, m):
+    """Interleaved 1F1B: bubble time (p-1)/v x the stage time, i.e. fraction (p-1)/(v m) of the ideal
+    (Narayanan et al. 2021, Sec. 2.2.2)."""
+    t = 3.0  # one rank's forward+backward per micro-batch over all its v chunks
+    n = p * v
+    sim = simulate_pipeline("interleaved-1f1b", p, v, m, [1.0 / v] * n, [2.0 / v] * n, [0.0] * n).makespan
+    assert (sim - m * t) / (m * t) == pytest.approx((p - 1) / (v * m))
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                                        ("zb-v", 2)])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m_factor", [1, 2, 4])
+@pytest.mark.parametrize("fbw", [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (0.6, 1.2, 0.9)])
+def test_closed_form_agrees_with_simulator_on_uniform_stages(schedule, v, p, m_factor, fbw):
+    m = m_factor * p
+    f, b, w = fbw
+    n = p * v
+    sim = simulate_pipeline(schedule, p, v, m, [f] * n, [b] * n, [w] * n).makespan
+    closed = closed_form_makespan(schedule, p, v, m, [v * (f + b + w)] * p, [v * f] * p, [v * w] * p)
+    assert closed == pytest.approx(sim, rel=0.01)
+
+
+def test_zero_bubble_v_beats_1f1b_when_passes_balance():
+    """ZB-V (Qi et al. 2024, Sec. 6) fills the bubble with deferred weight-gradient passes."""
+    p, m = 4, 16
+    zbv = simulate_pipeline("zb-v", p, 2, m, [0.5] * 8, [0.5] * 8, [0.5] * 8).makespan
+    one = simulate_pipeline("1f1b", p, 1, m, [1.0] * p, [1.0] * p, [1.0] * p).makespan
+    assert zbv < one and (zbv - m * 3.0) / (m * 3.0) < 0.5 * (p - 1) / m
+
+
+def test_simulator_equals_networkx_longest_path_on_uneven_stages():
+    rng = random.Random(0)
+    for schedule, p, v, m in [("1f1b", 4, 1, 7), ("gpipe", 3, 1, 5), ("interleaved-1f1b", 4, 2, 8), ("zb-v", 3, 2, 7)]:
+        n = p * v
+        tf, tb, tw = ([rng.uniform(0.2, 2) for _ in range(n)] for _ in range(3))
+        fast = simulate_pipeline(schedule, p, v, m, tf, tb, tw).makespan
+        assert fast == pytest.approx(graph_makespan(build_graph(schedule, p, v, m, tf, tb, tw)))
+
+
+def test_in_flight_micro_batches():
+    """1F1B: stage r holds min(p - r, m) micro-batches (Narayanan et al. 2021); GPipe holds all m;
+    interleaved rank 0 holds (v-1)·p + 2(p-1) + 1 chunk-micro-batches (torch's warm-up), i.e.
+    Korthikanti et al.'s factor 1 + (p-1)/(p v) on L/p layers' activations."""
+    assert [sum(d.values()) for d in in_flight("1f1b", 4, 1, 8)] == [4, 3, 2, 1]
+    assert [sum(d.values()) for d in in_flight("gpipe", 4, 1, 8)] == [8] * 4
+    p, v = 4, 2
+    rank0 = sum(in_flight("interleaved-1f1b", p, v, 16)[0].values())
+    assert rank0 == (v - 1) * p + 2 * (p - 1) + 1
+    assert rank0 / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+# ---------------- communication ----------------
+
+LINK = LinkSpec(name="x", kind="x", bandwidth_GBps=100.0, latency_us=0.0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_all_reduce_formula(n):
+    """Ring all-reduce moves 2(n-1)/n x M per rank (Patarasuk & Yuan 2009); all-gather (n-1)/n x M."""
+    m = 1e9
+    assert comm.ring_all_reduce(m, n, LINK) == pytest.approx(2 * (n - 1) / n * m / 100e9)
+    assert comm.ring_gather(m, n, LINK) == pytest.approx((n - 1) / n * m / 100e9)
+    lat = LinkSpec(name="y", kind="y", bandwidth_GBps=1e9, latency_us=10.0)
+    assert comm.ring_all_reduce(1.0, n, lat) == pytest.approx(2 * (n - 1) * 10e-6, rel=1e-3)
+
+
+def test_hierarchical_all_reduce_across_nodes():
+    """Across nodes: reduce-scatter and all-gather inside each node, then r parallel rings across
+    nodes on 1/r of the data, each GPU with its share of the node's NICs."""
+    c = load_cluster("dgx-h100", nodes=4)
+    span = GroupSpan(size=32, nodes=4, max_per_node=8)
+    m = 8e9
+    intra = c.intra_node.bandwidth_Bps
+    share = c.inter_node.bandwidth_Bps / 8
+    expected_bw = 2 * (7 / 8) * m / intra + 2 * (3 / 4) * (m / 8) / share
+    got = comm.all_reduce(m, span, c, busy=8)
+    assert got == pytest.approx(expected_bw, rel=0.01)  # latency is microseconds against seconds
+
+
+def test_placement_keeps_tp_inside_a_node():
+    c = load_cluster("dgx-a100-80gb", nodes=8)
+    pl = placement(c, dp=8, tp=8, pp=1)
+    assert not pl.tp.crosses_nodes and pl.dp.crosses_nodes and pl.dp.max_per_node == 1
+    pl = placement(c, dp=2, tp=4, pp=8)
+    assert not pl.tp.crosses_nodes and not pl.dp.crosses_nodes and pl.pp_cross_node
+
+
+def test_parameter_server_grows_with_workers_ring_stays_flat():
+    """PS (Li et al. 2014): a server moves workers·M/k each way; ring all-reduce 2(n-1)/n·M."""
+    c = load_cluster("dgx-h100", nodes=16)
+    m = 1e9
+    ps = [comm.parameter_server_sync(m, n, 1, c, all_in_one_node=False, worker_busy=8) for n in (8, 32, 128)]
+    rings = [comm.all_reduce(m, GroupSpan(n, n // 8, 8), c, busy=8) for n in (32, 64, 128)]
+    assert ps[2] > 10 * ps[0]  # 16x the workers: ~16x the time through one server
+    assert max(rings) < 1.2 * min(rings)  # 4x the workers: (k-1)/k of the bandwidth term only
+    assert comm.parameter_server_sync(m, 32, 4, c, False, 8) < comm.parameter_server_sync(m, 32, 1, c, False, 8)
+
+
+# ---------------- memory ----------------
+
+
+def test_zero_model_states_match_rajbhandari_figure_1():
+    """ZeRO (Rajbhandari et al. 2020), Fig. 1: Ψ = 7.5B parameters, N_d = 64, K = 12:
+    baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device."""
+    psi, nd = 7.5e9, 64
+    totals = [sum(model_state_bytes(psi, "bf16", z, nd)) / 1e9 for z in (0, 1, 2, 3)]
+    assert totals == pytest.approx([120.0, 31.4, 16.6, 1.875], abs=0.05)
+    w, g, o = model_state_bytes(psi, "fp32", 0, 1)
+    assert (w, g, o) == (4 * psi, 4 * psi, 8 * psi)
+
+
+@pytest.fixture(scope="module")
+def gpt_layer():
+    prof = profile_model(load_model_spec("gpt3-1.3b"), "meta", micro_batch=1, dtype="fp16")
+    return prof.layers[1]
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_six_activation_cases(gpt_layer, t):
+    """Korthikanti et al. 2022, Table 2 (bytes per layer, fp16, 1-byte dropout masks); the paper
+    ignores LayerNorm statistics (2 x 2 x 4·s·b bytes here, replicated)."""
+    spec = load_model_spec("gpt3-1.3b")
+    s, h, a = spec.seq_length, spec.hidden_size, spec.num_attention_heads
+    b = 2
+    sbh = s * b * h
+    ln = 2 * 2 * 4 * s * b
+    act = lambda sp, rec: layer_activation_bytes(gpt_layer, b, t, sp, rec, "unfused")
+    if t == 1:
+        assert act(False, "none") == pytest.approx(sbh * (34 + 5 * a * s / h) + ln)
+    assert act(False, "none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)) + ln)
+    if t > 1:
+        assert act(True, "none") == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)) + ln / t)
+        assert act(True, "selective") == pytest.approx(sbh * 34 / t + ln / t)
+    assert act(False, "selective") == pytest.approx(sbh * (10 + 24 / t) + ln)
+    assert layer_activation_bytes(gpt_layer, b, 1, False, "full", "unfused") == pytest.approx(2 * sbh)
+
+
+# ---------------- whole predictions ----------------
+
+
+def _predict(model, cluster, gb, nodes=None, **layout):
+    work = Workload.create(model, cluster, gb, nodes=nodes)
+    lay = Layout(global_batch=gb, **layout)
+    return simulate(work, lay)[0], work
+
+
+def test_mfu_and_hfu_follow_korthikanti_appendix_a():
+    """Model FLOPs 72·B·L·s·h²(1 + s/(6h) + V/(12hL)) (Korthikanti et al. 2022, Eq. 7; MFU and HFU as in
+    Chowdhery et al. 2022: FLOPs / (iteration time x GPUs x peak)).
+
+    Hardware FLOPs add the recomputed forward work (DESIGN.md): selective recomputation repeats
+    QK^T and the attention-weighted V, 4·b·s²·h per layer and micro-batch. (Korthikanti's Eq. 8,
+    72·B·L·s·h²(1 + s/(3h) + ...), adds 12·B·L·s²·h, three times that forward work; we count the
+    forward work once, as the definition says.)"""
+    pred, work = _predict("gpt3-1.3b", "dgx-a100-80gb", 32, nodes=1, dp=2, tp=2, pp=2, micro_batch=2,
+                          recompute="selective")
+    spec = work.spec
+    B, L, s, h, V = 32, spec.num_layers, spec.seq_length, spec.hidden_size, spec.vocab_size
+    model = 72 * B * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    hw = model + 4 * B * s * s * h * L
+    denom = pred.iteration_time_s * 8 * 312e12
+    assert pred.mfu == pytest.approx(model / denom, rel=1e-6)
+    assert pred.hfu == pytest.approx(hw / denom, rel=1e-6)
+    full, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 32, nodes=1, dp=2, tp=2, pp=2, micro_batch=2, recompute="full")
+    # Narayanan et al. 2021 Eq. 3 counts a full recomputation: 96·B·s·l·h²(1 + s/(6h) + V/(16lh)).
+    nar = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert full.hardware_tflops_per_gpu * 1e12 * full.iteration_time_s * 8 == pytest.approx(nar, rel=1e-6)
+
+
+def test_175b_replicated_does_not_fit_and_says_so():
+    pred, _ = _predict("gpt3-175b", "dgx-a100-80gb", 8, dp=8, tp=1, pp=1, micro_batch=1)
+    assert not pred.fits and pred.peak_memory_gib > 16 * 174e9 / 2**30 / 1.01
+
+
+def test_gradient_accumulation_syncs_once_per_iteration():
+    """One gradient all-reduce per iteration whatever the micro-batch count (issue 4)."""
+    a, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 16, nodes=2, dp=16, tp=1, pp=1, micro_batch=1)
+    b, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 128, nodes=2, dp=16, tp=1, pp=1, micro_batch=1)
+    assert b.time_s["compute"] == pytest.approx(8 * a.time_s["compute"], rel=0.01)
+    assert b.time_s["dp_comm"] <= a.time_s["dp_comm"] * 1.0001
+
+
+SLOW_NET = """name: slow
+gpu: a100-80gb
+nodes: 8
+gpus_per_node: 1
+intra_node: {bandwidth_GBps: 300, latency_us: 0}
+inter_node: {bandwidth_GBps: 0.05, latency_us: 0}
+"""
+
+
+def test_zero3_moves_one_and_a_half_times_plain_dp(write):
+    """ZeRO-3: all-gather parameters in forward and backward, reduce-scatter gradients = 1.5x the
+    all-reduce volume (Rajbhandari et al. 2020, Sec. 7.2.2). Priced without overlap on a network so
+    slow that compute hides nothing, so the exposed times compare as the volumes do."""
+    work = Workload.create("gpt3-1.3b", write("slow.yaml", SLOW_NET), 8, overlap_dp=False)
+    model = CostModel(work)
+    times = {}
+    for z in (0, 3):
+        lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=8, zero=z)
+        times[z] = model.evaluate(lay, default_stages(model, lay)).time_s["dp_comm"]
+    assert times[3] / times[0] == pytest.approx(1.5, rel=0.02)
+
+
+def test_balanced_stages_minimise_the_heaviest():
+    w = [5, 1, 1, 1, 1, 1, 5]
+    st = balanced_stages(w, 3)
+    assert [i for s in st for i in s] == list(range(7)) and max(sum(w[i] for i in s) for s in st) == 5
+    assert len(balanced_stages([1.0] * 4, 4)) == 4
+
+
+def test_uneven_stages_event_simulation_beats_nothing_closed_form_on_uniform():
+    work = Workload.create("gpt-tiny", "local", 8)
+    model = CostModel(work)
+    lay = Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=8, schedule="1f1b", dtype="fp32")
+    even = [[0, 1, 2], [3, 4, 5]]
+    uneven = [[0, 1, 2, 3, 4], [5]]
+    a = model.evaluate(lay, even, simulate=True).iteration_time_s
+    b = model.evaluate(lay, uneven, simulate=True).iteration_time_s
+    assert b > a  # four layers on one stage are slower than two and two
