@@ -1,0 +1,49 @@
+"""Activation recomputation per the plan, with torch.utils.checkpoint (non-reentrant).
+
+- ``full``: each transformer layer keeps only its input; its whole forward runs again in backward.
+- ``selective`` (Korthikanti et al. 2022): only the attention core, softmax(QK^T)V, is recomputed.
+  The layer runs under selective activation checkpointing whose policy saves every op's output
+  except those executed inside the attention core (the model flags that region, see
+  ``paraplan.models.in_attention_core``), which are recomputed.
+
+Layers are wrapped in place in their ``nn.ModuleDict``, so block names (``layers.3``) still resolve.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from paraplan.models import in_attention_core
+
+from .errors import ExecutionError
+
+
+def _recompute_attention_core(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if in_attention_core() else CheckpointPolicy.MUST_SAVE
+
+
+def _wrapper(mode: str):
+    if mode == "full":
+        return partial(checkpoint_wrapper, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False)
+    if mode == "selective":
+        contexts = partial(create_selective_checkpoint_contexts, _recompute_attention_core)
+        return partial(checkpoint_wrapper, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False,
+                       context_fn=contexts)
+    raise ExecutionError(f"unknown recompute mode {mode!r} (none, selective or full)")
+
+
+def apply_ac(module: nn.Module, mode: str) -> int:
+    """Wrap every transformer layer of ``module`` for recomputation ``mode``; returns how many."""
+    if mode == "none":
+        return 0
+    layers = getattr(module, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):  # a chunk of only the embedding or the head
+        return 0
+    wrap = _wrapper(mode)
+    for name in list(layers.keys()):
+        layers[name] = wrap(layers[name])
+    return len(layers)

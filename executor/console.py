@@ -1,0 +1,69 @@
+"""What rank 0 shows while training: a progress bar (plain lines when stdout is not a terminal), then
+the measured step time and throughput beside the plan's prediction."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .job import Job
+from .record import RunSummary
+
+
+class TrainingDisplay:
+    def __init__(self, job: Job, steps: int, enabled: bool):
+        self.job, self.steps, self.enabled = job, steps, enabled
+        self.console = Console(highlight=False)
+        self.progress: Progress | None = None
+        self.task = None
+
+    def __enter__(self) -> TrainingDisplay:
+        if not self.enabled:
+            return self
+        lay = self.job.layout
+        self.console.print(f"executing {self.job.spec.name}: {lay.short()}, global batch {lay.global_batch}, "
+                           f"{lay.num_micro_batches} micro-batches per replica, {self.job.world_size} ranks")
+        if self.console.is_terminal:
+            self.progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console)
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=self.steps, info="")
+        return self
+
+    def step(self, index: int, loss: float, time_s: float) -> None:
+        if not self.enabled:
+            return
+        info = f"step {index + 1}/{self.steps}  loss {loss:.4f}  {time_s:.3f} s"
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, info=info)
+        else:
+            self.console.print(info)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def summary(self, s: RunSummary) -> None:
+        if not self.enabled:
+            return
+        predicted = s.predicted_iteration_time_s
+        table = Table(title=f"{s.job.spec.name} on {s.device} ({s.backend}), "
+                            f"{s.job.world_size} ranks", title_justify="left")
+        table.add_column("")
+        table.add_column("measured", justify="right")
+        table.add_column("predicted", justify="right")
+        note = " (mean without step 1)" if len(s.step_time_s) > 1 else ""
+        table.add_row("step time" + note, f"{s.mean_step_time_s:.4g} s",
+                      f"{predicted:.4g} s" if predicted else "-")
+        tps = s.job.layout.global_batch * s.job.tokens_per_sample / predicted if predicted else None
+        table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s", f"{tps:,.0f} tokens/s" if tps else "-")
+        if predicted:
+            table.add_row("measured / predicted", f"{s.mean_step_time_s / predicted:.2f}x", "")
+        table.add_row("loss first -> last", f"{s.losses[0]:.4f} -> {s.losses[-1]:.4f}", "")
+        known = [m for m in s.peak_memory_gib if m is not None]
+        if known:
+            table.add_row("peak memory (max rank)", f"{max(known):.2f} GiB",
+                          f"{s.job.plan.prediction['peak_memory_gib']:.2f} GiB"
+                          if s.job.plan.prediction and "peak_memory_gib" in s.job.plan.prediction else "-")
+        self.console.print(table)

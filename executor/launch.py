@@ -1,0 +1,212 @@
+"""Start the ranks of a plan with torchrun, watch them, and say in one line why a failed job failed.
+
+``paraplan execute`` on one machine runs ``python -m torch.distributed.run ... -m
+paraplan.executor.worker ...`` with one process per GPU (or the plan's world size of CPU processes);
+across nodes each node runs its own ``paraplan execute --node-rank R ...`` (static rendezvous at
+``--master-addr:--master-port``, or a c10d rendezvous endpoint), and the commands for every node are
+printed first.
+
+A failing job must end, and end loudly: torchrun stops every rank once one fails; each process group
+carries ``--timeout`` so a collective that waits on a dead or hung rank fails; and the launcher's own
+watchdog ends the job when no rank on this node has made progress for longer than that (a hang
+outside any collective, or a node that never joins). Ranks report their state in status files
+(status.py), from which :func:`diagnose` names the rank that caused the failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import ExecutionError
+from .status import STATUS_DIR_ENV, RankStatus, read_statuses
+
+WATCHDOG_MARGIN_S = 15.0  # after --timeout, so process-group timeouts (more precise) fire first
+STOP_GRACE_S = 40.0  # torchrun gives its workers 30 s between SIGTERM and SIGKILL
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    rdzv_endpoint: str | None = None
+    run_id: str = "paraplan"
+    timeout_s: float = 300.0
+    steps: int = 5
+    debug: bool = False
+    threads_per_rank: int | None = None  # OMP threads of a CPU rank (None: leave the environment's)
+
+
+def torchrun_command(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> list[str]:
+    """The exact torchrun command line for this node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(opts.nnodes),
+           "--nproc-per-node", str(opts.nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.2"]
+    if opts.rdzv_endpoint:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint, "--rdzv-id", opts.run_id]
+    else:
+        cmd += ["--node-rank", str(opts.node_rank), "--master-addr", opts.master_addr,
+                "--master-port", str(opts.master_port)]
+    cmd += ["-m", "paraplan.executor.worker", "--steps", str(opts.steps), "--timeout", str(opts.timeout_s),
+            "--nnodes", str(opts.nnodes)]
+    for plan, out in zip(plans, outs, strict=True):
+        cmd += ["--plan", os.path.abspath(plan), "--out", os.path.abspath(out) if out else "-"]
+    if opts.debug:
+        cmd.append("--debug")
+    return cmd
+
+
+def quote(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+@dataclass
+class Outcome:
+    """How torchrun ended on this node, and what the local ranks said."""
+
+    returncode: int
+    statuses: dict[int, RankStatus]
+    torchrun_stderr: str
+    world_size: int
+    watchdog: str | None = None  # why the watchdog ended the job, if it did
+
+
+def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> Outcome:
+    """Run this node's part; returns when every local rank has ended (raises nothing)."""
+    status_dir = tempfile.mkdtemp(prefix="paraplan-run-")
+    env = {**os.environ, STATUS_DIR_ENV: status_dir, "PYTHONUNBUFFERED": "1"}
+    if opts.threads_per_rank is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(opts.threads_per_rank)
+    cmd = torchrun_command(plans, outs, opts)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=None if opts.debug else subprocess.PIPE,
+                            env=env, text=True)
+    err_lines: list[str] = []
+    reader = None
+    if proc.stderr is not None:
+        reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+        reader.start()
+    why = None
+    try:
+        why = _watch(proc, status_dir, opts.timeout_s)
+    except KeyboardInterrupt:
+        _stop(proc, status_dir)
+        raise
+    if reader is not None:
+        reader.join(timeout=5)
+    return Outcome(returncode=proc.returncode, statuses=read_statuses(status_dir),
+                   torchrun_stderr="".join(err_lines), world_size=opts.nproc_per_node * opts.nnodes, watchdog=why)
+
+
+def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | None:
+    """Wait for torchrun; end it when no local rank has made progress for --timeout (+ a margin)."""
+    started = time.time()
+    limit = timeout_s + WATCHDOG_MARGIN_S if timeout_s > 0 else None
+    while proc.poll() is None:
+        time.sleep(0.2)
+        if limit is None:
+            continue
+        statuses = read_statuses(status_dir)
+        live = [s for s in statuses.values() if s.state == "running"]
+        last = max((s.time for s in live), default=None)
+        if not statuses and time.time() - started > limit:
+            _stop(proc, status_dir)
+            return f"no rank started within {timeout_s:g} s (is every node running its command?)"
+        if last is not None and time.time() - last > limit:
+            stalled = sorted(live, key=lambda s: s.time)[0]
+            _stop(proc, status_dir)
+            return (f"rank {stalled.rank} hung: no progress for {timeout_s:g} s "
+                    f"(at step {stalled.step + 1}, {stalled.phase})")
+    return None
+
+
+def _stop(proc: subprocess.Popen, status_dir: str) -> None:
+    """End torchrun and its workers: SIGTERM (torchrun forwards it), then SIGKILL what is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for st in read_statuses(status_dir).values():  # workers run in sessions of their own
+        if st.state == "running" and st.pid:
+            try:
+                os.kill(st.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_failures(stderr: str) -> dict[int, int]:
+    """Rank -> exit code of the failures torchrun reported (its ChildFailedError summary)."""
+    return {int(r): int(c) for r, c in _FAILURE.findall(stderr)}
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _where(st: RankStatus) -> str:
+    return f"step {st.step + 1}" if st.phase == "train" else f"while {st.phase}"
+
+
+def diagnose(o: Outcome) -> str:
+    """One line naming the rank that made the job fail, and how."""
+    sts = o.statuses
+    errors = sorted((s for s in sts.values() if s.state == "error"), key=lambda s: s.time)
+    if errors:
+        first = errors[0]
+        more = f" (ranks {', '.join(str(s.rank) for s in errors[1:])} too)" if len(errors) > 1 else ""
+        return f"rank {first.rank} failed {_where(first)}: {first.message}{more}"
+    failures = torchrun_failures(o.torchrun_stderr)
+    dead = sorted(r for r, code in failures.items()
+                  if r not in sts or sts[r].state == "running")  # ended without saying why: it died
+    if dead:
+        r = dead[0]
+        where = f" {_where(sts[r])}" if r in sts else " before it started"
+        return f"rank {r} died{where} ({_exit_text(failures[r])})"
+    if o.watchdog:
+        return o.watchdog
+    peers = [s for s in sts.values() if s.state == "peer"]
+    timed_out = [s for s in peers if "timed out" in s.message.lower() or "timeout" in s.message.lower()]
+    hung = sorted(s.rank for s in sts.values() if s.state in ("running", "terminated"))
+    if timed_out and hung:
+        st = sts[hung[0]]
+        return (f"rank {st.rank} hung {_where(st)}: the other ranks timed out after waiting for it "
+                f"(--timeout)")
+    if peers:
+        st = sorted(peers, key=lambda s: s.time)[0]
+        missing = [r for r in range(o.world_size) if r not in sts]
+        culprit = f"a rank on another node (one of ranks {_ranges(missing)})" if missing else "another rank"
+        return f"{culprit} failed; rank {st.rank} here saw: {st.message}"
+    tail = [ln for ln in o.torchrun_stderr.strip().splitlines() if ln.strip()]
+    return f"torchrun failed ({_exit_text(o.returncode)})" + (f": {tail[-1].strip()}" if tail else "")
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks) if ranks else "?"
+
+
+def launch(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> None:
+    """Run this node's part of the job; raise ExecutionError with the diagnosis if it fails."""
+    outcome = run_torchrun(plans, outs, opts)
+    if outcome.returncode == 0 and outcome.watchdog is None:
+        return
+    raise ExecutionError(diagnose(outcome))

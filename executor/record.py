@@ -1,0 +1,90 @@
+"""The run record (DESIGN.md: ``execute --out DIR`` writes ``DIR/run.json``) and what it summarises.
+
+Contract keys: plan, world_size, steps, losses (global mean per step), step_time_s (per step),
+peak_memory_gib (per rank; null where the device cannot tell), backend, device. A few more keys help
+calibration: the mean step time without the first (warm-up) step, the throughput it implies and
+the plan's prediction beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .job import Job
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """This process's peak memory: CUDA's allocator peak, or the peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def steady_mean(times: list[float]) -> float:
+    """Mean step time leaving out the first (warm-up) step when there is more than one."""
+    steady = times[1:] if len(times) > 1 else times
+    return sum(steady) / len(steady)
+
+
+@dataclass
+class RunSummary:
+    job: Job
+    losses: list[float]
+    step_time_s: list[float]
+    peak_memory_gib: list[float | None]
+    backend: str
+    device: str
+    nnodes: int
+
+    @property
+    def mean_step_time_s(self) -> float:
+        return steady_mean(self.step_time_s)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.job.layout.global_batch / self.mean_step_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.job.tokens_per_sample
+
+    @property
+    def predicted_iteration_time_s(self) -> float | None:
+        pred = self.job.plan.prediction or {}
+        value = pred.get("iteration_time_s")
+        return float(value) if isinstance(value, int | float) else None
+
+    def to_dict(self) -> dict:
+        return {
+            "plan": self.job.plan.to_dict(),
+            "world_size": self.job.world_size,
+            "steps": len(self.losses),
+            "losses": self.losses,
+            "step_time_s": self.step_time_s,
+            "peak_memory_gib": self.peak_memory_gib,
+            "backend": self.backend,
+            "device": self.device,
+            "nnodes": self.nnodes,
+            "mean_step_time_s": self.mean_step_time_s,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "predicted_iteration_time_s": self.predicted_iteration_time_s,
+            "torch_version": torch.__version__,
+        }
+
+    def write(self, folder: str) -> str:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "run.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path

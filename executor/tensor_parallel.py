@@ -1,0 +1,79 @@
+"""Tensor parallelism: the model's TP plan (models.tp_plan) turned into DTensor parallel styles.
+
+Megatron-LM's layout (Shoeybi et al. 2019): Q/K/V and the first MLP linears column-parallel (whole
+heads per rank), the attention output and second MLP linear row-parallel (one all-reduce each in
+forward), the token embedding sharded over the vocabulary (RowwiseParallel on nn.Embedding: a
+masked lookup and an all-reduce) and the output projection column-parallel over the vocabulary,
+its logits gathered for the loss.
+
+With sequence parallelism (Korthikanti et al. 2022) the residual stream between the parallel regions
+stays sharded over the sequence: norms run on their sequence shard (SequenceParallel), each region
+(attention, MLP) all-gathers its input over the sequence (PrepareModuleInput) and its row-parallel
+output reduce-scatters back (RowwiseParallel with Shard(1) output). Every style hands plain local
+tensors between modules, so the model code, residual adds and pipeline sends see ordinary tensors.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from paraplan.models import ModelSpec, tp_plan, tp_style
+
+from .errors import ExecutionError
+
+SEQ = Shard(1)  # activations (b, s, h) sharded over the sequence
+
+
+def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
+    """The DTensor style for one of the zoo's TP styles (None: the module stays replicated)."""
+    sp = sequence_parallel
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=SEQ if sp else Replicate())
+    if style == "vocab_embedding":  # lookup of the local vocabulary slice, then an all-reduce
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if style == "vocab_head":  # logits gathered over the vocabulary for an ordinary loss
+        return ColwiseParallel(input_layouts=SEQ if sp else Replicate(), output_layouts=Replicate())
+    if style == "norm":
+        return SequenceParallel(use_local_output=True) if sp else None
+    if style == "region":
+        return PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),)) if sp else None
+    raise ExecutionError(f"tensor-parallel style {style!r} is not supported by the executor yet")
+
+
+def tp_module_plan(module: nn.Module, spec: ModelSpec, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Module FQN -> style for the modules this chunk holds."""
+    patterns = tp_plan(spec)
+    plan: dict[str, ParallelStyle] = {}
+    for name, _ in module.named_modules():
+        style = tp_style(patterns, name) if name else None
+        made = parallel_style(style, sequence_parallel) if style else None
+        if made is not None:
+            plan[name] = made
+        if style == "vocab_embedding" and sequence_parallel:
+            # The embedding block may add positions after the lookup, so the block's output (not the
+            # lookup's) enters the sequence-parallel region: keep this rank's sequence shard of it.
+            parent = name.rpartition(".")[0]
+            plan[parent] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQ)
+    return plan
+
+
+def apply_tp(module: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``module`` (a chunk, still on the meta device) over ``tp_mesh`` in place."""
+    if not spec.is_transformer:
+        raise ExecutionError(f"{spec.name}: tensor parallelism is executed for transformers only "
+                             f"(family {spec.family})")
+    parallelize_module(module, tp_mesh, tp_module_plan(module, spec, sequence_parallel))
+

@@ -1,0 +1,113 @@
+"""One obvious training loop (nanoGPT's spirit): batch, forward/backward, gradient syncs, step, loss.
+
+With pp > 1 the pipeline schedule runs forward and backward over the micro-batches; with pp = 1 the
+loop accumulates gradients over the plan's micro-batches itself (each micro-batch's mean loss
+divided by their number), letting DDP/FSDP reduce only after the last one. Either way the gradient
+of a step is that of the global batch's mean loss, and the loss logged is the mean over every
+sample of the global batch (one all-reduce of each last-stage rank's share).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraplan.models import loss_function
+
+from .data import BatchSource
+from .parallelize import RankModel
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    time_s: float
+
+
+@dataclass
+class Trainer:
+    rm: RankModel
+    source: BatchSource
+    results: list[StepResult] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, rm: RankModel) -> Trainer:
+        job = rm.job
+        _, dp_rank, _ = rm.coords
+        source = BatchSource(spec=job.spec, seed=job.plan.seed, global_batch=job.layout.global_batch,
+                             seq_length=job.seq_length, dp=job.layout.dp, dp_rank=dp_rank)
+        return cls(rm=rm, source=source)
+
+    def step(self, k: int) -> StepResult:
+        """Train step ``k`` (0-based); every rank returns the same global mean loss."""
+        rm = self.rm
+        start = time.perf_counter()
+        inputs, targets = (t.to(rm.device) for t in self.source.batch(k))  # (B/dp, s) each
+        with self._autocast():
+            losses = self._pipeline(inputs, targets) if rm.schedule is not None else self._accumulate(inputs, targets)
+        for tied in rm.tied:
+            tied.sync_grads()
+        rm.optimizer.step()
+        rm.optimizer.zero_grad(set_to_none=True)
+        loss = self._global_mean(losses)
+        result = StepResult(step=k, loss=loss, time_s=time.perf_counter() - start)
+        self.results.append(result)
+        return result
+
+    def _autocast(self):
+        if self.rm.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rm.device.type, dtype=self.rm.autocast_dtype)
+
+    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        rm, losses = self.rm, []
+        args = (inputs,) if rm.has_first_stage else ()
+        rm.schedule.step(*args, target=targets if rm.has_last_stage else None, losses=losses,
+                         return_outputs=False)
+        return [x.detach() for x in losses] if rm.has_last_stage else []
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        rm = self.rm
+        (model,) = rm.trained
+        loss_fn = loss_function(rm.job.spec)
+        m = rm.job.layout.num_micro_batches
+        losses = []
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):  # contiguous
+            with _gradient_sync(model, enabled=i == m - 1):
+                loss = loss_fn(model(x), y)  # the micro-batch's mean
+                (loss / m).backward()
+            losses.append(loss.detach())
+        return losses
+
+    def _global_mean(self, losses: list[torch.Tensor]) -> float:
+        """Mean loss over the global batch: last-stage ranks of tensor rank 0 contribute their share."""
+        rm = self.rm
+        _, _, tp_rank = rm.coords
+        lay = rm.job.layout
+        share = torch.zeros((), dtype=torch.float64, device=rm.device)
+        if losses and tp_rank == 0:
+            share += torch.stack(losses).double().sum() / (lay.num_micro_batches * lay.dp)
+        dist.all_reduce(share)
+        return float(share.item())
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, enabled: bool):
+    """Reduce gradients across data-parallel ranks only on the last micro-batch of a step."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield

@@ -1,0 +1,90 @@
+"""``paraplan execute``: train a plan with torch.distributed, on this machine or across nodes.
+
+Everything that can be refused is refused before a process starts (the plan, the slots or GPUs, the
+node options, the port); then torchrun runs this node's ranks and a failure comes back as one line
+naming the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+from paraplan.executor.errors import ExecutionError
+from paraplan.executor.job import Job
+from paraplan.executor.launch import LaunchOptions, launch, quote
+from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_device_type
+
+DEFAULT_MULTI_NODE_PORT = 29500
+
+
+def node_command(args, node_rank: int, port: int) -> list[str]:
+    """The ``paraplan execute`` command node ``node_rank`` runs."""
+    cmd = ["paraplan", "execute", "--plan", args.plan, "--steps", str(args.steps), "--nnodes", str(args.nnodes),
+           "--node-rank", str(node_rank), "--timeout", f"{args.timeout:g}"]
+    if args.rdzv_endpoint:
+        cmd += ["--rdzv-endpoint", args.rdzv_endpoint]
+    else:
+        cmd += ["--master-addr", args.master_addr, "--master-port", str(port)]
+    if args.out:
+        cmd += ["--out", args.out]
+    return cmd
+
+
+def _check_out(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ExecutionError(f"--out {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise ExecutionError(f"--out {path}: not writable")
+
+
+def _rendezvous_port(args) -> int:
+    """Check the rendezvous address; returns the port torchrun will use."""
+    if args.rdzv_endpoint:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ExecutionError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected host:port")
+        if args.master_port is not None:
+            raise ExecutionError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
+        return int(port)
+    if args.master_port is not None:
+        port = args.master_port
+    elif args.nnodes == 1:
+        port = free_port(args.master_addr)
+    else:
+        port = DEFAULT_MULTI_NODE_PORT
+    if args.node_rank == 0:  # node 0 hosts the rendezvous store on this port
+        check_port_free(args.master_addr, port)
+    return port
+
+
+def run(args) -> int:
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ExecutionError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    job = Job.load(args.plan)
+    nproc = check_slots(job.plan, job.world_size, args.nnodes)
+    if args.out and args.node_rank == 0:
+        _check_out(args.out)
+    port = _rendezvous_port(args)
+    threads = max(1, (os.cpu_count() or 1) // nproc) if plan_device_type(job.plan) == "cpu" else None
+    with open(args.plan, "rb") as f:
+        run_id = f"paraplan-{zlib.crc32(f.read()):08x}"
+    opts = LaunchOptions(nproc_per_node=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                         master_addr=args.master_addr, master_port=port, rdzv_endpoint=args.rdzv_endpoint,
+                         run_id=run_id, timeout_s=args.timeout, steps=args.steps, debug=args.debug,
+                         threads_per_rank=threads)
+    if args.nnodes > 1:
+        sys.stderr.write(f"{args.nnodes} nodes x {nproc} ranks; run on each node:\n")
+        for r in range(args.nnodes):
+            sys.stderr.write(f"  node {r}: {quote(node_command(args, r, port))}\n")
+        sys.stderr.write(f"this is node {args.node_rank}; starting its ranks\n")
+    if args.debug:
+        from paraplan.executor.launch import torchrun_command
+
+        sys.stderr.write(f"torchrun: {quote(torchrun_command([args.plan], [args.out], opts))}\n")
+    sys.stderr.flush()
+    launch([args.plan], [args.out], opts)
+    return 0
