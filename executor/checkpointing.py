@@ -2,11 +2,13 @@
 
 - ``full``: each transformer layer keeps only its input; its whole forward runs again in backward.
 - ``selective`` (Korthikanti et al. 2022): only the attention core, softmax(QK^T)V, is recomputed.
-  The layer runs under selective activation checkpointing whose policy saves every op's output
-  except those executed inside the attention core (the model flags that region, see
-  ``paraplan.models.in_attention_core``), which are recomputed.
+  Each layer's attention module runs under selective activation checkpointing whose policy saves
+  every op's output except those executed inside the attention core (the model flags that region,
+  see ``paraplan.models.in_attention_core``), which are recomputed. (Wrapping the attention module
+  rather than the whole layer keeps the norms, whose fused kernels update tensors in place, out of
+  the cached region.)
 
-Layers are wrapped in place in their ``nn.ModuleDict``, so block names (``layers.3``) still resolve.
+Modules are wrapped in place (``layers[i]`` or ``layers[i].attn``), so block names still resolve.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _wrapper(mode: str):
 
 
 def apply_ac(module: nn.Module, mode: str) -> int:
-    """Wrap every transformer layer of ``module`` for recomputation ``mode``; returns how many."""
+    """Wrap ``module``'s transformer layers (full) or their attention (selective); returns how many."""
     if mode == "none":
         return 0
     layers = getattr(module, "layers", None)
@@ -45,5 +47,8 @@ def apply_ac(module: nn.Module, mode: str) -> int:
         return 0
     wrap = _wrapper(mode)
     for name in list(layers.keys()):
-        layers[name] = wrap(layers[name])
+        if mode == "full":
+            layers[name] = wrap(layers[name])
+        else:
+            layers[name].attn = wrap(layers[name].attn)
     return len(layers)

@@ -7,3 +7,7 @@ class ExecutionError(ValueError):
     Raised before anything starts (world size larger than the slots, a port in use, an invalid
     plan) and, by the launcher, when a rank dies or hangs (the message names the rank).
     """
+
+
+class JobFailed(ExecutionError):
+    """The job started but a rank died, failed or hung; the message names the rank (exit code 1)."""

@@ -115,3 +115,8 @@ class Job:
         if lay.pp > 1 and lay.schedule == "zb-v" and m < 2 * lay.pp:
             raise ExecutionError(f"{self.source}: zb-v needs at least 2 x pp = {2 * lay.pp} micro-batches per "
                                  f"replica, the plan has {m}")
+        if lay.pp > 1 and lay.schedule == "zb-v" and lay.zero == 3 and lay.dp > 1:
+            # FSDP2 reshards the weights after the input-gradient pass, before ZB-V's separate weight-gradient
+            # pass runs: torch 2.13 then computes wrong weight gradients (caught by tests/test_executor*.py).
+            raise ExecutionError(f"{self.source}: zb-v with ZeRO 3 is not supported by torch's pipelining (weights "
+                                 "resharded before the weight-gradient pass); use zero 2 or interleaved-1f1b")

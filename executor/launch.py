@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .errors import ExecutionError
+from .errors import JobFailed
 from .status import STATUS_DIR_ENV, RankStatus, read_statuses
 
 WATCHDOG_MARGIN_S = 15.0  # after --timeout, so process-group timeouts (more precise) fire first
@@ -205,8 +205,8 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def launch(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> None:
-    """Run this node's part of the job; raise ExecutionError with the diagnosis if it fails."""
+    """Run this node's part of the job; raise JobFailed with the diagnosis if it fails."""
     outcome = run_torchrun(plans, outs, opts)
     if outcome.returncode == 0 and outcome.watchdog is None:
         return
-    raise ExecutionError(diagnose(outcome))
+    raise JobFailed(diagnose(outcome))

@@ -93,7 +93,7 @@ def build_rank_model(job: Job, rank: int, device: torch.device, timeout: timedel
             apply_tp(chunk.module, spec, mesh["tp"], lay.sequence_parallel)
         materialize(chunk.module, spec, job.plan.seed, device)
         apply_ac(chunk.module, job.recompute_of(chunk.stage))
-        trained.append(apply_dp(chunk.module, lay.zero, mesh["dp"], device, mp_dtype))
+        trained.append(apply_dp(chunk.module, lay.zero, mesh["dp"], device, mp_dtype, pipelined=lay.pp > 1))
 
     on_phase("optimizer")
     params = list({id(p): p for m in trained for p in m.parameters()}.values())

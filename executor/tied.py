@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paraplan.models import ModelSpec, tied_aliases
 
@@ -32,12 +33,15 @@ class TiedSync:
 
     @torch.no_grad()
     def sync_grads(self) -> None:
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        held = [p for p in self.params if p.grad is not None]
+        for p in held:  # a vocab-parallel embedding's gradient may come back replicated: shard it like p
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        grads = [local(p.grad) for p in held]  # same shapes: the copies are sharded alike
         if not grads:
             return
-        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)  # same shape: same sharding
+        total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
         if self.group is not None:
-            total = total.clone() if len(grads) == 1 else total
             dist.all_reduce(total, group=self.group)
         for g in grads:
             g.copy_(total)

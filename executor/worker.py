@@ -22,6 +22,7 @@ import traceback
 from datetime import timedelta
 
 FAULT_ENV = "PARAPLAN_FAULT"  # fault injection for tests: "exit:RANK:STEP", "hang:RANK:STEP" or "raise:RANK:STEP"
+# (STEP counts from 1, as the messages do)
 PEER_ERROR_MARKERS = ("connection closed by peer", "connection reset", "timed out", "timeout", "broken pipe",
                       "socket", "nccl", "gloo", "recv", "send", "peer", "abort")
 
@@ -60,12 +61,12 @@ def _redirect_output(rank: int, folder: str | None) -> None:
 
 
 def _fault(rank: int, step: int) -> None:
-    """Injected faults (tests): make rank RANK exit, hang or raise at step STEP."""
+    """Injected faults (tests): make rank RANK exit, hang or raise at the start of step STEP (1-based)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     kind, r, s = spec.split(":")
-    if int(r) != rank or int(s) != step:
+    if int(r) != rank or int(s) != step + 1:
         return
     if kind == "exit":
         os._exit(3)
@@ -73,7 +74,7 @@ def _fault(rank: int, step: int) -> None:
         while True:
             time.sleep(1)
     if kind == "raise":
-        raise RuntimeError(f"injected fault at step {step}")
+        raise RuntimeError(f"injected fault at step {step + 1}")
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -84,6 +85,21 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(m in text for m in PEER_ERROR_MARKERS)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of a chain (pipelining wraps a stage's error in its own)."""
+    seen = set()
+    while exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def device_for(job) -> tuple:
@@ -168,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         status.update(state="terminated", message=f"ended by SIGTERM during {status.status.phase}")
         return 143
     except BaseException as e:  # noqa: BLE001 - every failure is classified for the launcher
-        peer = is_peer_failure(e)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        status.update(state="peer" if peer else "error", message=f"{type(e).__name__}: {first}"[:500])
+        root = root_cause(e)
+        status.update(state="peer" if is_peer_failure(root) else "error", message=one_line(root))
         traceback.print_exc()
         return 1
 

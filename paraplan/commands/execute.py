@@ -11,7 +11,7 @@ import os
 import sys
 import zlib
 
-from paraplan.executor.errors import ExecutionError
+from paraplan.executor.errors import ExecutionError, JobFailed
 from paraplan.executor.job import Job
 from paraplan.executor.launch import LaunchOptions, launch, quote
 from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_device_type
@@ -86,5 +86,11 @@ def run(args) -> int:
 
         sys.stderr.write(f"torchrun: {quote(torchrun_command([args.plan], [args.out], opts))}\n")
     sys.stderr.flush()
-    launch([args.plan], [args.out], opts)
+    try:
+        launch([args.plan], [args.out], opts)
+    except JobFailed as e:  # it ran and failed: one line too, but exit 1 (2 means refused before starting)
+        if args.debug:
+            raise
+        sys.stderr.write(f"paraplan execute: error: {e}\n")
+        return 1
     return 0

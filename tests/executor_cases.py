@@ -1,0 +1,126 @@
+"""Helpers for the executor tests: small plans written directly (independent of the planner's search),
+and an independent single-process reference run to compare their losses with."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from paraplan.executor.data import BatchSource
+from paraplan.executor.optim import ADAMW
+from paraplan.models import PRESETS, block_names, build_model, initialize, loss_function, spec_from_mapping
+from paraplan.planner.layout import Layout
+from paraplan.planner.plan import Plan
+
+SEQ = 32  # short sequences keep CPU runs fast
+STEPS = 3
+RTOL = 1e-4
+
+# Small variants beyond the presets: an odd number of layers, for uneven pipeline stages.
+EXTRA_MODELS = {
+    "gpt-3layer": dict(family="gpt", num_layers=3, hidden_size=128, num_attention_heads=4, vocab_size=1024,
+                       seq_length=128),
+    "llama-3layer": dict(family="llama", num_layers=3, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=352, vocab_size=1024, seq_length=128),
+}
+
+
+def model_mapping(model: str) -> dict:
+    return {"name": model, **(PRESETS.get(model) or EXTRA_MODELS[model])}
+
+
+def split_stages(blocks: list[str], n: int) -> list[list[str]]:
+    """Contiguous, as even as possible, earlier stages taking the extra block."""
+    q, r = divmod(len(blocks), n)
+    out, i = [], 0
+    for s in range(n):
+        size = q + (1 if s < r else 0)
+        out.append(blocks[i:i + size])
+        i += size
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout of one model, named for the test id."""
+
+    name: str
+    model: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    micro_batch: int = 1
+    global_batch: int = 8
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def plan(self) -> Plan:
+        spec = spec_from_mapping(model_mapping(self.model), source=self.model)
+        layout = Layout(dp=self.dp, tp=self.tp, pp=self.pp, micro_batch=self.micro_batch,
+                        global_batch=self.global_batch, schedule=self.schedule, virtual_stages=self.virtual_stages,
+                        zero=self.zero, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
+                        dtype="fp32")
+        stages = split_stages(block_names(spec), layout.num_stages)
+        return Plan(model=self.model, cluster="local", layout=layout, stages=stages, seed=self.seed,
+                    model_spec=spec.to_dict(), seq_length=SEQ, nodes=1,
+                    prediction={"iteration_time_s": 0.1, "peak_memory_gib": 0.3}, **self.extra)
+
+    def write(self, folder: str) -> str:
+        path = os.path.join(folder, f"{self.name}.json")
+        with open(path, "w") as f:
+            json.dump(self.plan().to_dict(), f, indent=1)
+        return path
+
+
+_REFERENCE: dict[tuple, list[float]] = {}
+
+
+def reference_losses(case: Case, steps: int = STEPS) -> list[float]:
+    """The same model, seed and global batch trained in this process without any parallelism: one
+    forward of the whole global batch per step, AdamW with the executor's settings."""
+    key = (case.model, case.seed, case.global_batch, steps)
+    if key in _REFERENCE:
+        return _REFERENCE[key]
+    spec = spec_from_mapping(model_mapping(case.model), source=case.model)
+    with torch.random.fork_rng():
+        model = build_model(spec, "cpu")
+    initialize(model, spec, case.seed)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    source = BatchSource(spec=spec, seed=case.seed, global_batch=case.global_batch, seq_length=SEQ)
+    loss_fn = loss_function(spec)
+    losses = []
+    for k in range(steps):
+        x, y = source.batch(k)  # (B, s) each
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    _REFERENCE[key] = losses
+    return losses
+
+
+def read_run(folder: str) -> dict:
+    with open(os.path.join(folder, "run.json")) as f:
+        return json.load(f)
+
+
+def assert_losses_match(case: Case, run: dict) -> None:
+    ref = reference_losses(case, len(run["losses"]))
+    assert len(run["losses"]) == len(ref)
+    for k, (got, want) in enumerate(zip(run["losses"], ref, strict=True)):
+        assert abs(got - want) <= RTOL * abs(want), (
+            f"{case.name}: step {k + 1} loss {got!r} differs from the single-process {want!r} "
+            f"(rel {abs(got - want) / abs(want):.2e})")
