@@ -11,10 +11,23 @@ from .job import Job
 from .record import RunSummary
 
 
+class _Console(Console):
+    """rich's Console, except that a closed stdout (``| head``) silences the display instead of ending
+    the rank (rich's default exits, which would fail the whole job)."""
+
+    def on_broken_pipe(self) -> None:
+        import os
+        import sys
+
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 class TrainingDisplay:
-    def __init__(self, job: Job, steps: int, enabled: bool):
-        self.job, self.steps, self.enabled = job, steps, enabled
-        self.console = Console(highlight=False)
+    def __init__(self, job: Job, steps: int, enabled: bool, notes: list[str] | None = None):
+        self.job, self.steps, self.enabled, self.notes = job, steps, enabled, notes or []
+        self.console = _Console(highlight=False, soft_wrap=True)
         self.progress: Progress | None = None
         self.task = None
 
@@ -24,6 +37,8 @@ class TrainingDisplay:
         lay = self.job.layout
         self.console.print(f"executing {self.job.spec.name}: {lay.short()}, global batch {lay.global_batch}, "
                            f"{lay.num_micro_batches} micro-batches per replica, {self.job.world_size} ranks")
+        for note in self.notes:
+            self.console.print(f"note: {note}")
         if self.console.is_terminal:
             self.progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,7 @@ class Outcome:
     torchrun_stderr: str
     world_size: int
     watchdog: str | None = None  # why the watchdog ended the job, if it did
+    status_dir: str | None = None  # the ranks' status files and logs
 
 
 def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> Outcome:
@@ -104,7 +106,8 @@ def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) 
     if reader is not None:
         reader.join(timeout=5)
     return Outcome(returncode=proc.returncode, statuses=read_statuses(status_dir),
-                   torchrun_stderr="".join(err_lines), world_size=opts.nproc_per_node * opts.nnodes, watchdog=why)
+                   torchrun_stderr="".join(err_lines), world_size=opts.nproc_per_node * opts.nnodes, watchdog=why,
+                   status_dir=status_dir)
 
 
 def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | None:
@@ -163,8 +166,14 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
+PHASES = {"starting": "while starting", "rendezvous": "while joining the process group",
+          "mesh": "while building the device mesh", "model": "while building its model chunks",
+          "optimizer": "while building the optimizer", "pipeline": "while building the pipeline schedule",
+          "record": "while recording the run", "done": "after finishing"}
+
+
 def _where(st: RankStatus) -> str:
-    return f"step {st.step + 1}" if st.phase == "train" else f"while {st.phase}"
+    return f"step {st.step + 1}" if st.phase == "train" else PHASES.get(st.phase, f"while {st.phase}")
 
 
 def diagnose(o: Outcome) -> str:
@@ -208,5 +217,9 @@ def launch(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> Non
     """Run this node's part of the job; raise JobFailed with the diagnosis if it fails."""
     outcome = run_torchrun(plans, outs, opts)
     if outcome.returncode == 0 and outcome.watchdog is None:
+        shutil.rmtree(outcome.status_dir, ignore_errors=True)
         return
-    raise JobFailed(diagnose(outcome))
+    if outcome.torchrun_stderr:
+        with open(os.path.join(outcome.status_dir, "torchrun.log"), "w") as f:
+            f.write(outcome.torchrun_stderr)
+    raise JobFailed(f"{diagnose(outcome)} (logs of this node's ranks: {outcome.status_dir})")

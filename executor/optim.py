@@ -27,8 +27,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def adamw(params: Iterable[nn.Parameter]) -> torch.optim.AdamW:
-    """AdamW with the executor's fixed settings (per-tensor loop: parameters may mix DTensor meshes)."""
-    return torch.optim.AdamW(list(params), foreach=False, **ADAMW)
+    """AdamW with the executor's fixed settings. torch's default implementation for plain tensors; a
+    per-tensor loop when DTensors are present (one foreach call may not mix meshes or plain tensors)."""
+    params = list(params)
+    foreach = False if any(isinstance(p, DTensor) for p in params) else None
+    return torch.optim.AdamW(params, foreach=foreach, **ADAMW)
 
 
 def partition(params: list[nn.Parameter], parts: int) -> list[int]:

@@ -132,7 +132,10 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
     device, backend = device_for(job)
     rm = build_rank_model(job, rank, device, timeout, on_phase=lambda ph: status.update(phase=ph))
     trainer = Trainer.create(rm)
-    with TrainingDisplay(job, steps, enabled=rank == 0) as display:
+    notes = []
+    if device.type == "cpu" and job.layout.dtype != "fp32":
+        notes.append(f"the plan trains in {job.layout.dtype}; on CPU the executor trains in fp32")
+    with TrainingDisplay(job, steps, enabled=rank == 0, notes=notes) as display:
         for k in range(steps):
             status.update(phase="train", step=k)
             _fault(rank, k)
