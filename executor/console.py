@@ -3,6 +3,9 @@ the measured step time and throughput beside the plan's prediction."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -16,9 +19,6 @@ class _Console(Console):
     the rank (rich's default exits, which would fail the whole job)."""
 
     def on_broken_pipe(self) -> None:
-        import os
-        import sys
-
         self.quiet = True
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -27,7 +27,7 @@ class _Console(Console):
 class TrainingDisplay:
     def __init__(self, job: Job, steps: int, enabled: bool, notes: list[str] | None = None):
         self.job, self.steps, self.enabled, self.notes = job, steps, enabled, notes or []
-        self.console = _Console(highlight=False, soft_wrap=True)
+        self.console = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
         self.progress: Progress | None = None
         self.task = None
 

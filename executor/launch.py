@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from .errors import JobFailed
 from .status import STATUS_DIR_ENV, RankStatus, read_statuses
 
-WATCHDOG_MARGIN_S = 15.0  # after --timeout, so process-group timeouts (more precise) fire first
+WATCHDOG_MARGIN = 0.5  # x --timeout (at most 15 s) on top of it, so process-group timeouts (more precise) fire first
+STARTUP_ALLOWANCE_S = 60.0  # at least this long for the first rank to start (torchrun waits for every node first)
 STOP_GRACE_S = 40.0  # torchrun gives its workers 30 s between SIGTERM and SIGKILL
 
 
@@ -46,6 +47,7 @@ class LaunchOptions:
     timeout_s: float = 300.0
     steps: int = 5
     debug: bool = False
+    quiet: bool = False  # ranks print nothing on stdout (the caller prints the record as JSON)
     threads_per_rank: int | None = None  # OMP threads of a CPU rank (None: leave the environment's)
 
 
@@ -62,6 +64,8 @@ def torchrun_command(plans: list[str], outs: list[str | None], opts: LaunchOptio
             "--nnodes", str(opts.nnodes)]
     for plan, out in zip(plans, outs, strict=True):
         cmd += ["--plan", os.path.abspath(plan), "--out", os.path.abspath(out) if out else "-"]
+    if opts.quiet:
+        cmd.append("--quiet")
     if opts.debug:
         cmd.append("--debug")
     return cmd
@@ -113,7 +117,7 @@ def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) 
 def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | None:
     """Wait for torchrun; end it when no local rank has made progress for --timeout (+ a margin)."""
     started = time.time()
-    limit = timeout_s + WATCHDOG_MARGIN_S if timeout_s > 0 else None
+    limit = timeout_s + min(15.0, WATCHDOG_MARGIN * timeout_s) if timeout_s > 0 else None
     while proc.poll() is None:
         time.sleep(0.2)
         if limit is None:
@@ -121,7 +125,7 @@ def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | N
         statuses = read_statuses(status_dir)
         live = [s for s in statuses.values() if s.state == "running"]
         last = max((s.time for s in live), default=None)
-        if not statuses and time.time() - started > limit:
+        if not statuses and time.time() - started > max(limit, STARTUP_ALLOWANCE_S):
             _stop(proc, status_dir)
             return f"no rank started within {timeout_s:g} s (is every node running its command?)"
         if last is not None and time.time() - last > limit:

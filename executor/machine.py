@@ -8,6 +8,7 @@ process per GPU, and this node must have that many.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 
 from paraplan.hardware_specs import ClusterSpec, HardwareSpecError, load_cluster
@@ -31,6 +32,17 @@ def plan_device_type(plan: Plan) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank_device(plan: Plan) -> tuple:
+    """(torch.device, backend) of this rank: its node-local GPU with nccl, or the CPU with gloo."""
+    import torch
+
+    if plan_device_type(plan) == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
 
 
 def check_slots(plan: Plan, world_size: int, nnodes: int) -> int:

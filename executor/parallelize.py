@@ -64,11 +64,6 @@ class RankModel:
     def has_last_stage(self) -> bool:
         return any(c.stage == self.job.num_stages - 1 for c in self.chunks)
 
-    def num_parameters(self) -> int:
-        """Parameters this rank stores (local shards), tied copies counted once per chunk."""
-        seen = {id(p): p for m in self.trained for p in m.parameters()}
-        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in seen.values())
-
 
 def mixed_precision_dtype(job: Job, device: torch.device) -> torch.dtype | None:
     """bf16 autocast/FSDP mixed precision on GPUs when the plan trains in bf16; fp32 on CPU."""

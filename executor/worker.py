@@ -9,6 +9,7 @@ Every rank keeps a status file for its launcher (status.py) and classifies how i
 exception of its own (``error``), a collective that failed because of another rank (``peer``), or
 a SIGTERM from torchrun/the launcher (``terminated``). Output of ranks other than 0 (and rank 0's
 stderr) goes to per-rank log files beside the status files, so the console shows one clean run.
+Heavy imports (torch) come after the first status write, so the launcher sees a starting rank at once.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ import argparse
 import os
 import signal
 import sys
-import time
 import traceback
 from datetime import timedelta
 
-FAULT_ENV = "PARAPLAN_FAULT"  # fault injection for tests: "exit:RANK:STEP", "hang:RANK:STEP" or "raise:RANK:STEP"
-# (STEP counts from 1, as the messages do)
-PEER_ERROR_MARKERS = ("connection closed by peer", "connection reset", "timed out", "timeout", "broken pipe",
-                      "socket", "nccl", "gloo", "recv", "send", "peer", "abort")
+from .failures import is_peer_failure, one_line, root_cause
+from .status import STATUS_DIR_ENV, StatusWriter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--quiet", action="store_true", help="no progress or summary on stdout (execute --json)")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -60,85 +59,29 @@ def _redirect_output(rank: int, folder: str | None) -> None:
     os.close(log)
 
 
-def _fault(rank: int, step: int) -> None:
-    """Injected faults (tests): make rank RANK exit, hang or raise at the start of step STEP (1-based)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    kind, r, s = spec.split(":")
-    if int(r) != rank or int(s) != step + 1:
-        return
-    if kind == "exit":
-        os._exit(3)
-    if kind == "hang":
-        while True:
-            time.sleep(1)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault at step {step + 1}")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Did a collective or point-to-point op fail (because of another rank) rather than our own code?"""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_ERROR_MARKERS)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception of a chain (pipelining wraps a stage's error in its own)."""
-    seen = set()
-    while exc.__cause__ is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        exc = exc.__cause__
-    return exc
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def device_for(job) -> tuple:
-    """(torch.device, backend) for this rank: the local GPU with nccl, or the CPU with gloo."""
-    import torch
-
-    if job_device_type(job) == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def job_device_type(job) -> str:
-    from .machine import plan_device_type
-
-    return plan_device_type(job.plan)
-
-
-def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status, nnodes: int) -> None:
+def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status, nnodes: int,
+             quiet: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
     from .console import TrainingDisplay
+    from .failures import inject_fault
+    from .machine import rank_device
     from .parallelize import build_rank_model
     from .record import RunSummary, peak_memory_gib
     from .trainer import Trainer
 
     rank = dist.get_rank()
-    device, backend = device_for(job)
+    device, backend = rank_device(job.plan)
     rm = build_rank_model(job, rank, device, timeout, on_phase=lambda ph: status.update(phase=ph))
     trainer = Trainer.create(rm)
     notes = []
     if device.type == "cpu" and job.layout.dtype != "fp32":
         notes.append(f"the plan trains in {job.layout.dtype}; on CPU the executor trains in fp32")
-    with TrainingDisplay(job, steps, enabled=rank == 0, notes=notes) as display:
+    with TrainingDisplay(job, steps, enabled=rank == 0 and not quiet, notes=notes) as display:
         for k in range(steps):
             status.update(phase="train", step=k)
-            _fault(rank, k)
+            inject_fault(rank, k)
             r = trainer.step(k)
             display.step(k, r.loss, r.time_s)
     status.update(phase="record")
@@ -152,15 +95,14 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
         display.summary(summary)
         if out:
             path = summary.write(out)
-            display.console.print(f"run record written to {path}")
+            if not quiet:
+                display.console.print(f"run record written to {path}")
     dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    from .status import STATUS_DIR_ENV, StatusWriter
-
     status = StatusWriter.from_env(rank)
     if not args.debug:
         _redirect_output(rank, os.environ.get(STATUS_DIR_ENV))
@@ -169,17 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         from .job import Job
+        from .machine import rank_device
 
         jobs = [Job.load(p) for p in args.plan]
         outs = [None if o == "-" else o for o in args.out] + [None] * (len(jobs) - len(args.out))
         timeout = timedelta(seconds=args.timeout) if args.timeout > 0 else None
-        _, backend = device_for(jobs[0])
+        _, backend = rank_device(jobs[0].plan)
         status.update(phase="rendezvous")
         dist.init_process_group(backend=backend, timeout=timeout)
         for job in jobs:
             job.dims.check_world(dist.get_world_size())
         for job, out in zip(jobs, outs, strict=True):
-            run_plan(job, args.steps, out, timeout, status, args.nnodes)
+            run_plan(job, args.steps, out, timeout, status, args.nnodes, quiet=args.quiet)
         status.update(state="done", phase="done")
         dist.destroy_process_group()
         return 0

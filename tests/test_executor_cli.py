@@ -49,6 +49,13 @@ def test_simulated_plan_runs_and_records(tmp_path):
     assert run["mean_step_time_s"] == pytest.approx(run["step_time_s"][1])
 
 
+def test_json_prints_only_the_run_record(plan_file):
+    p = run_cli("execute", "--plan", plan_file(Case("one", "llama-tiny", micro_batch=4)), "--steps", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    run = json.loads(p.stdout)  # exactly one JSON object on stdout
+    assert RUN_KEYS <= set(run) and run["world_size"] == 1 and len(run["losses"]) == 2
+
+
 @pytest.mark.parametrize("change,fragment", [
     ({"stages": [["embed", "layers.0"], ["layers.2", "layers.3", "head"]]}, "leaves out block 'layers.1'"),
     ({"stages": [["embed", "layers.0", "layers.1"], ["layers.1", "layers.2", "layers.3", "head"]]},
@@ -97,6 +104,15 @@ def test_a_failing_rank_ends_the_job_and_is_named(plan_file, fault, fragment):
     assert_one_line_error(p, fragment)
     assert p.returncode == 1
     assert elapsed < 60 + timeout, f"the job took {elapsed:.0f} s to end"
+
+
+def test_watchdog_ends_a_job_whose_every_rank_hangs(plan_file):
+    """No peer is left to time out: the launcher's watchdog ends the job and names the rank."""
+    start = time.time()
+    p = run_cli("execute", "--plan", plan_file(Case("one", "gpt-tiny", micro_batch=4)), "--steps", "3",
+                "--timeout", "4", env={"PARAPLAN_FAULT": "hang:0:2"}, timeout=180)
+    assert_one_line_error(p, "rank 0 hung: no progress for 4 s (at step 2, train)")
+    assert p.returncode == 1 and time.time() - start < 60
 
 
 def test_two_nodes_on_loopback_run_a_dp2_pp2_plan(plan_file, tmp_path):

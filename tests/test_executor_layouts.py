@@ -38,6 +38,8 @@ CASES = {
         Case("gpt-tp2-sp", "gpt-tiny", tp=2, sequence_parallel=True, micro_batch=4),
         Case("llama-tp2-sp-selective", "llama-tiny", tp=2, sequence_parallel=True, recompute="selective",
              micro_batch=4),
+        Case("mlp-dp2-zero3", "mlp-small", dp=2, zero=3),  # synthetic features and labels
+        Case("mlp-pp2-gpipe", "mlp-small", pp=2, schedule="gpipe", micro_batch=2),
     ],
     4: [
         Case("gpt-dp2xtp2", "gpt-tiny", dp=2, tp=2, micro_batch=4),

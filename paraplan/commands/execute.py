@@ -7,14 +7,18 @@ naming the rank.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import zlib
 
 from paraplan.executor.errors import ExecutionError, JobFailed
 from paraplan.executor.job import Job
 from paraplan.executor.launch import LaunchOptions, launch, quote
 from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_device_type
+
+from .output import print_json
 
 DEFAULT_MULTI_NODE_PORT = 29500
 
@@ -66,8 +70,11 @@ def run(args) -> int:
         raise ExecutionError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     job = Job.load(args.plan)
     nproc = check_slots(job.plan, job.world_size, args.nnodes)
-    if args.out and args.node_rank == 0:
-        _check_out(args.out)
+    out = args.out
+    if args.json and not out and args.node_rank == 0:  # the record is printed, so it is written somewhere first
+        out = tempfile.mkdtemp(prefix="paraplan-record-")
+    if out and args.node_rank == 0:
+        _check_out(out)
     port = _rendezvous_port(args)
     threads = max(1, (os.cpu_count() or 1) // nproc) if plan_device_type(job.plan) == "cpu" else None
     with open(args.plan, "rb") as f:
@@ -75,7 +82,7 @@ def run(args) -> int:
     opts = LaunchOptions(nproc_per_node=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                          master_addr=args.master_addr, master_port=port, rdzv_endpoint=args.rdzv_endpoint,
                          run_id=run_id, timeout_s=args.timeout, steps=args.steps, debug=args.debug,
-                         threads_per_rank=threads)
+                         quiet=args.json, threads_per_rank=threads)
     if args.nnodes > 1:
         sys.stderr.write(f"{args.nnodes} nodes x {nproc} ranks; run on each node:\n")
         for r in range(args.nnodes):
@@ -84,13 +91,19 @@ def run(args) -> int:
     if args.debug:
         from paraplan.executor.launch import torchrun_command
 
-        sys.stderr.write(f"torchrun: {quote(torchrun_command([args.plan], [args.out], opts))}\n")
+        sys.stderr.write(f"torchrun: {quote(torchrun_command([args.plan], [out], opts))}\n")
     sys.stderr.flush()
     try:
-        launch([args.plan], [args.out], opts)
+        launch([args.plan], [out], opts)
     except JobFailed as e:  # it ran and failed: one line too, but exit 1 (2 means refused before starting)
         if args.debug:
             raise
         sys.stderr.write(f"paraplan execute: error: {e}\n")
         return 1
+    if args.json:
+        if args.node_rank == 0:
+            with open(os.path.join(out, "run.json")) as f:
+                print_json(json.load(f))
+        else:
+            print_json({"node_rank": args.node_rank, "nnodes": args.nnodes, "finished": True})
     return 0
