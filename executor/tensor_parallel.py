@@ -67,7 +67,36 @@ def tp_module_plan(module: nn.Module, spec: ModelSpec, sequence_parallel: bool) 
             # lookup's) enters the sequence-parallel region: keep this rank's sequence shard of it.
             parent = name.rpartition(".")[0]
             plan[parent] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQ)
+    if sequence_parallel:
+        plan.update({name: SequenceParallel(use_local_output=True)
+                     for name in _unplanned_in_sequence_region(module, patterns)})
     return plan
+
+
+def _unplanned_in_sequence_region(module: nn.Module, patterns: dict[str, str]) -> list[str]:
+    """Modules with weights of their own that the TP plan leaves replicated but that run on the
+    sequence shard (e.g. BERT's head.transform). Each rank would see only its tokens' gradient, so
+    they run as SequenceParallel too: replicated DTensor weights whose gradients are all-reduced."""
+    embed_blocks = {n.rpartition(".")[0] for n, _ in module.named_modules()
+                    if n and tp_style(patterns, n) == "vocab_embedding"}
+    out = []
+    for name, mod in module.named_modules():
+        if not name or not any(True for _ in mod.parameters(recurse=False)):
+            continue
+        if any(name == b or name.startswith(b + ".") for b in embed_blocks):
+            continue  # runs before the sequence is split
+        if _covered(name, patterns):
+            continue
+        out.append(name)
+    return out
+
+
+def _covered(name: str, patterns: dict[str, str]) -> bool:
+    """Whether the plan gives ``name`` or one of its parents a style of its own."""
+    parts = name.split(".")
+    return any(tp_style(patterns, ".".join(parts[:i])) in ("colwise", "rowwise", "vocab_embedding", "vocab_head",
+                                                              "norm")
+               for i in range(len(parts), 0, -1))
 
 
 def apply_tp(module: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -73,6 +73,8 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
 
     rank = dist.get_rank()
     device, backend = rank_device(job.plan)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # several plans may run in one process
     rm = build_rank_model(job, rank, device, timeout, on_phase=lambda ph: status.update(phase=ph))
     trainer = Trainer.create(rm)
     notes = []

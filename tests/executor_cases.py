@@ -25,6 +25,8 @@ EXTRA_MODELS = {
                        seq_length=128),
     "llama-3layer": dict(family="llama", num_layers=3, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                          ffn_hidden_size=352, vocab_size=1024, seq_length=128),
+    "bert-small": dict(family="bert", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024,
+                       seq_length=128),
     "mlp-small": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=10),
 }
 
