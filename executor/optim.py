@@ -75,6 +75,12 @@ class ShardedOptimizer:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def state_numel(self) -> int:
-        """Optimizer-state elements this rank holds (for reporting ZeRO-1's saving)."""
-        return sum(2 * local(p).numel() for p, o in zip(self.params, self.owner, strict=True) if o == self.rank)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank holds (local shards): what ZeRO 1-3 divide by dp."""
+    inner = optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    if inner is None:
+        return 0
+    return sum(local(t).numel() * t.element_size() for state in inner.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor))

@@ -2,8 +2,8 @@
 
 Contract keys: plan, world_size, steps, losses (global mean per step), step_time_s (per step),
 peak_memory_gib (per rank; null where the device cannot tell), backend, device. A few more keys help
-calibration: the mean step time without the first (warm-up) step, the throughput it implies and
-the plan's prediction beside it.
+calibration: the mean step time without the first (warm-up) step, the throughput it implies, the
+plan's prediction beside it, and each rank's optimizer state (what ZeRO shards).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class RunSummary:
     losses: list[float]
     step_time_s: list[float]
     peak_memory_gib: list[float | None]
+    optimizer_state_gib: list[float]
     backend: str
     device: str
     nnodes: int
@@ -69,6 +70,7 @@ class RunSummary:
             "losses": self.losses,
             "step_time_s": self.step_time_s,
             "peak_memory_gib": self.peak_memory_gib,
+            "optimizer_state_gib": self.optimizer_state_gib,
             "backend": self.backend,
             "device": self.device,
             "nnodes": self.nnodes,

@@ -67,6 +67,7 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
     from .console import TrainingDisplay
     from .failures import inject_fault
     from .machine import rank_device
+    from .optim import optimizer_state_bytes
     from .parallelize import build_rank_model
     from .record import RunSummary, peak_memory_gib
     from .trainer import Trainer
@@ -87,12 +88,13 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
             r = trainer.step(k)
             display.step(k, r.loss, r.time_s)
     status.update(phase="record")
-    peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory_gib(device))
+    per_rank: list = [None] * dist.get_world_size()  # (peak memory GiB, optimizer state GiB) of every rank
+    dist.all_gather_object(per_rank, (peak_memory_gib(device), optimizer_state_bytes(rm.optimizer) / 2**30))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         summary = RunSummary(job=job, losses=[r.loss for r in trainer.results],
-                             step_time_s=[r.time_s for r in trainer.results], peak_memory_gib=peaks,
+                             step_time_s=[r.time_s for r in trainer.results], peak_memory_gib=[m for m, _ in per_rank],
+                             optimizer_state_gib=[o for _, o in per_rank],
                              backend=backend, device=name, nnodes=nnodes)
         display.summary(summary)
         if out:

@@ -111,3 +111,13 @@ def test_losses_fall_and_differ_between_models(tmp_path_factory):
     llama = read_run(runs_of(1, tmp_path_factory)[0]["llama-single"])["losses"]
     assert gpt[-1] < gpt[0] - 0.3 and llama[-1] < llama[0] - 0.3
     assert abs(gpt[1] - llama[1]) > 1e-2
+
+
+@pytest.mark.parametrize("replicated,sharded", [("gpt-dp2", "gpt-dp2-zero3"), ("llama-dp2", "llama-dp2-zero1"),
+                                                ("gpt-dp2", "gpt-dp2-zero2")])
+def test_zero_shards_the_optimizer_state(replicated, sharded, tmp_path_factory):
+    outs = runs_of(2, tmp_path_factory)[0]
+    full = read_run(outs[replicated])["optimizer_state_gib"]
+    part = read_run(outs[sharded])["optimizer_state_gib"]
+    assert len(set(full)) == 1 and full[0] > 0  # every replica holds all of it
+    assert max(part) < 0.6 * full[0] and sum(part) == pytest.approx(full[0], rel=0.02)
