@@ -32,7 +32,7 @@ def baseline_worker(steps: int, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from paraplan.executor.data import BatchSource
+    from paraplan.executor.batches import BatchSource
     from paraplan.executor.optim import ADAMW
     from paraplan.models import build_model, initialize, load_model_spec, loss_function
 

@@ -1,1 +1,8 @@
-"""executor package."""
+"""The executor: run a Plan with torch.distributed, on one machine or many (issue 6).
+
+``paraplan execute`` (paraplan/commands/execute.py) checks the plan (job.py, machine.py) and starts
+torchrun (launch.py); every rank runs worker.py, which builds its share of the plan in one fixed
+order (parallelize.py: parallel_dims, chunks, tensor_parallel, checkpointing, data_parallel,
+pipeline, optim, tied) and trains it (trainer.py on batches.py's data), rank 0 reporting
+(console.py) and recording the run (record.py). Importing this package imports no torch.
+"""

@@ -125,14 +125,14 @@ def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | N
         statuses = read_statuses(status_dir)
         live = [s for s in statuses.values() if s.state == "running"]
         last = max((s.time for s in live), default=None)
-        if not statuses and time.time() - started > max(limit, STARTUP_ALLOWANCE_S):
+        startup = max(limit, STARTUP_ALLOWANCE_S)
+        if not statuses and time.time() - started > startup:
             _stop(proc, status_dir)
-            return f"no rank started within {timeout_s:g} s (is every node running its command?)"
+            return f"no rank started within {startup:g} s (is every node running its command?)"
         if last is not None and time.time() - last > limit:
-            stalled = sorted(live, key=lambda s: s.time)[0]
+            stalled = sorted(live, key=lambda s: s.time)[0]  # the rank that reported progress longest ago
             _stop(proc, status_dir)
-            return (f"rank {stalled.rank} hung: no progress for {timeout_s:g} s "
-                    f"(at step {stalled.step + 1}, {stalled.phase})")
+            return f"rank {stalled.rank} hung {_where(stalled)}: no progress for {timeout_s:g} s"
     return None
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from paraplan.models import loss_function
 
-from .data import BatchSource
+from .batches import BatchSource
 from .parallelize import RankModel
 
 

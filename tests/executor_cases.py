@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paraplan.executor.data import BatchSource
+from paraplan.executor.batches import BatchSource
 from paraplan.executor.optim import ADAMW
 from paraplan.models import PRESETS, block_names, build_model, initialize, loss_function, spec_from_mapping
 from paraplan.planner.layout import Layout

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from paraplan.executor.batches import BatchSource
 from paraplan.executor.checkpointing import apply_ac
 from paraplan.executor.chunks import build_chunks, local_stages, materialize
-from paraplan.executor.data import BatchSource
 from paraplan.executor.errors import ExecutionError
 from paraplan.executor.launch import Outcome, diagnose, torchrun_failures
 from paraplan.executor.optim import partition
