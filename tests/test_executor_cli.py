@@ -95,22 +95,24 @@ def test_port_in_use_is_refused(plan_file):
     ("raise:1:2", "rank 1 failed step 2: RuntimeError: injected fault at step 2"),
     ("hang:1:2", "rank 1 hung step 2"),
 ])
-def test_a_failing_rank_ends_the_job_and_is_named(plan_file, fault, fragment):
+def test_a_failing_rank_ends_the_job_and_is_named(plan_file, fault, fragment, tmp_path):
     timeout = 8
     start = time.time()
     p = run_cli("execute", "--plan", plan_file(Case("p", "gpt-tiny", pp=2, micro_batch=2)), "--steps", "3",
-                "--timeout", str(timeout), env={"PARAPLAN_FAULT": fault}, timeout=180)
+                "--timeout", str(timeout), env={"PARAPLAN_FAULT": fault, "TMPDIR": str(tmp_path)}, timeout=180)
     elapsed = time.time() - start
     assert_one_line_error(p, fragment)
     assert p.returncode == 1
     assert elapsed < 60 + timeout, f"the job took {elapsed:.0f} s to end"
+    logs = p.stderr.rsplit("logs of this node's ranks: ", 1)[1].rstrip(")\n")
+    assert os.path.exists(os.path.join(logs, "rank1.log"))  # kept for a look at what happened
 
 
-def test_watchdog_ends_a_job_whose_every_rank_hangs(plan_file):
+def test_watchdog_ends_a_job_whose_every_rank_hangs(plan_file, tmp_path):
     """No peer is left to time out: the launcher's watchdog ends the job and names the rank."""
     start = time.time()
     p = run_cli("execute", "--plan", plan_file(Case("one", "gpt-tiny", micro_batch=4)), "--steps", "3",
-                "--timeout", "4", env={"PARAPLAN_FAULT": "hang:0:2"}, timeout=180)
+                "--timeout", "4", env={"PARAPLAN_FAULT": "hang:0:2", "TMPDIR": str(tmp_path)}, timeout=180)
     assert_one_line_error(p, "rank 0 hung step 2: no progress for 4 s")
     assert p.returncode == 1 and time.time() - start < 60
 
