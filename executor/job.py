@@ -104,19 +104,3 @@ class Job:
             if lay.sequence_parallel and s % lay.tp:
                 raise ExecutionError(f"{src}: sequence parallelism needs tp {lay.tp} to divide the sequence "
                                      f"length {s}")
-        self._check_schedule()
-
-    def _check_schedule(self) -> None:
-        """Constraints of torch.distributed.pipelining's schedules beyond the layout's own."""
-        lay, m = self.layout, self.layout.num_micro_batches
-        if lay.pp > 1 and lay.schedule == "1f1b" and m < lay.pp:
-            raise ExecutionError(f"{self.source}: 1f1b needs at least pp = {lay.pp} micro-batches per replica, "
-                                 f"the plan has {m}")
-        if lay.pp > 1 and lay.schedule == "zb-v" and m < 2 * lay.pp:
-            raise ExecutionError(f"{self.source}: zb-v needs at least 2 x pp = {2 * lay.pp} micro-batches per "
-                                 f"replica, the plan has {m}")
-        if lay.pp > 1 and lay.schedule == "zb-v" and lay.zero == 3 and lay.dp > 1:
-            # FSDP2 reshards the weights after the input-gradient pass, before ZB-V's separate weight-gradient
-            # pass runs: torch 2.13 then computes wrong weight gradients (caught by tests/test_executor*.py).
-            raise ExecutionError(f"{self.source}: zb-v with ZeRO 3 is not supported by torch's pipelining (weights "
-                                 "resharded before the weight-gradient pass); use zero 2 or interleaved-1f1b")

@@ -16,6 +16,7 @@ Composition (each piece is its own module, each formula tested against its sourc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from paraplan.profiler.tp_view import region_collectives
@@ -55,6 +56,12 @@ class BlockCost:
 
 
 @dataclass
+class _BlockTable:
+    sums: list[list[float]]  # per cost field, prefix sums over blocks
+    working: list[float]
+
+
+@dataclass
 class StageCost:
     index: int
     rank: int
@@ -71,6 +78,7 @@ class StageCost:
     act_bytes: float = 0.0
     act_working: float = 0.0
     params: float = 0.0
+    recompute_flops: float = 0.0
 
     @property
     def t_f(self) -> float:
@@ -143,6 +151,7 @@ class CostModel:
     def __init__(self, work: Workload):
         self.work = work
         self._blocks: dict[tuple, BlockCost] = {}
+        self._tables: dict[tuple, _BlockTable] = {}
 
     # ---- per block ----
     def block_cost(self, i: int, lay: Layout, place: Placement, recompute: str) -> BlockCost:
@@ -190,6 +199,26 @@ class CostModel:
         self._blocks[key] = cost
         return cost
 
+    def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
+        """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
+        key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy)
+        table = self._tables.get(key)
+        if table is None:
+            n = len(self.work.profile(lay.dtype).layers)
+            costs = [self.block_cost(i, lay, place, mode) for i in range(n)]
+            fields = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
+                      "recompute_flops")
+            sums = []
+            for f in fields:
+                acc, col = 0.0, [0.0]
+                for c in costs:
+                    acc += getattr(c, f)
+                    col.append(acc)
+                sums.append(col)
+            table = _BlockTable(sums=sums, working=[c.act_working for c in costs])
+            self._tables[key] = table
+        return table
+
     # ---- per stage ----
     def stage_costs(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
                     ) -> list[StageCost]:
@@ -201,17 +230,11 @@ class CostModel:
         for s, blocks in enumerate(stages):
             mode = stage_recompute[s] if stage_recompute else lay.recompute
             st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
-            for i in blocks:
-                c = self.block_cost(i, lay, place, mode)
-                st.fwd += c.fwd
-                st.bwd_input += c.bwd_input
-                st.bwd_weight += c.bwd_weight
-                st.recompute_time += c.recompute
-                st.tp_fwd += c.tp_fwd
-                st.tp_bwd += c.tp_bwd
-                st.act_bytes += c.act_bytes
-                st.act_working = max(st.act_working, c.act_working)
-                st.params += c.params
+            table = self._table(lay, place, mode)
+            lo, hi = blocks[0], blocks[-1] + 1
+            (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes,
+             st.params, st.recompute_flops) = (col[hi] - col[lo] for col in table.sums)
+            st.act_working = max(table.working[lo:hi])
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
                 st.params -= tied * (self.block_cost(n_blocks - 1, lay, place, mode).params / prof.layers[-1].params)
             out.append(st)
@@ -335,8 +358,7 @@ class CostModel:
         # ---- throughput and FLOP utilisation ----
         fwd_flops_per_sample = prof.total_fwd_flops
         model_flops = 3 * fwd_flops_per_sample * lay.global_batch
-        recompute_flops = sum(self.block_cost(i, lay, place, costs[s].recompute).recompute_flops
-                              for s in range(len(costs)) for i in costs[s].blocks) / lay.micro_batch
+        recompute_flops = sum(c.recompute_flops for c in costs) / lay.micro_batch
         hw_flops = model_flops + recompute_flops * lay.global_batch
         n_gpus = lay.num_gpus
         peak_flops = gpu.peak_flops(lay.dtype)
@@ -403,14 +425,14 @@ def balanced_stages(weights: list[float], k: int) -> list[list[int]]:
 
     lo, hi = max(weights), sum(weights)
     best = split(hi)
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2
         got = split(mid)
         if got is not None:
             best, hi = got, mid
         else:
             lo = mid
-        if hi - lo <= 1e-9 * max(hi, 1e-30):
+        if hi - lo <= 1e-6 * max(hi, 1e-30):
             break
     assert best is not None
     return best
@@ -423,11 +445,14 @@ def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     if lay.num_stages > n:
         raise InvalidLayout(f"pp x virtual stages = {lay.num_stages} exceeds the model's {n} blocks",
                             "more stages than blocks")
-    weights = []
-    for i in range(n):
-        c = model.block_cost(i, lay, place, lay.recompute)
-        weights.append(c.fwd + c.bwd_input + c.bwd_weight + c.recompute + c.tp_fwd + c.tp_bwd + 1e-12)
-    return balanced_stages(weights, lay.num_stages)
+    sums = model._table(lay, place, lay.recompute).sums
+    weights = tuple(sum(col[i + 1] - col[i] for col in sums[:6]) + 1e-12 for i in range(n))
+    return [list(s) for s in _balanced_cached(weights, lay.num_stages)]
+
+
+@lru_cache(maxsize=8192)
+def _balanced_cached(weights: tuple[float, ...], k: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in balanced_stages(list(weights), k))
 
 
 def validate_layout(model: CostModel, lay: Layout) -> None:

@@ -106,8 +106,9 @@ class Layout:
                                     "tp vs kv heads")
             if spec.ffn_size % self.tp:
                 raise InvalidLayout(f"tp {self.tp} does not divide the FFN size {spec.ffn_size}", "tp vs ffn")
-        elif self.tp > 1 and spec.family != "custom":
-            pass  # CNNs and MLPs shard only their classifier (hybrid parallelism); checked by the cost model
+        elif self.recompute != "none":
+            raise InvalidLayout(f"recomputation is modelled and run for transformer layers; {spec.family} models "
+                                "train without it", "recompute on a non-transformer")
         if self.sequence_parallel and self.tp == 1:
             raise InvalidLayout("sequence parallelism needs tp > 1", "sequence parallel without tp")
         if self.sequence_parallel and isinstance(spec, TransformerSpec) and spec.seq_length % self.tp:
@@ -129,6 +130,18 @@ class Layout:
             if m % rounds:
                 raise InvalidLayout(f"interleaved-1f1b needs the {m} micro-batches per replica to be a multiple of "
                                     f"max(1, m // pp) = {rounds}", "interleaved micro-batch count")
+        # What torch.distributed.pipelining's schedules need beyond the layout itself (the executor runs them):
+        if self.pp > 1 and self.schedule == "1f1b" and m < self.pp:
+            raise InvalidLayout(f"1f1b needs at least pp = {self.pp} micro-batches per replica, the layout has {m}",
+                                "1f1b with fewer micro-batches than pp")
+        if self.pp > 1 and self.schedule == "zb-v" and m < 2 * self.pp:
+            raise InvalidLayout(f"zb-v needs at least 2 x pp = {2 * self.pp} micro-batches per replica, the layout "
+                                f"has {m}", "zb-v with fewer than 2 x pp micro-batches")
+        if self.pp > 1 and self.schedule == "zb-v" and self.zero == 3 and self.dp > 1:
+            # FSDP2 reshards the weights after the input-gradient pass, before ZB-V's separate weight-gradient
+            # pass runs: torch 2.13 then computes wrong weight gradients (caught by tests/test_executor*.py).
+            raise InvalidLayout("zb-v with ZeRO 3 is not supported by torch's pipelining (weights resharded before "
+                                "the weight-gradient pass); use zero 2 or interleaved-1f1b", "zb-v with ZeRO 3")
         if self.num_stages > num_blocks:
             raise InvalidLayout(f"pp x virtual stages = {self.num_stages} exceeds the model's {num_blocks} blocks",
                                 "more stages than blocks")

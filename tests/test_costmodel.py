@@ -255,3 +255,14 @@ def test_uneven_stages_event_simulation_beats_nothing_closed_form_on_uniform():
     a = model.evaluate(lay, even, simulate=True).iteration_time_s
     b = model.evaluate(lay, uneven, simulate=True).iteration_time_s
     assert b > a  # four layers on one stage are slower than two and two
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2)])
+def test_in_flight_shortcut_matches_the_full_walk(schedule, v):
+    from paraplan.planner.schedules import _in_flight
+
+    for p in (2, 3, 4, 8):
+        for m in range(1, 6 * p + 1):
+            if schedule == "interleaved-1f1b" and m % max(1, m // p):
+                continue
+            assert in_flight(schedule, p, v, m) == _in_flight(schedule, p, v, m)

@@ -1,0 +1,472 @@
+"""Stage boundaries and per-stage recomputation for one layout, by integer linear programming (PuLP + CBC).
+
+Formulation (data first, then variables, objective, constraints; all constraints named with their
+index). For a layout with S = pp x v stages on pp ranks and m micro-batches per replica:
+
+Data, per block i and recomputation mode u (none / selective / full): forward F[i,u], input-gradient
+backward B[i,u] (recomputation and TP collectives included), weight gradient W[i], forward compute only
+Fc[i], backward compute only Bc[i], activations kept per micro-batch A[i,u], live working set
+K[i,u] (full recomputation), parameters on one rank P[i]; per stage boundary the point-to-point time c[s];
+per rank r its stages St(r) and the micro-batches each of them holds at the rank's peak, inflight[r,s].
+
+Variables:
+- assignment: for a transformer (embed, L identical layers, head) integer counts n[s,u] of layers of
+  stage s run in mode u (the repeated blocks make this a handful of integers whatever L is); otherwise
+  binaries x[i,s,u], with the stage index of block i, sum_s s·x[i,s,u], rising by 0 or 1 from block to
+  block (contiguous, non-empty stages) — plus q[i,s] >= x[i,s] + e[i] - 1 marking block i as the last of
+  stage s (e[i] = 1 where the next block starts a new stage), which charges c for the boundary.
+- y[r,u] in {0,1}: the recomputation mode of pipeline rank r, shared by its stages (n[s,u] <= L·y[r(s),u]).
+- T[r] the rank's time per micro-batch, Tmax >= T[r]; exposed[r] the data-parallel sync rank r waits
+  for; z >= finish[r] + exposed[r]; o >= optimizer step of rank r.
+
+Objective: minimise z + o, the cost model's closed form (see CostModel.evaluate):
+- gpipe / 1f1b: makespan = (m - 1)·Tmax + sum_r T[r]; interleaved-1f1b (m >= pp): m·Tmax + (pp-1)/v·mean T;
+  zb-v and interleaved with m < pp: (m + beta)·Tmax, beta the schedule's bubble in stage times measured
+  at the balanced split (iterated to a fixed point);
+- finish[r] = makespan - drain[r], drain[r] = sum over ranks j < r of their backward (1/v of it);
+- exposed[r] >= each linear piece of the sync time: all-reduce (or ZeRO's reduce-scatter + all-gather)
+  minus the last micro-batch's backward it overlaps, ZeRO-3's per-micro-batch gathers beyond compute,
+  the parameter servers' busier side. Collective times are linear in bytes for a fixed group (α-β).
+
+Constraints: memory of every rank <= GPU memory: model states (ZeRO's bytes per parameter) +
+sum_s inflight[r,s]·A[s] + working set + the framework allowance and fragmentation.
+
+The solution is then priced exactly by the cost model, and a local search (moving each boundary by one
+block, changing one stage's mode) removes what the linear pieces approximate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pulp
+
+from . import comm
+from .costmodel import ADAM_BYTES_PER_PARAM, CostModel, Prediction
+from .errors import InvalidLayout
+from .layout import Layout
+from .memory import FRAGMENTATION, framework_allowance, state_bytes_per_param
+from .placement import placement
+from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
+
+MODES_TRANSFORMER = ("none", "selective", "full")
+MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
+# CBC's time per layout. Beyond it CBC returns its best split so far (warm-started from the balanced
+# split, so never worse than that); the exact pricing and local search then take over, and the
+# plan records that optimality was not proven.
+SOLVER_TIME_LIMIT_S = 0.3
+
+
+@dataclass
+class Partition:
+    stages: list[list[int]]
+    recompute: list[str]
+    prediction: Prediction
+    ilp_status: str
+    ilp_objective: float | None
+
+
+def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    modes = MODES_TRANSFORMER if model.work.spec.is_transformer else MODES_OTHER
+    return tuple(u for u in modes if allowed is None or u in allowed)
+
+
+def _secant(f, x0: float) -> tuple[float, float]:
+    """(intercept, slope) of f through x0 and 2·x0: collective times are α + bytes/β, so this is exact."""
+    x0 = max(x0, 1.0)
+    y0, y1 = f(x0), f(2 * x0)
+    slope = (y1 - y0) / x0
+    return y0 - slope * x0, slope
+
+
+class StageILP:
+    """Builds and solves the ILP for one layout."""
+
+    def __init__(self, model: CostModel, lay: Layout, modes: tuple[str, ...]):
+        self.model, self.lay, self.modes = model, lay, modes
+        self.work = model.work
+        self.prof = self.work.profile(lay.dtype)
+        self.n = len(self.prof.layers)
+        self.place = placement(self.work.cluster, lay.dp, lay.tp, lay.pp)
+        self.S = lay.num_stages
+        self.p, self.v, self.m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+        self.schedule = lay.schedule if lay.pp > 1 else "1f1b"
+        self._rank_stages = [rank_stages(self.schedule, r, self.p, self.v) for r in range(self.p)]
+        self.cost = {(i, u): model.block_cost(i, lay, self.place, u) for i in range(self.n) for u in modes}
+        kinds = [x.kind for x in self.prof.layers]
+        sigs = [x.signature for x in self.prof.layers]
+        self.repeated = (self.work.spec.is_transformer and self.n >= 3 and len(set(sigs[1:-1])) == 1
+                         and kinds[0] == "embedding")
+
+    # ---- data helpers ----
+    def boundary(self, s: int, last_block: int) -> float:
+        """Point-to-point time of the boundary after stage s whose last block is ``last_block``."""
+        a, b = stage_rank(self.schedule, s, self.p), stage_rank(self.schedule, s + 1, self.p)
+        if a == b:
+            return 0.0
+        cross = self.place.pp_cross_node if (b - a) % self.p in (1, self.p - 1) else True
+        nbytes = self.cost[(last_block, self.modes[0])].output_bytes
+        return comm.p2p(nbytes, cross, self.work.cluster, self.place.gpus_per_node_busy)
+
+    def solve(self, beta: float = 0.0, start: tuple[list[list[int]], list[str]] | None = None
+              ) -> tuple[list[list[int]], list[str], str, float | None]:
+        lay, work, S, p, v, m = self.lay, self.work, self.S, self.p, self.v, self.m
+        prob = pulp.LpProblem(f"stages_{lay.short().replace(' ', '_')}", pulp.LpMinimize)
+        # One recomputation mode per pipeline rank (all its chunks): memory is a rank's budget, and stages
+        # of one rank sharing a mode keeps the search free of equivalent mode permutations.
+        rank_of = [stage_rank(self.schedule, s, p) for s in range(S)]
+        self._low = None
+        yr = {(r, u): pulp.LpVariable(f"mode_rank_{r}_{u}", cat="Binary") for r in range(p) for u in self.modes}
+        for r in range(p):
+            prob += pulp.lpSum(yr[r, u] for u in self.modes) == 1, f"one_mode_rank_{r}"
+        y = {(s, u): yr[rank_of[s], u] for s in range(S) for u in self.modes}
+        # Per-stage linear expressions: F, B, W, compute-only fwd/bwd, activations, params, p2p.
+        F, B, W, Fc, Bc, A, P, C = ({s: 0 for s in range(S)} for _ in range(8))
+        work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
+        big_params = pulp.LpVariable("largest_block_params", lowBound=0)
+        if self.repeated:
+            L = self.n - 2
+            cnt = {(s, u): pulp.LpVariable(f"layers_{s}_{u}", lowBound=0, upBound=L, cat="Integer")
+                   for s in range(S) for u in self.modes}
+            prob += pulp.lpSum(cnt.values()) == L, "all_layers_placed"
+            for s in range(S):
+                for u in self.modes:
+                    prob += cnt[s, u] <= L * y[s, u], f"mode_gate_{s}_{u}"
+                if 0 < s < S - 1:
+                    prob += pulp.lpSum(cnt[s, u] for u in self.modes) >= 1, f"non_empty_stage_{s}"
+            ends = {0: [0], S - 1: [self.n - 1]}
+            for s in range(S):
+                for u in self.modes:
+                    c = self.cost[(1, u)]
+                    F[s] += c.fwd * cnt[s, u] + c.tp_fwd * cnt[s, u]
+                    B[s] += (c.bwd_input + c.recompute + c.tp_bwd) * cnt[s, u]
+                    W[s] += c.bwd_weight * cnt[s, u]
+                    Fc[s] += c.fwd * cnt[s, u]
+                    Bc[s] += (c.bwd_input + c.bwd_weight) * cnt[s, u]
+                    A[s] += c.act_bytes * cnt[s, u]
+                    P[s] += c.params * cnt[s, u]
+                    prob += work_vars[s] >= c.act_working * y[s, u], f"working_{s}_{u}"
+                for i in ends.get(s, []):
+                    c = self.cost[(i, "none")]  # embeddings and the head are never recomputed
+                    F[s] += c.fwd + c.tp_fwd
+                    B[s] += c.bwd_input + c.tp_bwd
+                    W[s] += c.bwd_weight
+                    Fc[s] += c.fwd
+                    Bc[s] += c.bwd_input + c.bwd_weight
+                    A[s] += c.act_bytes
+                    P[s] += c.params
+                if s < S - 1:  # every stage but the last ends in a layer (or the embedding): same tensor
+                    C[s] = self.boundary(s, 1)
+            prob += big_params >= self.cost[(1, self.modes[0])].params, "largest_block_layer"
+            for i in (0, self.n - 1):
+                prob += big_params >= self.cost[(i, "none")].params, f"largest_block_{i}"
+            assign = ("counts", cnt)
+        else:
+            x = {(i, s, u): pulp.LpVariable(f"block_{i}_stage_{s}_{u}", cat="Binary")
+                 for i in range(self.n) for s in range(S) for u in self.modes}
+            for i in range(self.n):
+                prob += pulp.lpSum(x[i, s, u] for s in range(S) for u in self.modes) == 1, f"block_placed_{i}"
+            stage_of = {i: pulp.lpSum(s * x[i, s, u] for s in range(S) for u in self.modes) for i in range(self.n)}
+            prob += stage_of[0] == 0, "first_block_first_stage"
+            prob += stage_of[self.n - 1] == S - 1, "last_block_last_stage"
+            e = {}
+            for i in range(self.n - 1):
+                e[i] = pulp.LpVariable(f"boundary_after_{i}", cat="Binary")
+                prob += stage_of[i + 1] - stage_of[i] == e[i], f"contiguous_{i}"
+            for i in range(self.n):
+                for s in range(S):
+                    for u in self.modes:
+                        prob += x[i, s, u] <= y[s, u], f"mode_gate_{i}_{s}_{u}"
+                        c = self.cost[(i, u)]
+                        F[s] += (c.fwd + c.tp_fwd) * x[i, s, u]
+                        B[s] += (c.bwd_input + c.recompute + c.tp_bwd) * x[i, s, u]
+                        W[s] += c.bwd_weight * x[i, s, u]
+                        Fc[s] += c.fwd * x[i, s, u]
+                        Bc[s] += (c.bwd_input + c.bwd_weight) * x[i, s, u]
+                        A[s] += c.act_bytes * x[i, s, u]
+                        P[s] += c.params * x[i, s, u]
+                        prob += work_vars[s] >= c.act_working * x[i, s, u], f"working_{i}_{s}_{u}"
+                        prob += big_params >= c.params * x[i, s, u], f"largest_block_{i}_{s}_{u}"
+            for i in range(self.n - 1):
+                for s in range(S - 1):
+                    q = pulp.LpVariable(f"last_of_stage_{i}_{s}", lowBound=0)
+                    prob += q >= pulp.lpSum(x[i, s, u] for u in self.modes) + e[i] - 1, f"last_mark_{i}_{s}"
+                    C[s] += self.boundary(s, i) * q
+            assign = ("binary", x)
+        if v > 1:  # interleaved / V schedules: chunks within one block of each other (lock-step rounds punish
+            # uneven chunks far beyond what rank totals show; the event simulator confirms it)
+            sizes = {s: (pulp.lpSum(assign[1][s, u] for u in self.modes) if assign[0] == "counts" else
+                         pulp.lpSum(assign[1][i, s, u] for i in range(self.n) for u in self.modes)) for s in range(S)}
+            low = pulp.LpVariable("chunk_blocks_low", lowBound=0, cat="Integer")
+            self._low = low
+            for s in range(S):
+                ends = 1 if assign[0] == "counts" and s in (0, S - 1) else 0  # embedding/head ride along
+                prob += sizes[s] >= low - ends, f"chunk_balance_low_{s}"
+                prob += sizes[s] <= low + 1, f"chunk_balance_high_{s}"
+        # Point-to-point: stage s pays its send forward, stage s+1 the gradient back.
+        for s in range(S - 1):
+            F[s] += C[s]
+            B[s + 1] += C[s]
+        ranks = self._rank_stages
+        T = {r: pulp.lpSum(F[s] + B[s] + W[s] for s in ranks[r]) for r in range(p)}
+        Tmax = pulp.LpVariable("slowest_rank_time", lowBound=0)
+        for r in range(p):
+            prob += Tmax >= T[r], f"slowest_rank_{r}"
+        if self.schedule in ("gpipe", "1f1b"):
+            makespan = (m - 1) * Tmax + pulp.lpSum(T.values())
+        elif self.schedule == "interleaved-1f1b" and m >= p:
+            makespan = m * Tmax + (p - 1) / v / p * pulp.lpSum(T.values())
+        else:
+            makespan = (m + beta) * Tmax
+        z = pulp.LpVariable("iteration_before_optimizer", lowBound=0)
+        o = pulp.LpVariable("optimizer_step", lowBound=0)
+        gpu, cluster = work.cluster.gpu, work.cluster
+        g_elem = 4 if lay.dtype == "fp32" else 2
+        busy = self.place.gpus_per_node_busy
+        guess = max(sum(self.cost[(i, self.modes[0])].params for i in range(self.n)) / p, 1.0) * g_elem
+        w_b, g_b, o_b = state_bytes_per_param(lay.dtype)
+        hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+        tied = self.prof.layers[-1].tied_params
+        drain = 0
+        for r in range(p):
+            params = pulp.lpSum(P[s] for s in ranks[r])
+            grads = g_elem * params
+            rank_b = pulp.lpSum(B[s] for s in ranks[r])
+            rank_w = pulp.lpSum(W[s] for s in ranks[r])
+            window = rank_b + rank_w if work.overlap_dp else 0
+            exposed = pulp.LpVariable(f"dp_exposed_{r}", lowBound=0)
+            const = 0.0
+            if p > 1 and r in (0, p - 1) and tied:
+                emb = tied / lay.tp * g_elem
+                const = comm.ring_all_reduce(emb, 2, comm.network_share(cluster, busy)
+                                             if self.place.pp_cross_node else cluster.intra_node)
+            if lay.dp_mode == "ps":
+                in_node = lay.world_size <= cluster.gpus_per_node
+                a, k = _secant(lambda b, in_node=in_node: comm.parameter_server_sync(
+                    b, lay.num_gpus, lay.ps_servers, cluster, in_node, busy), guess)
+                sync = a + k * grads
+                prob += exposed >= (sync - lay.ps_staleness * makespan if lay.ps_staleness else sync) + const, \
+                    f"ps_sync_{r}"
+            elif lay.dp > 1:
+                if lay.zero == 0:
+                    a, k = _secant(lambda b: comm.all_reduce(b, self.place.dp, cluster, busy), guess)
+                    t = a + k * grads
+                    extra = 0
+                else:
+                    a, k = _secant(lambda b: comm.gather(b, self.place.dp, cluster, busy), guess)
+                    t = a + k * grads
+                    t_ag = a + k * grads  # parameters in the training dtype: the same bytes as the gradients
+                    if lay.zero == 3:
+                        hide_f = pulp.LpVariable(f"zero3_fwd_gather_{r}", lowBound=0)
+                        hide_b = pulp.LpVariable(f"zero3_bwd_gather_{r}", lowBound=0)
+                        prob += hide_f >= t_ag - pulp.lpSum(Fc[s] for s in ranks[r]), f"zero3_fwd_{r}"
+                        prob += hide_b >= t_ag - pulp.lpSum(Bc[s] for s in ranks[r]), f"zero3_bwd_{r}"
+                        extra = m * (hide_f + hide_b)
+                    else:
+                        extra = t_ag
+                last_bucket = comm.all_reduce if lay.zero == 0 else comm.gather
+                bucket = last_bucket(min(guess, 25 * 2**20), self.place.dp, cluster, busy)
+                prob += exposed >= t - window + extra + const, f"dp_overlap_{r}"
+                prob += exposed >= bucket + extra + const, f"dp_last_bucket_{r}"
+            else:
+                prob += exposed >= const, f"no_dp_{r}"
+            prob += z >= makespan - drain + exposed, f"rank_end_{r}"
+            drain = drain + (0 if self.schedule == "zb-v" else (rank_b + rank_w) / v)
+            opt_params = 0 if lay.dp_mode == "ps" else (params / lay.dp if lay.zero >= 1 else params)
+            prob += o >= opt_params * ADAM_BYTES_PER_PARAM / hbm, f"optimizer_{r}"
+            # memory of rank r
+            w_, g_, o_ = w_b, g_b, o_b
+            if lay.dp_mode == "ps":
+                o_ = 0
+            else:
+                o_ = o_ / lay.dp if lay.zero >= 1 else o_
+                g_ = g_ / lay.dp if lay.zero >= 2 else g_
+                w_ = w_ / lay.dp if lay.zero >= 3 else w_
+            flights = in_flight(self.schedule, p, v, m)[r]
+            acts = pulp.lpSum(flights.get(s, 0) * A[s] for s in ranks[r])
+            working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
+            for s in ranks[r]:
+                prob += working >= work_vars[s], f"working_rank_{r}_stage_{s}"
+            states = (w_ + g_ + o_) * params
+            other = framework_allowance(gpu) + FRAGMENTATION * (states + acts + working)
+            if lay.zero == 3:
+                other += 2 * big_params * g_elem
+            prob += states + acts + working + other <= gpu.memory_bytes, f"mem_cap_rank_{r}"
+        prob += z + o
+        if start is not None:
+            self._warm_start(assign, yr, start)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=start is not None))
+        if prob.sol_status == pulp.LpSolutionOptimal:
+            status_name = "optimal"
+        elif prob.sol_status == pulp.LpSolutionIntegerFeasible:
+            status_name = "time limit (best found)"
+        else:
+            return [], [], pulp.LpStatus[prob.status].lower(), None
+        stages, modes = self._extract(assign, y)
+        return stages, modes, status_name, pulp.value(prob.objective)
+
+    def _warm_start(self, assign, yr, start: tuple[list[list[int]], list[str]]) -> None:
+        """Give CBC a feasible split to start from (only the assignment; it derives the rest)."""
+        stages, modes = start
+        kind, var = assign
+        if getattr(self, "_low", None) is not None:
+            sizes = [sum(1 for i in b if kind != "counts" or 0 < i < self.n - 1) for b in stages]
+            self._low.setInitialValue(min(sizes[1:-1]) if kind == "counts" and len(sizes) > 2 else min(sizes))
+        for (r, u), v in yr.items():
+            v.setInitialValue(1 if modes[self._rank_stages[r][0]] == u else 0)
+        if kind == "counts":
+            for s, blocks in enumerate(stages):
+                layers = sum(1 for i in blocks if 0 < i < self.n - 1)
+                for u in self.modes:
+                    var[s, u].setInitialValue(layers if modes[s] == u else 0)
+        else:
+            where = {i: s for s, blocks in enumerate(stages) for i in blocks}
+            for (i, s, u), v in var.items():
+                v.setInitialValue(1 if where[i] == s and modes[s] == u else 0)
+
+    def _extract(self, assign, y) -> tuple[list[list[int]], list[str]]:
+        modes = [max(self.modes, key=lambda u: y[s, u].value() or 0) for s in range(self.S)]
+        kind, var = assign
+        if kind == "counts":
+            counts = [round(sum(var[s, u].value() or 0 for u in self.modes)) for s in range(self.S)]
+            stages, nxt = [], 1
+            for s, c in enumerate(counts):
+                blocks = list(range(nxt, nxt + c))
+                nxt += c
+                if s == 0:
+                    blocks = [0, *blocks]
+                if s == self.S - 1:
+                    blocks = [*blocks, self.n - 1]
+                stages.append(blocks)
+            return stages, modes
+        stages = [[] for _ in range(self.S)]
+        for i in range(self.n):
+            s = max(range(self.S), key=lambda s: sum(var[i, s, u].value() or 0 for u in self.modes))
+            stages[s].append(i)
+        return stages, modes
+
+
+def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, ...], rank_of: list[int]):
+    """Partitions one boundary move or one pipeline rank's mode change away (the ILP's own space)."""
+    S = len(stages)
+    cuts = [sum(len(s) for s in stages[:k + 1]) for k in range(S - 1)]
+    n = sum(len(s) for s in stages)
+    for k in range(S - 1):
+        for d in (-1, 1):
+            new = list(cuts)
+            new[k] += d
+            lo = new[k - 1] if k else 0
+            hi = new[k + 1] if k + 1 < len(new) else n
+            if lo < new[k] < hi:
+                bounds = [0, *new, n]
+                yield [list(range(bounds[j], bounds[j + 1])) for j in range(S)], modes
+    for r in sorted(set(rank_of)):
+        mine = [s for s in range(S) if rank_of[s] == r]
+        for u in allowed:
+            if any(modes[s] != u for s in mine):
+                yield stages, [u if rank_of[s] == r else modes[s] for s in range(S)]
+
+
+def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...] | None = None,
+                   local_search: bool = True, start: Prediction | None = None) -> Partition:
+    """The ILP's stage boundaries and per-stage recomputation for ``lay``, priced exactly and polished.
+
+    Raises InvalidLayout("out of memory by X GiB") when no split fits.
+    """
+    modes = modes_for(model, allowed_modes)
+    ilp = StageILP(model, lay, modes)
+    beta = 0.0
+    needs_beta = (lay.pp > 1 and lay.schedule == "zb-v") or (lay.schedule == "interleaved-1f1b"
+                                                           and lay.num_micro_batches < lay.pp)
+    best: Partition | None = None
+    last_status, last_obj = "Not Solved", None
+    warm = _warm_split(model, lay, ilp, modes, start)
+    if needs_beta and warm is not None:  # start from the bubble of the split CBC starts from
+        beta = _bubble_beta(model, lay, model.evaluate(lay, warm[0], warm[1]))
+    for _ in range(3 if needs_beta else 1):
+        stages, st_modes, status, obj = ilp.solve(beta, warm)
+        last_status, last_obj = status, obj
+        if not stages:
+            break
+        pred = model.evaluate(lay, stages, st_modes)
+        if best is None or pred.iteration_time_s < best.prediction.iteration_time_s:
+            best = Partition(stages, st_modes, pred, status, obj)
+        if not needs_beta:
+            break
+        new_beta = _bubble_beta(model, lay, pred)
+        if math.isclose(new_beta, beta, rel_tol=1e-3, abs_tol=1e-6):
+            break
+        beta = new_beta
+    if best is None:
+        raise InvalidLayout(_oom_message(model, lay, modes, last_status), "out of memory")
+    exact = best.ilp_objective is not None and math.isclose(best.ilp_objective, best.prediction.iteration_time_s,
+                                                             rel_tol=1e-6)
+    if local_search and not (exact and best.ilp_status == "optimal"):
+        # The linear pieces or the time limit left a gap between the ILP and the exact model: climb.
+        best = _polish(model, lay, best, modes, max_rounds=50 if lay.num_stages <= 16 else 3)
+    best.ilp_status, best.ilp_objective = last_status, last_obj
+    return best
+
+
+def _warm_split(model: CostModel, lay: Layout, ilp: StageILP, modes: tuple[str, ...],
+                start: Prediction | None) -> tuple[list[list[int]], list[str]] | None:
+    """A split that satisfies the ILP's constraints, for CBC to start from: the layers spread evenly
+    (what the chunk-balance rows accept) in the first mode that fits, else the given balanced split."""
+    if ilp.repeated:
+        layers, S = ilp.n - 2, ilp.S
+        for u in modes:
+            sizes = [layers // S + (1 if s < layers % S else 0) for s in range(S)]
+            if min(sizes[1:-1] or [1]) < 1:
+                break
+            stages, nxt = [], 1
+            for s, c in enumerate(sizes):
+                blocks = list(range(nxt, nxt + c))
+                nxt += c
+                stages.append(([0] if s == 0 else []) + blocks + ([ilp.n - 1] if s == S - 1 else []))
+            if model.evaluate(lay, stages, [u] * S).fits:
+                return stages, [u] * S
+    if start is not None and len(start.stages) == lay.num_stages and lay.virtual_stages == 1:
+        return [c.blocks for c in start.stages], [c.recompute for c in start.stages]
+    return None
+
+
+def _bubble_beta(model: CostModel, lay: Layout, pred: Prediction) -> float:
+    """The schedule's bubble in units of the slowest rank's time, at this split."""
+    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
+    rt = [sum(pred.stages[s].total for s in rs) for rs in ranks]
+    rf = [sum(pred.stages[s].t_f for s in rs) for rs in ranks]
+    rw = [sum(pred.stages[s].t_w for s in rs) for rs in ranks]
+    slow = max(rt)
+    return closed_form_makespan(lay.schedule, p, v, m, rt, rf, rw) / slow - m if slow else 0.0
+
+
+def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ...], max_rounds: int) -> Partition:
+    """Hill-climb on the exact cost model from the ILP's answer (fits required)."""
+    best = part
+    improved = True
+    rounds = 0
+    while improved and rounds < max_rounds:
+        rounds += 1
+        improved = False
+        rank_of = [stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in range(lay.num_stages)]
+        for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of):
+            pred = model.evaluate(lay, stages, st_modes)
+            if pred.fits and pred.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
+                best = Partition(stages, st_modes, pred, best.ilp_status, best.ilp_objective)
+                improved = True
+                break
+    return best
+
+
+def _oom_message(model: CostModel, lay: Layout, modes: tuple[str, ...], status: str) -> str:
+    """How far the least-memory split is from fitting (priced with full recomputation, balanced)."""
+    from .costmodel import default_stages
+
+    least = "full" if "full" in modes else modes[0]
+    pred = model.evaluate(lay.replace(recompute=least), default_stages(model, lay.replace(recompute=least)))
+    over = pred.peak_memory_gib - pred.memory_capacity_gib
+    if over > 0:
+        return f"out of memory by {over:.1f} GiB ({pred.peak_memory_gib:.1f} of {pred.memory_capacity_gib:g} GiB)"
+    return f"no stage split fits in memory (ILP {status.lower()})"

@@ -1,0 +1,308 @@
+"""The planner's search: every layout, pruned by lower bounds, stage boundaries by ILP, exact pricing.
+
+1. Enumerate layouts: every dp x tp x pp factorisation of the GPU count, micro-batch sizes dividing
+   the per-replica batch, schedules (GPipe, 1F1B, interleaved with v chunks, ZB-V), ZeRO 0-3 (with dp > 1),
+   sequence parallelism on/off (with tp > 1). Recomputation is not enumerated: the ILP picks it per stage
+   (uniform settings are among its choices). Invalid layouts are kept with their reason.
+2. Bound each layout from below in O(1): the pipeline with perfectly divided work and the least-work
+   recomputation, plus the optimizer step; and from memory: model states alone over pp ranks.
+3. Visit layouts in order of their lower bound; stop when the bound reaches the k-th best time found.
+   Each visited layout gets the ILP's stage split (see :mod:`ilp`), priced exactly by the cost model.
+Every layout the search considered is returned with its status for the report.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from paraplan.models import TransformerSpec
+
+from .costmodel import ADAM_BYTES_PER_PARAM, CostModel, Prediction
+from .errors import InvalidLayout, PlanError
+from .ilp import best_partition, modes_for
+from .layout import Layout
+from .memory import framework_allowance, model_state_bytes
+from .placement import placement
+from .schedules import in_flight
+from .workload import Workload
+
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    status: str  # ok | priced | pruned | dominated | oom | invalid
+    reason: str = ""
+    lower_bound_s: float = float("inf")
+    prediction: Prediction | None = None
+    stages: list[list[int]] | None = None
+    stage_recompute: list[str] | None = None
+    no_fit: frozenset[str] = frozenset()  # recomputation modes whose memory lower bound exceeds the GPU
+
+    @property
+    def time_s(self) -> float:
+        return self.prediction.iteration_time_s if self.prediction is not None else float("inf")
+
+    def status_text(self) -> str:
+        if self.status == "ok":
+            return "ok"
+        if self.status == "oom":
+            return self.reason
+        if self.status == "pruned":
+            return f"ok (not solved: its lower bound {self.lower_bound_s:.4g} s cannot beat the top {self.reason})"
+        if self.status == "priced":
+            return "ok (balanced split only: more than 5% slower than the top plans)"
+        if self.status == "dominated":
+            return f"ok (dominated: the same layout with {self.reason} is as fast with less memory)"
+        return f"invalid: {self.reason}"
+
+
+@dataclass
+class SearchResult:
+    work: Workload
+    gpus: int
+    ranked: list[Candidate]  # best first (status ok)
+    candidates: list[Candidate]
+    search_time_s: float
+    ilp_solves: int
+    dtype: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def num_feasible(self) -> int:
+        """Candidates that are valid and not known to run out of memory."""
+        return sum(1 for c in self.candidates if c.status not in ("oom", "invalid"))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[str, ...] | None = None,
+                      zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[Layout]:
+    B = work.global_batch
+    n_blocks = len(work.profile(dtype).layers)
+    transformer = isinstance(work.spec, TransformerSpec)
+    out = []
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            per_replica = B // dp if B % dp == 0 else 0
+            micro = _divisors(per_replica) if per_replica else [max(1, B // dp)]
+            scheds: list[tuple[str, int]] = [("1f1b", 1)] if pp == 1 else (
+                [("gpipe", 1), ("1f1b", 1)] + [("interleaved-1f1b", v) for v in VIRTUAL_STAGES
+                                               if pp * v <= n_blocks] + ([("zb-v", 2)] if 2 * pp <= n_blocks else []))
+            if schedules is not None:
+                scheds = [s for s in scheds if s[0] in schedules or pp == 1]
+            for mb in micro:
+                for sched, v in scheds:
+                    for zero in (zero_stages if dp > 1 else (0,)):
+                        for sp in ((False, True) if tp > 1 and transformer else (False,)):
+                            out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
+                                              virtual_stages=v, zero=zero, sequence_parallel=sp, dtype=dtype))
+    return out
+
+
+def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple[float, dict[str, float]]:
+    """The time no stage split of ``lay`` can beat, and per recomputation mode the memory (bytes) its
+    most loaded rank needs at least (see the module docstring).
+
+    Memory: the most loaded rank holds at least the average of all ranks: model states over pp ranks,
+    plus activations with the least-memory recomputation, each stage holding at least as many
+    micro-batches as the schedule's least-loaded stage, plus the framework allowance.
+    """
+    work = model.work
+    place = placement(work.cluster, lay.dp, lay.tp, lay.pp)
+    tables = {u: model._table(lay, place, u) for u in modes}
+    base = model._table(lay, place, "none").sums  # fwd, bwd_in, bwd_w, recompute, tp_fwd, tp_bwd, acts, params
+    total = base[0][-1] + base[1][-1] + base[2][-1] + base[4][-1] + base[5][-1]
+    params = base[7][-1]
+    acts = {u: t.sums[6][-1] for u, t in tables.items()}
+    working = {u: max(t.working) for u, t in tables.items()}
+    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    per_rank = total / p
+    if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
+        pipe = (m - 1) * per_rank + total
+    elif lay.schedule == "interleaved-1f1b" and m >= p:
+        pipe = m * per_rank + (p - 1) / v * per_rank
+    else:
+        pipe = m * per_rank
+    gpu = work.cluster.gpu
+    opt_params = 0.0 if lay.dp_mode == "ps" else (params / p / lay.dp if lay.zero >= 1 else params / p)
+    opt = opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+    # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
+    # phi_r·(states + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
+    # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states + f_r·acts).
+    states = sum(model_state_bytes(params, lay.dtype, lay.zero, lay.dp, lay.dp_mode == "ps"))
+    schedule = lay.schedule if p > 1 else "1f1b"
+    least = [min(d.values()) if d else 1 for d in in_flight(schedule, p, v, m)]
+    allowance = framework_allowance(gpu)
+    memory = {u: 1.0 / sum(1.0 / (states + f * acts[u]) for f in least) + working[u] + allowance for u in modes}
+    return pipe + opt, memory
+
+
+def _dominated_by(lay: Layout, valid: set[tuple]) -> str | None:
+    """A layout that another valid layout matches in time with less memory, under this cost model:
+    sequence parallelism on (same collective volume, less memory and less replicated work), ZeRO-2 over
+    ZeRO-1 (same traffic, sharded gradients), 1F1B over GPipe (same bubble, fewer micro-batches in flight)."""
+    def key(x: Layout) -> tuple:
+        return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel)
+
+    if lay.tp > 1 and not lay.sequence_parallel and key(lay.replace(sequence_parallel=True)) in valid:
+        return "sequence parallelism on"
+    if lay.zero == 1 and key(lay.replace(zero=2)) in valid:
+        return "ZeRO-2"
+    if lay.schedule == "gpipe" and key(lay.replace(schedule="1f1b")) in valid:
+        return "1f1b"
+    return None
+
+
+def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
+                skip: frozenset[str] = frozenset()) -> Prediction | None:
+    """Exact price of the time-balanced split with the fastest uniform recomputation that fits
+    (modes in ``skip`` are already known not to fit)."""
+    from .costmodel import default_stages
+
+    for u in modes:
+        if u in skip:
+            continue
+        trial = lay.replace(recompute=u)
+        pred = model.evaluate(trial, default_stages(model, trial))
+        if pred.fits:
+            return pred
+    return None
+
+
+def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
+           progress: Callable[[int, int], None] | None = None, layouts: list[Layout] | None = None,
+           allowed_modes: tuple[str, ...] | None = None, refine_slack: float | None = 0.05) -> SearchResult:
+    """Find the ``top_k`` fastest layouts of ``work`` on ``gpus`` GPUs that fit, with every candidate's status.
+
+    Pruning: a layout is dropped without an ILP when its lower bound cannot beat the k-th best time
+    found (proven), or — unless ``refine_slack`` is None (exhaustive) — when even its balanced split,
+    priced exactly, is more than ``refine_slack`` slower than that k-th best.
+    """
+    from .costmodel import validate_layout
+
+    t0 = time.perf_counter()
+    dtype = dtype or work.default_dtype()
+    if gpus <= 0:
+        raise PlanError(f"--gpus must be positive, got {gpus}")
+    if gpus > work.cluster.num_gpus:
+        raise PlanError(f"--gpus {gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus} GPUs "
+                        f"({work.cluster.nodes} nodes x {work.cluster.gpus_per_node}); use --nodes")
+    try:
+        work.cluster.gpu.peak_flops(dtype)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    model = CostModel(work)
+    modes = modes_for(model, allowed_modes)
+    layouts = layouts if layouts is not None else enumerate_layouts(work, gpus, dtype)
+    candidates: list[Candidate] = []
+    valid: list[Candidate] = []
+    for lay in layouts:
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout as e:
+            candidates.append(Candidate(lay, "invalid", e.reason if e.reason != str(e) else str(e)))
+            continue
+        cand = Candidate(lay, "pruned")
+        candidates.append(cand)
+        valid.append(cand)
+    keys = {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.schedule,
+             c.layout.virtual_stages, c.layout.zero, c.layout.sequence_parallel) for c in valid}
+    capacity = work.cluster.gpu.memory_bytes
+    alive: list[Candidate] = []
+    for cand in valid:
+        better = _dominated_by(cand.layout, keys)
+        if better:
+            cand.status, cand.reason = "dominated", better
+            continue
+        cand.lower_bound_s, mem_by_mode = lower_bound(model, cand.layout, modes)
+        cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
+        lb_mem = min(mem_by_mode.values())
+        if lb_mem > capacity:
+            cand.status = "oom"
+            cand.reason = (f"out of memory by at least {(lb_mem - capacity) / 2**30:.1f} GiB "
+                           f"(needs {lb_mem / 2**30:.1f} GiB per GPU with the least-memory split)")
+            continue
+        alive.append(cand)
+    alive.sort(key=lambda c: c.lower_bound_s)
+    # Quick exact prices (balanced split) in lower-bound order, until the bound passes the k-th price.
+    quick: list[tuple[float, int]] = []
+    kth: list[float] = []
+    for idx, cand in enumerate(alive):
+        if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
+            break
+        pred = quick_price(model, cand.layout, modes, cand.no_fit)
+        if pred is None:
+            quick.append((float("inf"), idx))
+            continue
+        cand.prediction = pred
+        quick.append((pred.iteration_time_s, idx))
+        heapq.heappush(kth, -pred.iteration_time_s)
+        if len(kth) > top_k:
+            heapq.heappop(kth)
+    quick.sort()
+    best_times: list[float] = []
+    solves = 0
+    pending = [alive[idx] for _, idx in quick]
+    qtime = {id(alive[idx]): q for q, idx in quick}
+    workers = max(1, min(4, os.cpu_count() or 1))
+    done = 0
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        while pending:
+            # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
+            # process, so a batch solves in parallel on the machine's cores).
+            threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
+            batch = []
+            while pending and len(batch) < workers:
+                cand = pending.pop(0)
+                done += 1
+                if cand.lower_bound_s >= threshold:
+                    continue
+                if refine_slack is not None and qtime[id(cand)] > threshold * (1 + refine_slack):
+                    cand.status = "priced"
+                    continue
+                batch.append(cand)
+            if progress is not None:
+                progress(done, len(quick))
+            futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction) for c in batch]
+            for cand, fut in zip(batch, futures, strict=True):
+                solves += 1
+                try:
+                    part = fut.result()
+                except InvalidLayout as e:
+                    cand.status, cand.reason, cand.prediction = "oom", str(e), None
+                    continue
+                cand.status, cand.prediction = "ok", part.prediction
+                cand.stages, cand.stage_recompute = part.stages, part.recompute
+                cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
+                heapq.heappush(best_times, -part.prediction.iteration_time_s)
+                if len(best_times) > top_k:
+                    heapq.heappop(best_times)
+    final = -best_times[0] if len(best_times) >= top_k else None
+    for cand in alive:
+        if cand.status == "pruned":
+            cand.reason = f"{top_k} ({final:.4g} s)" if final else ""
+    ranked = sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.time_s)
+    return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
+                        search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype)
+
+
+def _summary_mode(modes: list[str]) -> str:
+    """The layout's recompute label: the heaviest mode any stage uses (the plan lists each stage's)."""
+    return next((u for u in ("full", "selective") if u in modes), "none")
+
+
+__all__ = ["Candidate", "SearchResult", "enumerate_layouts", "lower_bound", "modes_for", "search"]
