@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/paraplan models
+	$(VENV)/bin/paraplan plan
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

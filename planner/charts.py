@@ -86,3 +86,69 @@ def memory_vs_capacity(preds: list[Prediction], labels: list[str], path: str, ti
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str) -> None:
+    """Throughput of the best plan at each GPU count, against perfect linear scaling from the smallest."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = [(g, p.tokens_per_s if p.tokens_per_s else p.samples_per_s) for g, p in zip(gpus, preds, strict=True)
+           if p is not None]
+    if pts:
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, "o-", color="#4C72B0", label="best plan (replanned at each count)")
+        ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color="#999999", label="linear from the smallest")
+        for x, y, p in zip(xs, ys, [p for p in preds if p is not None], strict=True):
+            ax.annotate(p.layout.short().replace(" mb", "\nmb"), (x, y), fontsize=6, textcoords="offset points",
+                        xytext=(4, -14))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s" if pts and preds[0] is not None and preds[0].tokens_per_s else "samples/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pareto(preds: list[Prediction], highlight: list[bool], path: str, title: str) -> None:
+    """Every priced candidate's throughput against its memory per GPU, with the Pareto front."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p.peak_memory_gib for p in preds]
+    ys = [p.tokens_per_s for p in preds]
+    ax.scatter(xs, ys, s=8, color="#AAAAAA", label="candidates")
+    front, best_y = [], -1.0
+    for x, y in sorted(zip(xs, ys, strict=True)):
+        if y > best_y:
+            front.append((x, y))
+            best_y = y
+    if front:
+        fx, fy = zip(*front, strict=True)
+        ax.step(fx, fy, where="post", color="#C44E52", label="Pareto front (faster or leaner)")
+    hx = [x for x, h in zip(xs, highlight, strict=True) if h]
+    hy = [y for y, h in zip(ys, highlight, strict=True) if h]
+    ax.scatter(hx, hy, s=30, color="#4C72B0", label="top plans", zorder=3)
+    if preds:
+        ax.axvline(preds[0].memory_capacity_gib, color="black", linestyle="--", linewidth=1, label="GPU memory")
+    ax.set_xlabel("GiB per GPU (most loaded rank)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sync_vs_workers(workers: list[int], series: dict[str, list[float]], path: str, title: str) -> None:
+    """Gradient sync time against the number of data-parallel workers, one line per architecture."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, ys in series.items():
+        ax.plot(workers, ys, "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("data-parallel workers")
+    ax.set_ylabel("gradient sync per iteration (s)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

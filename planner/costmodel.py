@@ -199,6 +199,12 @@ class CostModel:
         self._blocks[key] = cost
         return cost
 
+    def _repeated(self, lay: Layout) -> bool:
+        """Is the model embedding + identical layers + head (the ILP's integer-count form)?"""
+        layers = self.work.profile(lay.dtype).layers
+        return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
+                and len({x.signature for x in layers[1:-1]}) == 1)
+
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy)
@@ -300,12 +306,12 @@ class CostModel:
             elif lay.dp == 1:
                 exposed = 0.0
             elif lay.zero == 0:
-                t_ar = comm.all_reduce(grads, place.dp, cluster, busy)
-                exposed = _overlapped(t_ar, window, grads)
+                sync = lambda b: comm.all_reduce(b, place.dp, cluster, busy)  # noqa: E731
+                exposed = _overlapped(sync(grads), window, sync(min(grads, DDP_BUCKET_BYTES)))
             else:
-                t_rs = comm.gather(grads, place.dp, cluster, busy)
-                t_ag = comm.gather(params * grad_elem, place.dp, cluster, busy)
-                exposed = _overlapped(t_rs, window, grads)
+                sync = lambda b: comm.gather(b, place.dp, cluster, busy)  # noqa: E731
+                t_ag = sync(params * grad_elem)
+                exposed = _overlapped(sync(grads), window, sync(min(grads, DDP_BUCKET_BYTES)))
                 if lay.zero == 3:  # parameters gathered for every micro-batch's forward and backward
                     fwd_r = sum(costs[s].fwd for s in ranks[r])
                     bwd_r = sum(costs[s].bwd_input + costs[s].bwd_weight for s in ranks[r])
@@ -378,16 +384,15 @@ class CostModel:
             in_flight=flights, method=method, sim=sim, notes=notes)
 
 
-def _overlapped(t: float, window: float, nbytes: float) -> float:
+def _overlapped(t: float, window: float, last_bucket: float) -> float:
     """Exposed time of a bucketed gradient collective that starts during the last backward.
 
     Buckets fill as the backward runs, so all but the last bucket can hide behind it (PyTorch DDP,
     Li et al. 2020, VLDB, Sec. 3.2.3); what cannot hide is the excess over the window, and at least
-    the last bucket's share.
+    the last bucket's own collective (``last_bucket``: the time of min(bytes, bucket size)).
     """
     if t <= 0:
         return 0.0
-    last_bucket = t * min(1.0, DDP_BUCKET_BYTES / nbytes) if nbytes > 0 else t
     return max(t - window, last_bucket)
 
 

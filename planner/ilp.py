@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import pulp
 
 from . import comm
-from .costmodel import ADAM_BYTES_PER_PARAM, CostModel, Prediction
+from .costmodel import ADAM_BYTES_PER_PARAM, DDP_BUCKET_BYTES, CostModel, Prediction
 from .errors import InvalidLayout
 from .layout import Layout
 from .memory import FRAGMENTATION, framework_allowance, state_bytes_per_param
@@ -93,11 +93,10 @@ class StageILP:
         self.p, self.v, self.m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         self.schedule = lay.schedule if lay.pp > 1 else "1f1b"
         self._rank_stages = [rank_stages(self.schedule, r, self.p, self.v) for r in range(self.p)]
-        self.cost = {(i, u): model.block_cost(i, lay, self.place, u) for i in range(self.n) for u in modes}
-        kinds = [x.kind for x in self.prof.layers]
-        sigs = [x.signature for x in self.prof.layers]
-        self.repeated = (self.work.spec.is_transformer and self.n >= 3 and len(set(sigs[1:-1])) == 1
-                         and kinds[0] == "embedding")
+        # "none" too: embeddings and the head are never recomputed, whatever the stage's mode
+        self.cost = {(i, u): model.block_cost(i, lay, self.place, u) for i in range(self.n)
+                     for u in {*modes, "none"}}
+        self.repeated = model._repeated(lay)
 
     # ---- data helpers ----
     def boundary(self, s: int, last_block: int) -> float:
@@ -135,7 +134,8 @@ class StageILP:
                     prob += cnt[s, u] <= L * y[s, u], f"mode_gate_{s}_{u}"
                 if 0 < s < S - 1:
                     prob += pulp.lpSum(cnt[s, u] for u in self.modes) >= 1, f"non_empty_stage_{s}"
-            ends = {0: [0], S - 1: [self.n - 1]}
+            ends: dict[int, list[int]] = {0: [0]}
+            ends.setdefault(S - 1, []).append(self.n - 1)  # S == 1: one stage holds both
             for s in range(S):
                 for u in self.modes:
                     c = self.cost[(1, u)]
@@ -158,6 +158,9 @@ class StageILP:
                     P[s] += c.params
                 if s < S - 1:  # every stage but the last ends in a layer (or the embedding): same tensor
                     C[s] = self.boundary(s, 1)
+            tied = self.prof.layers[-1].tied_params
+            if S == 1 and tied:  # one copy of a tied embedding/head weight (the cost model's rule)
+                P[0] -= tied * self.cost[(self.n - 1, "none")].params / self.prof.layers[-1].params
             prob += big_params >= self.cost[(1, self.modes[0])].params, "largest_block_layer"
             for i in (0, self.n - 1):
                 prob += big_params >= self.cost[(i, "none")].params, f"largest_block_{i}"
@@ -249,26 +252,32 @@ class StageILP:
                 prob += exposed >= (sync - lay.ps_staleness * makespan if lay.ps_staleness else sync) + const, \
                     f"ps_sync_{r}"
             elif lay.dp > 1:
+                sync = (lambda b: comm.all_reduce(b, self.place.dp, cluster, busy)) if lay.zero == 0 else (
+                    lambda b: comm.gather(b, self.place.dp, cluster, busy))
+                a, k = _secant(sync, guess)
+                t = a + k * grads
                 if lay.zero == 0:
-                    a, k = _secant(lambda b: comm.all_reduce(b, self.place.dp, cluster, busy), guess)
-                    t = a + k * grads
                     extra = 0
+                elif lay.zero == 3:  # parameters (training dtype: the gradients' bytes) gathered per micro-batch
+                    hide_f = pulp.LpVariable(f"zero3_fwd_gather_{r}", lowBound=0)
+                    hide_b = pulp.LpVariable(f"zero3_bwd_gather_{r}", lowBound=0)
+                    prob += hide_f >= t - pulp.lpSum(Fc[s] for s in ranks[r]), f"zero3_fwd_{r}"
+                    prob += hide_b >= t - pulp.lpSum(Bc[s] for s in ranks[r]), f"zero3_bwd_{r}"
+                    extra = m * (hide_f + hide_b)
                 else:
-                    a, k = _secant(lambda b: comm.gather(b, self.place.dp, cluster, busy), guess)
-                    t = a + k * grads
-                    t_ag = a + k * grads  # parameters in the training dtype: the same bytes as the gradients
-                    if lay.zero == 3:
-                        hide_f = pulp.LpVariable(f"zero3_fwd_gather_{r}", lowBound=0)
-                        hide_b = pulp.LpVariable(f"zero3_bwd_gather_{r}", lowBound=0)
-                        prob += hide_f >= t_ag - pulp.lpSum(Fc[s] for s in ranks[r]), f"zero3_fwd_{r}"
-                        prob += hide_b >= t_ag - pulp.lpSum(Bc[s] for s in ranks[r]), f"zero3_bwd_{r}"
-                        extra = m * (hide_f + hide_b)
-                    else:
-                        extra = t_ag
-                last_bucket = comm.all_reduce if lay.zero == 0 else comm.gather
-                bucket = last_bucket(min(guess, 25 * 2**20), self.place.dp, cluster, busy)
+                    extra = t  # updated parameter shards gathered after the step
+                # The last bucket cannot hide: its collective carries min(grads, bucket) bytes. A binary
+                # picks the regime (grads above the bucket size or not), keeping the piece exact.
+                bucket = DDP_BUCKET_BYTES
+                big = pulp.LpVariable(f"grads_exceed_bucket_{r}", cat="Binary")
+                total_grads = max(guess * p, bucket) * 2
+                mb = 1 / 2**20  # rows in MiB, for CBC's numerics
+                prob += grads * mb <= (bucket + total_grads * big) * mb, f"bucket_regime_up_{r}"
+                prob += grads * mb >= bucket * mb * big, f"bucket_regime_down_{r}"
+                t_big = sync(bucket)
                 prob += exposed >= t - window + extra + const, f"dp_overlap_{r}"
-                prob += exposed >= bucket + extra + const, f"dp_last_bucket_{r}"
+                prob += exposed >= t + extra + const - (a + k * total_grads) * big, f"dp_small_grads_{r}"
+                prob += exposed >= t_big * big + extra + const, f"dp_last_bucket_{r}"
             else:
                 prob += exposed >= const, f"no_dp_{r}"
             prob += z >= makespan - drain + exposed, f"rank_end_{r}"
@@ -292,11 +301,15 @@ class StageILP:
             other = framework_allowance(gpu) + FRAGMENTATION * (states + acts + working)
             if lay.zero == 3:
                 other += 2 * big_params * g_elem
-            prob += states + acts + working + other <= gpu.memory_bytes, f"mem_cap_rank_{r}"
-        prob += z + o
+            # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
+            prob += (states + acts + working + other) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
+        # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
+        scale = 1.0 / max(self._rough_time(), 1e-12)
+        prob += (z + o) * scale
         if start is not None:
             self._warm_start(assign, yr, start)
-        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=start is not None))
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=start is not None,
+                                     gapRel=1e-9, gapAbs=0.0))
         if prob.sol_status == pulp.LpSolutionOptimal:
             status_name = "optimal"
         elif prob.sol_status == pulp.LpSolutionIntegerFeasible:
@@ -304,7 +317,12 @@ class StageILP:
         else:
             return [], [], pulp.LpStatus[prob.status].lower(), None
         stages, modes = self._extract(assign, y)
-        return stages, modes, status_name, pulp.value(prob.objective)
+        return stages, modes, status_name, pulp.value(prob.objective) / scale
+
+    def _rough_time(self) -> float:
+        """The iteration time of an ideal split (total work spread evenly), to scale the objective."""
+        total = sum(c.fwd + c.bwd_input + c.bwd_weight for (i, u), c in self.cost.items() if u == "none")
+        return total * self.m / self.p
 
     def _warm_start(self, assign, yr, start: tuple[list[list[int]], list[str]]) -> None:
         """Give CBC a feasible split to start from (only the assignment; it derives the rest)."""
@@ -345,6 +363,20 @@ class StageILP:
             s = max(range(self.S), key=lambda s: sum(var[i, s, u].value() or 0 for u in self.modes))
             stages[s].append(i)
         return stages, modes
+
+
+def chunks_balanced(stages: list[list[int]], n_blocks: int, ends_ride_along: bool) -> bool:
+    """The planner's rule for v > 1 (the ILP's chunk-balance rows): every chunk holds within one block
+    of the others. With ``ends_ride_along`` (a transformer) only layers count, and the end chunks may
+    hold one layer fewer, as they carry the embedding and the head."""
+    if ends_ride_along:
+        sizes = [sum(1 for i in s if 0 < i < n_blocks - 1) for s in stages]
+    else:
+        sizes = [len(s) for s in stages]
+    last = len(stages) - 1
+    slack = [1 if ends_ride_along and k in (0, last) else 0 for k in range(len(stages))]
+    return any(all(low - slack[k] <= c <= low + 1 for k, c in enumerate(sizes))
+               for low in range(min(sizes), min(sizes) + 2))
 
 
 def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, ...], rank_of: list[int]):
@@ -402,8 +434,9 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
         raise InvalidLayout(_oom_message(model, lay, modes, last_status), "out of memory")
     exact = best.ilp_objective is not None and math.isclose(best.ilp_objective, best.prediction.iteration_time_s,
                                                              rel_tol=1e-6)
-    if local_search and not (exact and best.ilp_status == "optimal"):
-        # The linear pieces or the time limit left a gap between the ILP and the exact model: climb.
+    if local_search and (lay.num_stages <= 16 or not (exact and best.ilp_status == "optimal")):
+        # Linear pieces (ring vs tree collectives, the secant of a collective's time) or the time limit may
+        # leave a gap between the ILP and the exact model: climb on the exact model (cheap for few stages).
         best = _polish(model, lay, best, modes, max_rounds=50 if lay.num_stages <= 16 else 3)
     best.ilp_status, best.ilp_objective = last_status, last_obj
     return best
@@ -451,7 +484,10 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
         rounds += 1
         improved = False
         rank_of = [stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in range(lay.num_stages)]
+        n_blocks = sum(len(s) for s in best.stages)
         for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of):
+            if lay.virtual_stages > 1 and not chunks_balanced(stages, n_blocks, model._repeated(lay)):
+                continue
             pred = model.evaluate(lay, stages, st_modes)
             if pred.fits and pred.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
                 best = Partition(stages, st_modes, pred, best.ilp_status, best.ilp_objective)

@@ -1,0 +1,71 @@
+"""``paraplan compare``: strategies side by side with the optimum, as a table and charts."""
+
+from __future__ import annotations
+
+import os
+
+from paraplan.planner.compare import compare, ps_vs_ring
+from paraplan.planner.errors import PlanError
+
+from .common import workload_from_args
+from .output import print_json, stderr, stdout, table
+
+
+def _row_json(row) -> dict:
+    out = {"name": row.name, "status": row.status, "layout": row.layout.short() if row.layout else None}
+    if row.prediction is not None:
+        out.update(row.prediction.to_dict())
+        out["stage_recompute"] = row.stage_recompute
+    return out
+
+
+def run(args) -> int:
+    work = workload_from_args(args)
+    dtype = args.dtype or work.default_dtype()
+    gpus = args.gpus or work.cluster.num_gpus
+    if gpus > work.cluster.num_gpus:
+        raise PlanError(f"--gpus {gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus} GPUs; use --nodes")
+    out = args.out or os.path.join("reports", f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise PlanError(f"--out {out}: folder {parent} does not exist")
+    rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
+    workers, series = ps_vs_ring(work, dtype, max(gpus, 2))
+    os.makedirs(out, exist_ok=True)
+    from paraplan.planner import charts
+
+    priced = [r for r in rows if r.prediction is not None]
+    files = {}
+    if priced:
+        labels = [f"{r.name}\n{r.layout.short()}" if r.name != r.layout.short() else r.name for r in priced]
+        files["breakdown"] = os.path.join(out, "time_breakdown.png")
+        charts.time_breakdown([r.prediction for r in priced], labels, files["breakdown"],
+                              f"{work.spec.name} on {gpus} x {work.cluster.gpu.name}: where the time goes")
+        files["memory"] = os.path.join(out, "memory.png")
+        charts.memory_vs_capacity([r.prediction for r in priced], labels, files["memory"],
+                                  f"{work.spec.name} on {gpus} x {work.cluster.gpu.name}: memory per GPU")
+    files["ps_vs_ring"] = os.path.join(out, "ps_vs_ring.png")
+    charts.sync_vs_workers(workers, series, files["ps_vs_ring"],
+                           f"Gradient sync of {work.spec.name} ({work.cluster.name}): parameter server vs ring")
+    if args.json:
+        print_json({"strategies": [_row_json(r) for r in rows],
+                    "ps_vs_ring": {"workers": workers, "sync_time_s": series}, "charts": files})
+        return 0
+    table_rows = []
+    for r in rows:
+        p = r.prediction
+        if p is None:
+            table_rows.append([r.name, r.layout.short() if r.layout else "-", r.status, "", "", "", ""])
+            continue
+        table_rows.append([r.name, r.layout.short(), f"{p.iteration_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
+                           f"{100 * p.mfu:.1f}%", f"{p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'}",
+                           f"tp {p.time_s['tp_comm']:.3g} / pp {p.time_s['pp_comm']:.3g} / dp {p.time_s['dp_comm']:.3g}"
+                           f" / bubble {p.time_s['bubble']:.3g}"])
+    stdout.print(table(f"{work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
+                       f"{work.global_batch}", ["strategy", "layout", "iteration s", "tokens/s", "MFU", "GiB/GPU",
+                                                "communication and bubble (s)"], table_rows))
+    ps_rows = [[str(n)] + [f"{series[k][i]:.3g}" for k in series] for i, n in enumerate(workers)]
+    stdout.print(table("Gradient sync per iteration (s): parameter servers vs ring all-reduce", ["workers", *series],
+                       ps_rows))
+    stderr.print(f"charts in {out}/")
+    return 0

@@ -1,0 +1,115 @@
+"""``paraplan plan``: search the fastest layout that fits, print the top plans, write the report folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from paraplan.planner.errors import PlanError
+from paraplan.planner.report import ScalingPoint, plan_object, write_report
+from paraplan.planner.search import SearchResult, search
+from paraplan.planner.workload import Workload
+
+from .output import print_json, stderr, stdout, table
+
+DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
+
+
+def _progress(enabled: bool):
+    """A rich progress bar on stderr (only on a terminal), as a callback for the search."""
+    if not enabled:
+        return None, None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("searching layouts"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), console=stderr, transient=True)
+    task = bar.add_task("search", total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def nothing_fits_message(result: SearchResult) -> str:
+    """The least memory any layout needs against the GPU's, and what would make one fit."""
+    gpu = result.work.cluster.gpu
+    oom = [c for c in result.candidates if c.status == "oom"]
+    needs = []
+    for c in oom:
+        m = re.search(r"needs ([0-9.]+) GiB", c.reason) or re.search(r"\(([0-9.]+) of", c.reason)
+        if m:
+            needs.append((float(m.group(1)), c))
+    if not needs:
+        return (f"no valid layout for {result.work.spec.name} on {result.gpus} GPUs "
+                f"({len(result.candidates)} candidates, all invalid); try another GPU count or global batch")
+    least, cand = min(needs, key=lambda x: x[0])
+    more = max(2, int(result.gpus * least / gpu.memory_GiB + 0.999))
+    return (f"nothing fits: the least memory any layout needs is {least:.1f} GiB per GPU ({cand.layout.short()}, "
+            f"with ZeRO-3 and full recomputation considered), a {gpu.name} has {gpu.memory_GiB:g} GiB; "
+            f"try about {more} GPUs (--gpus/--nodes), a smaller global batch or a GPU with more memory")
+
+
+def scaling_counts(gpus: int, per_node: int) -> list[int]:
+    counts = [gpus]
+    g = gpus
+    while len(counts) < 4 and g % 2 == 0 and g // 2 >= max(1, per_node // 8):
+        g //= 2
+        counts.append(g)
+    return sorted(counts)
+
+
+def run(args) -> int:
+    given = [args.model, args.cluster, args.global_batch]
+    if all(v is None for v in given):
+        args.model, args.cluster, args.global_batch = DEFAULT["model"], DEFAULT["cluster"], DEFAULT["global_batch"]
+    missing = [f for f, v in (("--model", args.model), ("--cluster", args.cluster),
+                              ("--global-batch", args.global_batch)) if v is None]
+    if missing:
+        raise PlanError(f"give {', '.join(missing)} too (or no arguments at all for the built-in example)")
+    work = Workload.create(args.model, args.cluster, args.global_batch, seq_length=args.seq_len, nodes=args.nodes)
+    gpus = args.gpus or work.cluster.num_gpus
+    if args.train_tokens is not None and args.train_tokens <= 0:
+        raise PlanError(f"--train-tokens must be positive, got {args.train_tokens:g}")
+    out = args.out or os.path.join("reports", f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise PlanError(f"--out {out}: folder {parent} does not exist")
+    bar, cb = _progress(not args.json and sys.stderr.isatty())
+    if bar:
+        bar.start()
+    try:
+        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb)
+    finally:
+        if bar:
+            bar.stop()
+    if result.best is None:
+        raise PlanError(nothing_fits_message(result))
+    scaling = []
+    if not args.no_charts:
+        for g in scaling_counts(gpus, work.cluster.gpus_per_node):
+            r = result if g == gpus else search(work, g, top_k=1, dtype=args.dtype)
+            scaling.append(ScalingPoint(g, r.best))
+    files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
+    if args.json:
+        print_json({"best": plan_object(result, result.best), "top_k": [plan_object(result, c) for c in result.ranked],
+                    "num_candidates": len(result.candidates), "num_feasible": result.num_feasible,
+                    "search_time_s": result.search_time_s, "ilp_solves": result.ilp_solves, "report": files})
+        return 0
+    best = result.best
+    p = best.prediction
+    rows = [[str(i), c.layout.short(), f"{c.prediction.iteration_time_s:.4g}", f"{c.prediction.tokens_per_s:,.0f}",
+             f"{100 * c.prediction.mfu:.1f}%", f"{c.prediction.peak_memory_gib:.1f}",
+             "/".join(sorted(set(c.stage_recompute or [c.layout.recompute])))]
+            for i, c in enumerate(result.ranked, 1)]
+    stdout.print(table(f"Top plans: {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), "
+                       f"global batch {args.global_batch}",
+                       ["#", "layout", "iteration s", "tokens/s", "MFU", "GiB/GPU", "recompute"], rows))
+    stdout.print(f"best: [bold]{best.layout.short()}[/bold] — {p.iteration_time_s:.4g} s/iteration, "
+                 f"{p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%, {p.peak_memory_gib:.1f} of "
+                 f"{p.memory_capacity_gib:g} GiB per GPU")
+    if args.train_tokens:
+        days = args.train_tokens / p.tokens_per_s / 86400
+        price = work.cluster.cost_per_gpu_hour_usd
+        cost = f", ${days * 24 * gpus * price:,.0f} at ${price:g}/GPU-hour" if price else ""
+        stdout.print(f"time to train on {args.train_tokens:.3g} tokens: {days:.1f} days{cost}")
+    stdout.print(f"searched {len(result.candidates):,} layouts ({result.num_feasible:,} not rejected) in "
+                 f"{result.search_time_s:.2f} s, {result.ilp_solves} ILPs; report: {files['report']}")
+    return 0

@@ -1,0 +1,218 @@
+"""The planner's report folder: report.md, plan.json, candidates.csv and the charts.
+
+Written for a reader who wants the answer first (the layout, its throughput, memory and why it won),
+then the alternatives, then what was rejected and why.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+from .api import plan_for
+from .costmodel import CostModel, Prediction
+from .search import Candidate, SearchResult
+
+GiB = 2**30
+
+
+@dataclass
+class ScalingPoint:
+    gpus: int
+    best: Candidate | None
+
+
+def plan_object(result: SearchResult, cand: Candidate) -> dict:
+    """A ranked candidate as the simulate JSON object (prediction keys + ``plan``)."""
+    plan = plan_for(result.work, cand.layout, cand.stages, cand.prediction, cand.stage_recompute)
+    return {**cand.prediction.to_dict(), "plan": {k: v for k, v in plan.to_dict().items() if k != "prediction"}}
+
+
+def write_plan(result: SearchResult, cand: Candidate, path: str) -> None:
+    plan = plan_for(result.work, cand.layout, cand.stages, cand.prediction, cand.stage_recompute)
+    plan.write(path)
+
+
+def write_candidates_csv(result: SearchResult, path: str) -> None:
+    cols = ["rank", "dp", "tp", "pp", "micro_batch", "num_micro_batches", "schedule", "virtual_stages", "zero",
+            "sequence_parallel", "recompute", "status", "iteration_time_s", "tokens_per_s", "mfu",
+            "peak_memory_gib", "lower_bound_s"]
+    order = {id(c): i + 1 for i, c in enumerate(sorted((c for c in result.candidates if c.status == "ok"),
+                                                       key=lambda c: c.time_s))}
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for c in sorted(result.candidates, key=lambda c: (c.time_s, c.lower_bound_s)):
+            lay, p = c.layout, c.prediction
+            w.writerow([order.get(id(c), ""), lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.num_micro_batches,
+                        lay.schedule, lay.virtual_stages, lay.zero, lay.sequence_parallel,
+                        "/".join(c.stage_recompute) if c.stage_recompute else lay.recompute, c.status_text(),
+                        f"{p.iteration_time_s:.6g}" if p else "", f"{p.tokens_per_s:.6g}" if p else "",
+                        f"{p.mfu:.4f}" if p else "", f"{p.peak_memory_gib:.3f}" if p else "",
+                        f"{c.lower_bound_s:.6g}" if c.lower_bound_s != float("inf") else ""])
+
+
+def _why(result: SearchResult) -> list[str]:
+    """A few sentences on why the best layout wins, from its breakdown and its neighbours."""
+    best = result.ranked[0]
+    p, lay = best.prediction, best.layout
+    t = p.time_s
+    total = p.iteration_time_s
+    lines = []
+    big = sorted(((v, k) for k, v in t.items() if k != "compute"), reverse=True)[:2]
+    lines.append(f"Compute is {100 * t['compute'] / total:.0f}% of the iteration; the largest overheads are "
+                 + " and ".join(f"{k.replace('_', ' ')} ({100 * v / total:.1f}%)" for v, k in big) + ".")
+    gpn = result.work.cluster.gpus_per_node
+    if lay.tp > 1:
+        where = "inside one node (NVLink-class links)" if lay.tp <= gpn else "across nodes"
+        lines.append(f"Tensor parallelism of {lay.tp} splits each layer's weights and activations {where}.")
+    if lay.pp > 1:
+        lines.append(f"Pipeline parallelism of {lay.pp} ({lay.schedule}"
+                     + (f", {lay.virtual_stages} chunks per rank" if lay.virtual_stages > 1 else "")
+                     + f") with {lay.num_micro_batches} micro-batches keeps the bubble at "
+                       f"{100 * p.bubble_fraction:.1f}%.")
+    if lay.dp > 1:
+        lines.append(f"Data parallelism of {lay.dp} with ZeRO-{lay.zero}: the gradient sync costs "
+                     f"{100 * t['dp_comm'] / total:.1f}% after overlapping the last backward.")
+    modes = Counter(best.stage_recompute or [lay.recompute])
+    if len(modes) > 1:
+        lines.append("Recomputation differs per pipeline stage (" + ", ".join(
+            f"{n} x {u}" for u, n in modes.items()) + "): only the stages that need memory pay for it.")
+    elif lay.recompute != "none":
+        lines.append(f"{lay.recompute.capitalize()} recomputation is needed to fit in memory.")
+    if len(result.ranked) > 1:
+        second = result.ranked[1]
+        lines.append(f"The runner-up ({second.layout.short()}) is {100 * (second.time_s / best.time_s - 1):.1f}% "
+                     "slower.")
+    return lines
+
+
+def _money(result: SearchResult, pred: Prediction, train_tokens: float | None) -> list[str]:
+    if not train_tokens:
+        return []
+    seconds = train_tokens / pred.tokens_per_s
+    rows = [f"- time to train on {train_tokens:.3g} tokens: **{seconds / 86400:.1f} days** "
+            f"({seconds / 3600:,.0f} hours)"]
+    price = result.work.cluster.cost_per_gpu_hour_usd
+    if price:
+        rows.append(f"- cost at ${price:g} per GPU-hour: **${seconds / 3600 * result.gpus * price:,.0f}**")
+    return rows
+
+
+def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint], train_tokens: float | None = None,
+                 charts: bool = True) -> dict[str, str]:
+    """Write the whole report folder; returns {what: path}."""
+    os.makedirs(out, exist_ok=True)
+    files = {"report": os.path.join(out, "report.md"), "plan": os.path.join(out, "plan.json"),
+             "candidates": os.path.join(out, "candidates.csv")}
+    best = result.best
+    assert best is not None
+    write_plan(result, best, files["plan"])
+    write_candidates_csv(result, files["candidates"])
+    if charts:
+        files.update(_charts(result, out, scaling))
+    work, lay, p = result.work, best.layout, best.prediction
+    cl = work.cluster
+    status = Counter(c.status for c in result.candidates)
+    reasons = Counter(c.reason if c.status == "invalid" else "out of memory" for c in result.candidates
+                      if c.status in ("invalid", "oom"))
+    md = [f"# Plan: {work.spec.name} on {result.gpus} x {cl.gpu.name} ({cl.name})", "",
+          "## What was asked", "",
+          f"- model: `{work.model_ref}` ({p.num_parameters / 1e9:.3g} B parameters"
+          + (f", sequence {work.seq_length}" if work.seq_length else "") + ")",
+          f"- cluster: {cl.name}: {cl.nodes} nodes x {cl.gpus_per_node} {cl.gpu.name} "
+          f"({cl.gpu.memory_GiB:g} GiB), {cl.intra_node.bandwidth_GBps:g} GB/s inside a node, "
+          f"{cl.inter_node.bandwidth_GBps:g} GB/s per node across",
+          f"- GPUs used: {result.gpus}; global batch {lay.global_batch} samples"
+          + (f" ({lay.global_batch * work.tokens_per_sample:,} tokens)" if work.seq_length else "")
+          + f"; {result.dtype}", "",
+          "## The chosen layout", "",
+          f"**{lay.short()}** — data parallel {lay.dp}, tensor parallel {lay.tp}, pipeline parallel {lay.pp}, "
+          f"micro-batch {lay.micro_batch} ({lay.num_micro_batches} per replica), "
+          + (f"schedule {lay.schedule}" + (f" with {lay.virtual_stages} chunks per rank" if lay.virtual_stages > 1
+                                            else "") + ", " if lay.pp > 1 else "")
+          + f"ZeRO-{lay.zero}, recomputation per stage: {', '.join(best.stage_recompute or [lay.recompute])}, "
+          + f"sequence parallelism {'on' if lay.sequence_parallel else 'off'}.", "",
+          "| predicted | |", "|---|---|",
+          f"| iteration time | {p.iteration_time_s:.4g} s |",
+          f"| throughput | {p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.4g} samples/s |",
+          f"| per GPU | {p.model_tflops_per_gpu:.1f} model TFLOP/s (MFU {100 * p.mfu:.1f}%), "
+          f"{p.hardware_tflops_per_gpu:.1f} hardware TFLOP/s (HFU {100 * p.hfu:.1f}%) |",
+          f"| memory per GPU | {p.peak_memory_gib:.1f} of {p.memory_capacity_gib:g} GiB (params "
+          f"{p.memory_gib['params']:.1f}, grads {p.memory_gib['grads']:.1f}, optimizer {p.memory_gib['optimizer']:.1f},"
+          f" activations {p.memory_gib['activations']:.1f}, other {p.memory_gib['other']:.1f}) |",
+          f"| stages | {', '.join(str(len(s)) for s in best.stages)} blocks |", "",
+          *_money(result, p, train_tokens), "",
+          "Why this layout:", "", *[f"- {x}" for x in _why(result)], "",
+          "## Top plans", "",
+          "| # | layout | iteration s | tokens/s | MFU | memory GiB | bubble | dp sync |",
+          "|---|---|---|---|---|---|---|---|"]
+    for i, c in enumerate(result.ranked, 1):
+        q = c.prediction
+        md.append(f"| {i} | {c.layout.short()} | {q.iteration_time_s:.4g} | {q.tokens_per_s:,.0f} | "
+                  f"{100 * q.mfu:.1f}% | {q.peak_memory_gib:.1f} | {100 * q.bubble_fraction:.1f}% | "
+                  f"{q.time_s['dp_comm']:.3g} s |")
+    md += ["", "## The search", "",
+           f"{len(result.candidates):,} candidate layouts in {result.search_time_s:.2f} s "
+           f"({result.ilp_solves} stage-split ILPs solved with PuLP/CBC):", ""]
+    labels = {"ok": "priced exactly with their ILP stage split", "priced": "priced at a balanced split only "
+              "(over 5% behind the top plans)", "pruned": "pruned by a lower bound that cannot beat the top plans",
+              "dominated": "dominated by an equally fast, leaner variant", "oom": "rejected: out of memory",
+              "invalid": "rejected: invalid for this model or cluster"}
+    for k in ("ok", "priced", "pruned", "dominated", "oom", "invalid"):
+        if status.get(k):
+            md.append(f"- {status[k]:,} {labels[k]}")
+    if reasons:
+        md += ["", "Rejections by reason:", ""] + [f"- {n:,} x {r}" for r, n in reasons.most_common(8)]
+    if scaling:
+        md += ["", "## Scaling", "", "| GPUs | best layout | tokens/s | per GPU | MFU |", "|---|---|---|---|---|"]
+        for sp in scaling:
+            if sp.best is None:
+                md.append(f"| {sp.gpus} | nothing fits | | | |")
+            else:
+                q = sp.best.prediction
+                md.append(f"| {sp.gpus} | {sp.best.layout.short()} | {q.tokens_per_s:,.0f} | "
+                          f"{q.tokens_per_s / sp.gpus:,.0f} | {100 * q.mfu:.1f}% |")
+    if charts:
+        md += ["", "## Charts", ""]
+        for key, title in (("breakdown", "Where the time goes (top plans)"), ("memory", "Memory per GPU"),
+                           ("timeline", "Pipeline timeline of the chosen plan"), ("scaling", "Throughput vs GPUs"),
+                           ("pareto", "Throughput vs memory")):
+            if key in files:
+                md += [f"### {title}", "", f"![{title}]({os.path.basename(files[key])})", ""]
+    md += ["", "Files: `plan.json` (run it with `paraplan execute --plan plan.json`), `candidates.csv` (every "
+           "candidate with its status).", ""]
+    with open(files["report"], "w") as f:
+        f.write("\n".join(md))
+    return files
+
+
+def _charts(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> dict[str, str]:
+    from . import charts
+
+    files = {}
+    preds = [c.prediction for c in result.ranked]
+    labels = [c.layout.short() for c in result.ranked]
+    title = f"{result.work.spec.name} on {result.gpus} x {result.work.cluster.gpu.name}"
+    files["breakdown"] = os.path.join(out, "time_breakdown.png")
+    charts.time_breakdown(preds, labels, files["breakdown"], f"Where the time goes — {title}")
+    files["memory"] = os.path.join(out, "memory.png")
+    charts.memory_vs_capacity(preds, labels, files["memory"], f"Memory per GPU — {title}")
+    best = result.ranked[0]
+    sim = CostModel(result.work).evaluate(best.layout, best.stages, best.stage_recompute, simulate=True,
+                                          keep_timeline=True)
+    if sim.sim is not None:
+        files["timeline"] = os.path.join(out, "timeline.png")
+        charts.gantt(sim, files["timeline"])
+    if scaling:
+        files["scaling"] = os.path.join(out, "scaling.png")
+        charts.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
+                       files["scaling"], f"Throughput vs GPU count — {result.work.spec.name}")
+    priced = [c for c in result.candidates if c.prediction is not None]
+    if priced:
+        files["pareto"] = os.path.join(out, "pareto.png")
+        charts.pareto([c.prediction for c in priced], [c in result.ranked for c in priced], files["pareto"],
+                      f"Throughput vs memory — {title}")
+    return files

@@ -1,0 +1,209 @@
+"""The planner: optimal against brute force on small instances, the regimes with known answers, and
+never slower than published hand-tuned layouts under its own cost model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paraplan.models import spec_from_mapping
+from paraplan.planner.costmodel import CostModel, validate_layout
+from paraplan.planner.errors import InvalidLayout
+from paraplan.planner.ilp import best_partition, chunks_balanced, modes_for
+from paraplan.planner.layout import Layout
+from paraplan.planner.placement import placement
+from paraplan.planner.schedules import stage_rank
+from paraplan.planner.search import enumerate_layouts, search
+from paraplan.planner.workload import Workload
+
+SMALL_GPT = dict(name="gpt-small", family="gpt", num_layers=6, hidden_size=1024, num_attention_heads=16,
+                 vocab_size=32000, seq_length=1024)  # 8 blocks
+# A cluster whose GPUs are small enough that memory binds: some layouts need recomputation or ZeRO.
+TIGHT = """name: tight
+gpu: {name: small, memory_GiB: 2, hbm_GBps: 900, peak_tflops: {fp32: 20, tf32: null, bf16: 150, fp16: 150, fp8: null}}
+nodes: 2
+gpus_per_node: 4
+intra_node: {bandwidth_GBps: 100, latency_us: 3}
+inter_node: {bandwidth_GBps: 12.5, latency_us: 10}
+"""
+
+
+def _partitions(n: int, k: int):
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        yield [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+
+
+def brute_force(model: CostModel, lay: Layout) -> float:
+    """Every contiguous split (with balanced chunks when v > 1) x every recomputation mode per pipeline
+    rank, priced exactly."""
+    n = len(model.work.profile(lay.dtype).layers)
+    modes = modes_for(model)
+    schedule = lay.schedule if lay.pp > 1 else "1f1b"
+    rank_of = [stage_rank(schedule, s, lay.pp) for s in range(lay.num_stages)]
+    best = float("inf")
+    for stages in _partitions(n, lay.num_stages):
+        if lay.virtual_stages > 1 and not chunks_balanced(stages, n, model._repeated(lay)):
+            continue
+        for per_rank in itertools.product(modes, repeat=lay.pp):
+            pred = model.evaluate(lay, stages, [per_rank[r] for r in rank_of])
+            if pred.fits:
+                best = min(best, pred.iteration_time_s)
+    return best
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cl") / "tight.yaml"
+    path.write_text(TIGHT)
+    return Workload.create(spec_from_mapping(SMALL_GPT, "test"), str(path), 16)
+
+
+def test_ilp_split_equals_brute_force_per_layout(small):
+    """For every valid layout of 8 GPUs, the ILP's split (priced exactly) equals the best of all splits."""
+    model = CostModel(small)
+    checked = 0
+    for lay in enumerate_layouts(small, 8, "bf16"):
+        if lay.micro_batch > 2:
+            continue
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        exhaustive = brute_force(model, lay)
+        try:
+            got = best_partition(model, lay).prediction.iteration_time_s
+        except InvalidLayout:
+            assert exhaustive == float("inf"), lay.short()
+            continue
+        assert got == pytest.approx(exhaustive, rel=1e-9), lay.short()
+        checked += 1
+    assert checked > 50
+
+
+def test_binary_formulation_equals_brute_force(write):
+    """A model without repeated blocks (an MLP of unequal widths) takes the ILP's binary form."""
+    spec = spec_from_mapping(dict(name="mlp", family="mlp", input_size=1024, hidden_sizes=[2048, 512, 4096, 256, 1024],
+                                  num_classes=20000), "test")
+    work = Workload.create(spec, write("tight.yaml", TIGHT), 32)
+    model = CostModel(work)
+    checked = 0
+    for lay in enumerate_layouts(work, 4, "bf16"):
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        exhaustive = brute_force(model, lay)
+        try:
+            got = best_partition(model, lay).prediction.iteration_time_s
+        except InvalidLayout:
+            assert exhaustive == float("inf"), lay.short()
+            continue
+        assert got == pytest.approx(exhaustive, rel=1e-9), lay.short()
+        checked += 1
+    assert checked > 20
+
+
+def test_search_equals_exhaustive_enumeration(small):
+    """The planner's best layout on 8 GPUs equals brute force over every layout and every split."""
+    model = CostModel(small)
+    exhaustive = float("inf")
+    for lay in enumerate_layouts(small, 8, "bf16"):
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        exhaustive = min(exhaustive, brute_force(model, lay))
+    result = search(small, 8, top_k=3, refine_slack=None)
+    assert result.best.time_s == pytest.approx(exhaustive, rel=1e-9)
+    assert result.best.stage_recompute != ["none"]  # memory binds here: the answer needs recomputation
+    assert all(a.time_s <= b.time_s for a, b in itertools.pairwise(result.ranked))
+
+
+def test_memory_binding_makes_the_ilp_mix_recomputation(small):
+    """Where memory binds, stages may recompute differently — something uniform settings cannot do."""
+    model = CostModel(small)
+    lay = Layout(dp=1, tp=2, pp=4, micro_batch=2, global_batch=16, schedule="1f1b", sequence_parallel=True)
+    part = best_partition(model, lay)
+    uniform = []
+    for u in modes_for(model):
+        trial = lay.replace(recompute=u)
+        pred = model.evaluate(trial, part.stages)
+        if pred.fits:
+            uniform.append(pred.iteration_time_s)
+    assert part.prediction.fits
+    assert len(set(part.recompute)) > 1  # stages differ
+    assert part.prediction.iteration_time_s < min(uniform, default=float("inf"))
+
+
+# ---------------- regimes with a known answer (alpa's solver tests) ----------------
+
+
+def test_small_model_big_batch_is_pure_data_parallel():
+    work = Workload.create("gpt2", "dgx-a100-80gb", 512, nodes=1)
+    best = search(work, 8, top_k=1).best
+    assert (best.layout.dp, best.layout.tp, best.layout.pp) == (8, 1, 1)
+
+
+def test_model_too_big_for_one_gpu_uses_model_parallelism_inside_nodes():
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    best = search(work, 64, top_k=1).best
+    lay = best.layout
+    assert lay.tp > 1 or lay.pp > 1
+    assert lay.tp <= work.cluster.gpus_per_node
+    assert not placement(work.cluster, lay.dp, lay.tp, lay.pp).tp.crosses_nodes
+
+
+SLOW = """name: slow-net
+gpu: a100-80gb
+nodes: 4
+gpus_per_node: 8
+intra_node: nvlink3-nvswitch
+inter_node: {bandwidth_GBps: 1.25, latency_us: 50}
+"""
+
+
+def _cross_node_dp_bytes(work: Workload, cand) -> float:
+    """Gradient bytes one GPU sends across nodes per iteration for data parallelism."""
+    lay = cand.layout
+    span = placement(work.cluster, lay.dp, lay.tp, lay.pp).dp
+    if not span.crosses_nodes:
+        return 0.0
+    params = max(sum(cand.prediction.stages[s].params for s in range(len(cand.prediction.stages))
+                     if cand.prediction.stages[s].rank == r) for r in range(lay.pp))
+    return 2 * params * 2 * (span.nodes - 1) / span.nodes
+
+
+def test_slow_inter_node_links_cut_cross_node_data_parallel_traffic(write):
+    fast = Workload.create("gpt3-6.7b", "dgx-a100-80gb", 256, nodes=4)
+    slow = Workload.create("gpt3-6.7b", write("slow.yaml", SLOW), 256)
+    best_fast, best_slow = search(fast, 32, top_k=1).best, search(slow, 32, top_k=1).best
+    assert _cross_node_dp_bytes(fast, best_fast) > 0
+    assert _cross_node_dp_bytes(slow, best_slow) < _cross_node_dp_bytes(fast, best_fast)
+
+
+# ---------------- published hand-tuned layouts ----------------
+
+MEGATRON_LAYOUTS = [
+    # Korthikanti et al. 2022, Table 3: 175B on 64 A100s, tp 8, pp 8, 3 interleaved chunks, batch 64.
+    (dict(num_layers=96, hidden_size=12288, num_attention_heads=96), 64, 64,
+     Layout(dp=1, tp=8, pp=8, micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=3,
+            recompute="selective", sequence_parallel=True)),
+    # Narayanan et al. 2021, Table 1: 39.1B on 512 A100s, tp 8, pp 2, dp 32, batch 1536.
+    (dict(num_layers=48, hidden_size=8192, num_attention_heads=64), 512, 1536,
+     Layout(dp=32, tp=8, pp=2, micro_batch=1, global_batch=1536, schedule="interleaved-1f1b", virtual_stages=2,
+            recompute="full")),
+]
+
+
+@pytest.mark.parametrize("dims,gpus,batch,published", MEGATRON_LAYOUTS, ids=["175B-64gpus", "39B-512gpus"])
+def test_planner_never_slower_than_published_megatron_layout(dims, gpus, batch, published):
+    spec = spec_from_mapping(dict(name="megatron-gpt", family="gpt", vocab_size=51200, seq_length=2048, **dims),
+                             "test")
+    work = Workload.create(spec, "dgx-a100-80gb", batch, nodes=gpus // 8)
+    model = CostModel(work)
+    theirs = best_partition(model, published, allowed_modes=(published.recompute,)).prediction
+    ours = search(work, gpus, top_k=1).best.prediction
+    assert theirs.fits
+    assert ours.iteration_time_s <= theirs.iteration_time_s * (1 + 1e-9)
