@@ -91,8 +91,7 @@ def memory_vs_capacity(preds: list[Prediction], labels: list[str], path: str, ti
 def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str) -> None:
     """Throughput of the best plan at each GPU count, against perfect linear scaling from the smallest."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    pts = [(g, p.tokens_per_s if p.tokens_per_s else p.samples_per_s) for g, p in zip(gpus, preds, strict=True)
-           if p is not None]
+    pts = [(g, p.tokens_per_s) for g, p in zip(gpus, preds, strict=True) if p is not None]
     if pts:
         xs, ys = zip(*pts, strict=True)
         ax.plot(xs, ys, "o-", color="#4C72B0", label="best plan (replanned at each count)")
@@ -102,7 +101,8 @@ def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: s
                         xytext=(4, -14))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
-    ax.set_ylabel("tokens/s" if pts and preds[0] is not None and preds[0].tokens_per_s else "samples/s")
+    known = [p for p in preds if p is not None]
+    ax.set_ylabel("tokens/s" if known and known[0].tokens_per_s != known[0].samples_per_s else "samples/s")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -336,7 +336,8 @@ class CostModel:
         tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs)
         pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
         bubble = max(0.0, makespan - m * rank_time[rb])
-        dp_comm = max(0.0, iteration - makespan - max(opt_time))
+        dp_comm = iteration - makespan - max(opt_time)
+        dp_comm = dp_comm if dp_comm > 1e-12 * iteration else 0.0  # float residue when nothing is exposed
         time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
                   "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time)}
         # ---- memory per rank ----

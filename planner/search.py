@@ -258,7 +258,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     solves = 0
     pending = [alive[idx] for _, idx in quick]
     qtime = {id(alive[idx]): q for q, idx in quick}
-    workers = max(1, min(4, os.cpu_count() or 1))
+    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
     done = 0
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending:

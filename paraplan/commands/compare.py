@@ -19,6 +19,28 @@ def _row_json(row) -> dict:
     return out
 
 
+def _write_markdown(path: str, work, gpus: int, rows, workers, series) -> None:
+    lines = [f"# {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
+             f"{work.global_batch}", "", "| strategy | layout | iteration s | tokens/s | MFU | GiB/GPU | tp / pp / dp "
+             "comm, bubble (s) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r.prediction
+        if p is None:
+            lines.append(f"| {r.name} | {r.layout.short() if r.layout else '-'} | {r.status} | | | | |")
+            continue
+        t = p.time_s
+        lines.append(f"| {r.name} | {r.layout.short()} | {p.iteration_time_s:.4g} | {p.tokens_per_s:,.0f} | "
+                     f"{100 * p.mfu:.1f}% | {p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'} | "
+                     f"{t['tp_comm']:.3g} / {t['pp_comm']:.3g} / {t['dp_comm']:.3g}, {t['bubble']:.3g} |")
+    lines += ["", "Gradient sync per iteration (s), parameter servers vs ring all-reduce:", "",
+              "| workers | " + " | ".join(series) + " |", "|---" * (len(series) + 1) + "|"]
+    lines += [f"| {n} | " + " | ".join(f"{series[k][i]:.3g}" for k in series) + " |" for i, n in enumerate(workers)]
+    lines += ["", "![time breakdown](time_breakdown.png)", "", "![memory](memory.png)", "",
+              "![parameter server vs ring](ps_vs_ring.png)", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
 def run(args) -> int:
     work = workload_from_args(args)
     dtype = args.dtype or work.default_dtype()
@@ -47,6 +69,8 @@ def run(args) -> int:
     files["ps_vs_ring"] = os.path.join(out, "ps_vs_ring.png")
     charts.sync_vs_workers(workers, series, files["ps_vs_ring"],
                            f"Gradient sync of {work.spec.name} ({work.cluster.name}): parameter server vs ring")
+    files["table"] = os.path.join(out, "comparison.md")
+    _write_markdown(files["table"], work, gpus, rows, workers, series)
     if args.json:
         print_json({"strategies": [_row_json(r) for r in rows],
                     "ps_vs_ring": {"workers": workers, "sync_time_s": series}, "charts": files})

@@ -1,0 +1,81 @@
+"""`paraplan plan` and `paraplan compare` as users run them."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+
+SIM_KEYS = {"num_parameters", "iteration_time_s", "tokens_per_s", "mfu", "hfu", "fits", "peak_memory_gib",
+            "memory_gib", "time_s", "plan"}
+
+
+def test_plan_json_and_report_folder(tmp_path):
+    out = tmp_path / "report"
+    p = run_cli("plan", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch", "256",
+                "--top", "3", "--out", str(out), "--train-tokens", "3e11", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert {"best", "top_k", "num_candidates", "num_feasible", "search_time_s"} <= set(r)
+    assert SIM_KEYS <= set(r["best"]) and len(r["top_k"]) == 3
+    times = [x["iteration_time_s"] for x in r["top_k"]]
+    assert times == sorted(times) and r["best"]["iteration_time_s"] == times[0]
+    assert r["num_candidates"] >= r["num_feasible"] > 0
+    for name in ("report.md", "plan.json", "candidates.csv", "time_breakdown.png", "memory.png", "timeline.png",
+                 "scaling.png", "pareto.png"):
+        assert (out / name).exists(), name
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["dp"] * plan["tp"] * plan["pp"] == 16 and plan["stages"][0][0] == "embed"
+    rows = list(csv.DictReader((out / "candidates.csv").open()))
+    assert len(rows) == r["num_candidates"]
+    statuses = {row["status"].split(":")[0].split(" (")[0] for row in rows}
+    assert "ok" in statuses and any(s.startswith("invalid") or s.startswith("out of memory") for s in statuses)
+    report = (out / "report.md").read_text()
+    assert "## The chosen layout" in report and "time to train" in report and "$" in report
+
+
+def test_nothing_fits_is_one_line_with_advice():
+    p = run_cli("plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "16",
+                "--no-charts")
+    assert_one_line_error(p, "nothing fits", "GiB")
+    assert p.returncode == 2
+
+
+def test_plan_needs_the_workload_unless_no_arguments():
+    assert_one_line_error(run_cli("plan", "--model", "gpt2"), "--cluster, --global-batch")
+
+
+def test_compare_strategies_and_classic_comparisons(tmp_path):
+    out = tmp_path / "cmp"
+    p = run_cli("compare", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",
+                "256", "--strategy", "dp=16", "--strategy", "tp=8,pp=2", "--strategy", "tp=2,pp=2,dp=4,zero=1",
+                "--out", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    names = [s["name"] for s in r["strategies"]]
+    assert names == ["dp=16", "tp=8,pp=2", "tp=2,pp=2,dp=4,zero=1", "optimum (3D search)"]
+    optimum = r["strategies"][-1]["iteration_time_s"]
+    assert all(s["iteration_time_s"] >= optimum * (1 - 1e-9) for s in r["strategies"] if s["status"] == "ok")
+    ring = r["ps_vs_ring"]["sync_time_s"]["ring all-reduce"]
+    ps1 = r["ps_vs_ring"]["sync_time_s"]["parameter server, 1 server"]
+    assert ps1[-1] / ps1[0] > 4 > ring[-1] / ring[0]  # PS grows with the workers, ring stays nearly flat
+    for name in ("time_breakdown.png", "memory.png", "ps_vs_ring.png"):
+        assert (out / name).exists()
+
+
+@pytest.mark.parametrize("strategy,fragment", [
+    ("tp=8;pp=2", "got '8;pp=2'"),
+    ("tp", "is not key=value"),
+    ("tpp=8", "unknown key 'tpp'"),
+    ("tp=3", "does not divide the 16 GPUs"),
+    ("tp=0", "positive whole number"),
+    ("dp=4,tp=2", "not the 16 GPUs compared"),
+    ("schedule=fast", "schedule must be one of"),
+])
+def test_bad_strategies_are_one_line_errors(strategy, fragment):
+    p = run_cli("compare", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",
+                "256", "--strategy", strategy, "--no-optimum")
+    assert_one_line_error(p, fragment)
