@@ -68,10 +68,16 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
         core_frac = sharded_frac = 0.0
     replicated_frac = 1.0 - core_frac - sharded_frac
 
-    def traffic(total_bytes: int) -> float:
-        """Seconds of non-attention-core memory traffic of a pass, per rank."""
-        moved = total_bytes * b * (sharded_frac / tp + replicated_frac / (tp if sp else 1))
-        return moved / hbm
+    weight_share = ((layer.param_bytes_sharded / tp + layer.param_bytes - layer.param_bytes_sharded)
+                    / layer.param_bytes) if layer.param_bytes else 1.0
+
+    def traffic(pass_mix) -> float:
+        """Seconds of non-attention-core memory traffic of a pass, per rank: the activation part grows with
+        the micro-batch and splits like the forward's traffic; the fixed (weight-sized) part splits like
+        the weights."""
+        scaled = pass_mix.other_bytes - pass_mix.other_bytes_fixed
+        moved = scaled * b * (sharded_frac / tp + replicated_frac / (tp if sp else 1))
+        return (moved + pass_mix.other_bytes_fixed * weight_share) / hbm
 
     scores = mix.core_scores_bytes * b / tp if attention == "unfused" else 0.0
     # Scale-mask-softmax reads and writes the scores (2), its backward reads output and gradient and
@@ -81,9 +87,9 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     hidden_dropout = 0.0
     if attention == "unfused" and layer.kind == "transformer_layer":  # two residual-branch dropouts
         hidden_dropout = 2 * 2.5 * layer.input_bytes * b / (tp if sp else 1) / hbm
-    fwd = gemm_all + traffic(mix.other_bytes) + core_fwd_traffic + hidden_dropout + mix.kernels * overhead
+    fwd = gemm_all + traffic(mix) + core_fwd_traffic + hidden_dropout + mix.kernels * overhead
     bwd_weight = gemm_all - gemm_core  # one weight-gradient GEMM per linear GEMM
-    bwd_input = (gemm_all + gemm_core + traffic(layer.bwd_ops.other_bytes) + core_bwd_traffic + hidden_dropout
+    bwd_input = (gemm_all + gemm_core + traffic(layer.bwd_ops) + core_bwd_traffic + hidden_dropout
                  + layer.bwd_ops.kernels * overhead)
     return PassTimes(fwd=fwd, bwd_input=bwd_input, bwd_weight=bwd_weight, core_fwd=gemm_core + core_fwd_traffic)
 

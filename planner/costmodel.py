@@ -26,7 +26,7 @@ from .compute import estimate_pass_times, measured_pass_times
 from .errors import InvalidLayout
 from .layout import Layout
 from .memory import FRAGMENTATION, GiB, framework_allowance, layer_activation_bytes, model_state_bytes
-from .placement import Placement, placement
+from .placement import Placement, consecutive_group, placement
 from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
@@ -161,10 +161,14 @@ class CostModel:
         n = len(prof.layers)
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
-               place.tp, place.gpus_per_node_busy)
+               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
+        if i == n - 1 and lay.head_parallel > 1:
+            cost = self._sharded_head_cost(layer, lay, place)
+            self._blocks[key] = cost
+            return cost
         cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch, lay.tp, lay.sequence_parallel
         times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention)
         measured = work.measurement(b, lay.dtype)
@@ -199,6 +203,31 @@ class CostModel:
         self._blocks[key] = cost
         return cost
 
+    def _sharded_head_cost(self, layer, lay: Layout, place: Placement) -> BlockCost:
+        """The classifier sharded by class over k data-parallel ranks (hybrid parallelism, Krizhevsky 2014's
+        "one weird trick": data-parallel trunk, model-parallel classifier).
+
+        Each rank all-gathers the k ranks' features (k·b samples), computes the logits of its C/k classes
+        for all of them — the same FLOPs as the whole classifier on its own b samples — and the softmax
+        cross-entropy reduces three numbers per sample over the group (max, sum of exponentials, target
+        logit), so the logits are never gathered; in backward the feature gradients are reduce-scattered
+        back. Its weights and their gradients are 1/k of the classifier's.
+        """
+        work, k, b = self.work, lay.head_parallel, lay.micro_batch
+        gpu, cluster = work.cluster.gpu, work.cluster
+        times = estimate_pass_times(layer, b * k, k, False, gpu, lay.dtype, work.attention)
+        group = consecutive_group(cluster, k)
+        busy = place.gpus_per_node_busy
+        feats = sum(ib for style, ib, _, _ in layer.region_io if style == "class_sharded") * b * k
+        samples = sum(tok for style, _, _, tok in layer.region_io if style == "class_sharded") * b * k
+        tp_fwd = comm.gather(feats, group, cluster, busy) + comm.all_reduce(3 * 4 * samples, group, cluster, busy)
+        tp_bwd = comm.gather(feats, group, cluster, busy)
+        sharded = (layer.param_bytes_sharded / k + layer.param_bytes - layer.param_bytes_sharded) / layer.param_bytes
+        acts = layer_activation_bytes(layer, b * k, k, False, "none", work.attention) + feats
+        return BlockCost(fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=0.0,
+                         recompute_flops=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=0.0,
+                         params=layer.params * sharded, output_bytes=layer.output_bytes * b)
+
     def _repeated(self, lay: Layout) -> bool:
         """Is the model embedding + identical layers + head (the ILP's integer-count form)?"""
         layers = self.work.profile(lay.dtype).layers
@@ -207,7 +236,8 @@ class CostModel:
 
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
-        key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy)
+        key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
+               lay.head_parallel)
         table = self._tables.get(key)
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
@@ -305,6 +335,13 @@ class CostModel:
                 exposed = t_sync
             elif lay.dp == 1:
                 exposed = 0.0
+            elif lay.head_parallel > 1:  # trunk over every dp rank, each classifier shard over its dp/k holders
+                head = self.block_cost(len(prof.layers) - 1, lay, place, "none").params * grad_elem
+                shard_group = consecutive_group(cluster, lay.dp // lay.head_parallel, lay.head_parallel)
+                full = (comm.all_reduce(grads - head, place.dp, cluster, busy)
+                        + comm.all_reduce(head, shard_group, cluster, busy))
+                exposed = _overlapped(full, window, comm.all_reduce(min(grads, DDP_BUCKET_BYTES), place.dp, cluster,
+                                                                    busy))
             elif lay.zero == 0:
                 sync = lambda b: comm.all_reduce(b, place.dp, cluster, busy)  # noqa: E731
                 exposed = _overlapped(sync(grads), window, sync(min(grads, DDP_BUCKET_BYTES)))

@@ -407,6 +407,8 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
     Raises InvalidLayout("out of memory by X GiB") when no split fits.
     """
     modes = modes_for(model, allowed_modes)
+    if lay.num_stages == 1:  # one stage: no boundary to choose, only the recomputation mode
+        return _single_stage(model, lay, modes)
     ilp = StageILP(model, lay, modes)
     beta = 0.0
     needs_beta = (lay.pp > 1 and lay.schedule == "zb-v") or (lay.schedule == "interleaved-1f1b"
@@ -440,6 +442,16 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
         best = _polish(model, lay, best, modes, max_rounds=50 if lay.num_stages <= 16 else 3)
     best.ilp_status, best.ilp_objective = last_status, last_obj
     return best
+
+
+def _single_stage(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> Partition:
+    stages = [list(range(len(model.work.profile(lay.dtype).layers)))]
+    priced = [model.evaluate(lay, stages, [u]) for u in modes]
+    fitting = [p for p in priced if p.fits]
+    if not fitting:
+        raise InvalidLayout(_oom_message(model, lay, modes, "single stage"), "out of memory")
+    best = min(fitting, key=lambda p: p.iteration_time_s)
+    return Partition(stages, [best.stages[0].recompute], best, "single stage: every mode priced", None)
 
 
 def _warm_split(model: CostModel, lay: Layout, ilp: StageILP, modes: tuple[str, ...],

@@ -35,6 +35,7 @@ class Layout:
     dp_mode: str = "allreduce"
     ps_servers: int = 1
     ps_staleness: int = 0
+    head_parallel: int = 1  # hybrid parallelism: the classifier sharded over this many data-parallel ranks
 
     @property
     def num_gpus(self) -> int:
@@ -71,6 +72,8 @@ class Layout:
             parts.append("sp")
         if self.dp_mode == "ps":
             parts.append(f"ps{self.ps_servers}" + (f"s{self.ps_staleness}" if self.ps_staleness else ""))
+        if self.head_parallel > 1:
+            parts.append(f"head/{self.head_parallel}")
         return " ".join(parts)
 
     def validate(self, spec: ModelSpec, num_blocks: int, cluster_gpus: int | None = None) -> None:
@@ -106,9 +109,26 @@ class Layout:
                                     "tp vs kv heads")
             if spec.ffn_size % self.tp:
                 raise InvalidLayout(f"tp {self.tp} does not divide the FFN size {spec.ffn_size}", "tp vs ffn")
-        elif self.recompute != "none":
-            raise InvalidLayout(f"recomputation is modelled and run for transformer layers; {spec.family} models "
-                                "train without it", "recompute on a non-transformer")
+        else:
+            if self.recompute != "none":
+                raise InvalidLayout(f"recomputation is modelled and run for transformer layers; {spec.family} "
+                                    "models train without it", "recompute on a non-transformer")
+            if self.tp > 1:
+                raise InvalidLayout(f"{spec.family} models shard only their classifier (hybrid parallelism: "
+                                    "head_parallel), not the trunk (tp must be 1)", "tp on a non-transformer")
+        if self.head_parallel > 1:
+            if spec.is_transformer:
+                raise InvalidLayout("a class-sharded classifier (head_parallel) is for resnet, vgg and mlp models; "
+                                    "transformers shard their output layer with tp", "head_parallel on a transformer")
+            if self.pp > 1 or self.tp > 1 or self.dp % self.head_parallel:
+                raise InvalidLayout(f"head_parallel {self.head_parallel} needs tp = pp = 1 and must divide dp "
+                                    f"{self.dp}", "head_parallel vs dp")
+            if self.dp_mode == "ps" or self.zero:
+                raise InvalidLayout("head_parallel runs with plain data parallelism (zero 0, all-reduce)",
+                                    "head_parallel with ps or zero")
+            if spec.num_classes % self.head_parallel:
+                raise InvalidLayout(f"head_parallel {self.head_parallel} does not divide the {spec.num_classes} "
+                                    "classes", "head_parallel vs classes")
         if self.sequence_parallel and self.tp == 1:
             raise InvalidLayout("sequence parallelism needs tp > 1", "sequence parallel without tp")
         if self.sequence_parallel and isinstance(spec, TransformerSpec) and spec.seq_length % self.tp:

@@ -46,3 +46,14 @@ def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Pla
 def _span(ranks: list[int], node_of) -> GroupSpan:
     per_node = Counter(node_of(r) for r in ranks)
     return GroupSpan(size=len(ranks), nodes=len(per_node), max_per_node=max(per_node.values()))
+
+
+def consecutive_group(cluster: ClusterSpec, size: int, stride: int = 1) -> GroupSpan:
+    """Where a group of ``size`` ranks 0, stride, 2·stride, ... sits (hybrid parallelism's classifier
+    groups are consecutive ranks; the ranks holding the same classifier shard are ``stride`` apart)."""
+    return _span_cached(cluster.gpus_per_node, size, stride)
+
+
+@lru_cache(maxsize=4096)
+def _span_cached(gpus_per_node: int, size: int, stride: int) -> GroupSpan:
+    return _span([i * stride for i in range(size)], lambda rank: rank // gpus_per_node)

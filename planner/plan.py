@@ -51,8 +51,11 @@ class Plan:
         }
         if self.stage_recompute is not None:
             out["stage_recompute"] = self.stage_recompute
-        if self.layer_strategies:
-            out["layer_strategies"] = self.layer_strategies
+        strategies = dict(self.layer_strategies)
+        if lay.head_parallel > 1:
+            strategies["head"] = {"parallel": "tensor", "degree": lay.head_parallel}
+        if strategies:
+            out["layer_strategies"] = strategies
         if self.prediction is not None:
             out["prediction"] = self.prediction
         return out
@@ -83,13 +86,15 @@ class Plan:
         if (not isinstance(stages, list) or not stages
                 or not all(isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in stages)):
             raise PlanError(f"{source}: 'stages' must be a non-empty list of non-empty lists of module names")
+        strategies = data.get("layer_strategies") or {}
+        head_parallel = _head_parallel(strategies, source)
         try:
             layout = Layout(dp=data["dp"], tp=data["tp"], pp=data["pp"], micro_batch=data["micro_batch"],
                             global_batch=data["global_batch"], schedule=data["schedule"],
                             virtual_stages=data["virtual_stages"], zero=data["zero"], recompute=data["recompute"],
                             sequence_parallel=bool(data["sequence_parallel"]), dtype=data["dtype"],
                             dp_mode=data.get("dp_mode", "allreduce"), ps_servers=data.get("ps_servers", 1),
-                            ps_staleness=data.get("ps_staleness", 0))
+                            ps_staleness=data.get("ps_staleness", 0), head_parallel=head_parallel)
         except TypeError as e:
             raise PlanError(f"{source}: {e}") from None
         if layout.global_batch % max(layout.dp * layout.micro_batch, 1) == 0 and \
@@ -99,7 +104,8 @@ class Plan:
         return cls(model=str(data["model"]), cluster=str(data["cluster"]), layout=layout, stages=stages,
                    seed=data["seed"], model_spec=data.get("model_spec"), seq_length=data.get("seq_length"),
                    nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
-                   layer_strategies=data.get("layer_strategies") or {}, attention=data.get("attention", "flash"),
+                   layer_strategies={k: v for k, v in strategies.items() if k != "head"},
+                   attention=data.get("attention", "flash"),
                    prediction=data.get("prediction"))
 
     @classmethod
@@ -131,3 +137,22 @@ class Plan:
 
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
+
+
+def _head_parallel(strategies: object, source: str) -> int:
+    """The class-sharded classifier degree a plan's ``layer_strategies`` asks for (1 = none).
+
+    Supported: ``{"head": {"parallel": "tensor", "degree": k}}`` — the classifier of a resnet, vgg or
+    mlp model sharded over k data-parallel ranks (DESIGN.md: hybrid per-layer parallelism).
+    """
+    if not isinstance(strategies, dict):
+        raise PlanError(f"{source}: 'layer_strategies' must map module-name prefixes to strategies")
+    for prefix, strat in strategies.items():
+        if prefix != "head":
+            raise PlanError(f"{source}: layer_strategies for {prefix!r}: only the classifier 'head' can run "
+                            "differently from the rest")
+        if not (isinstance(strat, dict) and strat.get("parallel") == "tensor" and set(strat) == {"parallel", "degree"}
+                and isinstance(strat.get("degree"), int) and not isinstance(strat.get("degree"), bool)
+                and strat["degree"] >= 1):
+            raise PlanError(f"{source}: layer_strategies['head'] must be {{\"parallel\": \"tensor\", \"degree\": k}}")
+    return strategies["head"]["degree"] if "head" in strategies else 1

@@ -94,6 +94,21 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
     n_blocks = len(work.profile(dtype).layers)
     transformer = isinstance(work.spec, TransformerSpec)
     out = []
+    if not transformer:  # resnet / vgg / mlp: a data-parallel trunk, the classifier replicated or class-sharded
+        for pp in _divisors(gpus):
+            dp = gpus // pp
+            per_replica = B // dp if B % dp == 0 else 0
+            for mb in (_divisors(per_replica) if per_replica else [max(1, B // dp)]):
+                scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
+                    ("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= n_blocks]
+                for sched, v in scheds:
+                    for zero in (zero_stages if dp > 1 else (0,)):
+                        heads = [k for k in _divisors(dp) if pp == 1 and zero == 0
+                                 and work.spec.num_classes % k == 0] if dp > 1 else [1]
+                        for k in heads or [1]:
+                            out.append(Layout(dp=dp, tp=1, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
+                                              virtual_stages=v, zero=zero, dtype=dtype, head_parallel=k))
+        return out
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -156,7 +171,8 @@ def _dominated_by(lay: Layout, valid: set[tuple]) -> str | None:
     sequence parallelism on (same collective volume, less memory and less replicated work), ZeRO-2 over
     ZeRO-1 (same traffic, sharded gradients), 1F1B over GPipe (same bubble, fewer micro-batches in flight)."""
     def key(x: Layout) -> tuple:
-        return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel)
+        return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel,
+                x.head_parallel)
 
     if lay.tp > 1 and not lay.sequence_parallel and key(lay.replace(sequence_parallel=True)) in valid:
         return "sequence parallelism on"
@@ -220,7 +236,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         candidates.append(cand)
         valid.append(cand)
     keys = {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.schedule,
-             c.layout.virtual_stages, c.layout.zero, c.layout.sequence_parallel) for c in valid}
+             c.layout.virtual_stages, c.layout.zero, c.layout.sequence_parallel, c.layout.head_parallel)
+            for c in valid}
     capacity = work.cluster.gpu.memory_bytes
     alive: list[Candidate] = []
     for cand in valid:

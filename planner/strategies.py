@@ -1,8 +1,9 @@
 """Strategies as users write them on the command line: ``"tp=8,pp=4,dp=2,zero=1"``.
 
 Keys: dp, tp, pp, mb (micro-batch), schedule, v (virtual stages), zero, recompute, sp (sequence
-parallelism: 1/0, true/false), dp_mode (allreduce | ps), ps (parameter servers), staleness. Degrees left
-out follow from the GPU count: tp and pp default to 1, dp to gpus / (tp x pp).
+parallelism: 1/0, true/false), dp_mode (allreduce | ps), ps (parameter servers), staleness, head (a
+class-sharded classifier over this many data-parallel ranks: hybrid parallelism for resnet/vgg/mlp).
+Degrees left out follow from the GPU count: tp and pp default to 1, dp to gpus / (tp x pp).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from .errors import PlanError
 from .layout import DP_MODES, RECOMPUTE, SCHEDULES, Layout
 
-_INT_KEYS = {"dp", "tp", "pp", "mb", "micro_batch", "v", "virtual_stages", "zero", "ps", "ps_servers", "staleness"}
+_INT_KEYS = {"dp", "tp", "pp", "mb", "micro_batch", "v", "virtual_stages", "zero", "ps", "ps_servers", "staleness",
+             "head"}
 _ALIASES = {"micro_batch": "mb", "virtual_stages": "v", "ps_servers": "ps", "sequence_parallel": "sp"}
-KEYS = ("dp", "tp", "pp", "mb", "schedule", "v", "zero", "recompute", "sp", "dp_mode", "ps", "staleness")
+KEYS = ("dp", "tp", "pp", "mb", "schedule", "v", "zero", "recompute", "sp", "dp_mode", "ps", "staleness", "head")
 
 
 def parse_strategy(text: str) -> dict:
@@ -68,4 +70,5 @@ def strategy_layout(fields: dict, gpus: int | None, global_batch: int, dtype: st
                   schedule=schedule, virtual_stages=v, zero=fields.get("zero", 0),
                   recompute=fields.get("recompute", "none"), sequence_parallel=fields.get("sp", False), dtype=dtype,
                   dp_mode=fields.get("dp_mode", "ps" if "ps" in fields else "allreduce"),
-                  ps_servers=fields.get("ps", 1), ps_staleness=fields.get("staleness", 0))
+                  ps_servers=fields.get("ps", 1), ps_staleness=fields.get("staleness", 0),
+                  head_parallel=fields.get("head", 1))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from paraplan.hardware_specs import ClusterSpec, load_cluster
 from paraplan.models import ModelSpec, load_model_spec, tokens_per_sample
-from paraplan.profiler import ModelProfile, profile_model
+from paraplan.profiler import ModelProfile, profile_for_planning
 from paraplan.profiler.measurements import find_measurement
 
 from .compute import ATTENTION_KERNELS
@@ -66,7 +66,7 @@ class Workload:
 
     def profile(self, dtype: str) -> ModelProfile:
         if dtype not in self._profiles:
-            self._profiles[dtype] = profile_model(self.spec, "meta", micro_batch=1, dtype=dtype)
+            self._profiles[dtype] = profile_for_planning(self.spec, dtype)
         return self._profiles[dtype]
 
     def measurement(self, micro_batch: int, dtype: str) -> dict | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 3
+_FORMAT = 4
 
 
 def _folder() -> Path | None:

@@ -331,3 +331,16 @@ def _time_layers(work: _Workload, layers: list[LayerProfile], captured: dict[str
         layer.fwd_ms, layer.bwd_ms, layer.peak_memory_bytes = result
         timed.setdefault(layer.signature, result)
         del block
+
+
+def profile_for_planning(spec: ModelSpec, dtype: str) -> ModelProfile:
+    """The meta profile at one sample per micro-batch, with each pass's memory traffic split into a
+    part that grows with the micro-batch (activations) and a fixed part (weight-sized: gradient
+    accumulation, optimizer-facing copies), found by also profiling two samples: fixed = 2·t(1) - t(2).
+    The cost model scales only the first part by the micro-batch size."""
+    one = profile_model(spec, "meta", micro_batch=1, dtype=dtype)
+    two = profile_model(spec, "meta", micro_batch=2, dtype=dtype)
+    for a, b in zip(one.layers, two.layers, strict=True):
+        for mix_a, mix_b in ((a.fwd_ops, b.fwd_ops), (a.bwd_ops, b.bwd_ops)):
+            mix_a.other_bytes_fixed = max(0, min(mix_a.other_bytes, 2 * mix_a.other_bytes - mix_b.other_bytes))
+    return one

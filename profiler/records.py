@@ -47,6 +47,7 @@ class OpMix:
     other_bytes: int = 0
     other_bytes_sharded: int = 0
     other_bytes_core: int = 0
+    other_bytes_fixed: int = 0  # of other_bytes, the part that does not grow with the micro-batch (weight-sized)
     kernels: int = 0
     kernels_core: int = 0
     core_scores_bytes: int = 0  # the attention score matrix (b, a, s, s): what a fused softmax reads and writes

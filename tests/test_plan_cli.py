@@ -79,3 +79,22 @@ def test_bad_strategies_are_one_line_errors(strategy, fragment):
     p = run_cli("compare", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",
                 "256", "--strategy", strategy, "--no-optimum")
     assert_one_line_error(p, fragment)
+
+
+def test_compare_hybrid_and_data_parallel_optimisations(tmp_path):
+    """mlp-bigfc (a 1M-class classifier): the class-sharded hybrid beats replicated data parallelism;
+    gradient accumulation divides the sync per sample, 16-bit gradients halve its bytes."""
+    p = run_cli("compare", "--model", "mlp-bigfc", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",
+                "1024", "--out", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    rows = {s["name"]: s for s in r["strategies"]}
+    dp, hybrid = rows["data parallel (replicated classifier)"], rows["hybrid: class-sharded classifier"]
+    assert hybrid["iteration_time_s"] < dp["iteration_time_s"] and hybrid["time_s"]["dp_comm"] < dp["time_s"]["dp_comm"]
+    assert "head/" in hybrid["layout"] and hybrid["layout"] in rows["optimum (3D search)"]["layout"]
+    opt = {(d["setting"].split(",")[0], d["samples_per_sync"]): d for d in r["dp_optimisations"]}
+    fp32_1, fp32_8 = opt[("fp32 gradients", 1024)], opt[("fp32 gradients", 8192)]
+    bf16_1 = opt[("bf16 gradients (mixed precision)", 1024)]
+    assert fp32_8["sync_ms_per_1k_samples"] == pytest.approx(fp32_1["sync_ms_per_1k_samples"] / 8)
+    assert bf16_1["grad_bytes_per_gpu"] == pytest.approx(fp32_1["grad_bytes_per_gpu"] / 2)
+    assert bf16_1["allreduce_s"] < 0.55 * fp32_1["allreduce_s"]

@@ -207,3 +207,38 @@ def test_planner_never_slower_than_published_megatron_layout(dims, gpus, batch, 
     ours = search(work, gpus, top_k=1).best.prediction
     assert theirs.fits
     assert ours.iteration_time_s <= theirs.iteration_time_s * (1 + 1e-9)
+
+
+# ---------------- hybrid per-layer parallelism (issue 7) ----------------
+
+
+@pytest.mark.parametrize("model,classes,sharded", [
+    ("mlp-bigfc", 1_000_000, True), ("mlp-bigfc", 1000, False),
+    ("resnet50", 1_000_000, True), ("resnet50", 1000, False),
+])
+def test_planner_shards_a_giant_classifier_and_only_then(model, classes, sharded):
+    from paraplan.models import load_model_spec
+
+    spec = load_model_spec(model).replace(num_classes=classes)
+    work = Workload.create(spec, "dgx-a100-80gb", 1024, nodes=2)
+    best = search(work, 16, top_k=1).best
+    assert (best.layout.head_parallel > 1) == sharded, best.layout.short()
+    if classes == 1000 and model == "resnet50":
+        assert (best.layout.dp, best.layout.pp) == (16, 1)  # pure data parallelism
+
+
+def test_sharded_classifier_trades_gradient_sync_for_feature_gathers():
+    """Replicated head: all-reduce of its whole gradient; sharded over k: 1/k of the weights and their
+    gradient sync, plus an all-gather of the features in forward and a reduce-scatter in backward."""
+    from paraplan.models import load_model_spec
+
+    work = Workload.create(load_model_spec("mlp-bigfc"), "dgx-a100-80gb", 1024, nodes=2)
+    model = CostModel(work)
+    plain = model.evaluate(Layout(dp=16, tp=1, pp=1, micro_batch=64, global_batch=1024), [[0, 1, 2]])
+    hybrid = model.evaluate(Layout(dp=16, tp=1, pp=1, micro_batch=64, global_batch=1024, head_parallel=8),
+                            [[0, 1, 2]])
+    head = work.profile("bf16").layers[-1].params
+    assert plain.stages[0].params - hybrid.stages[0].params == pytest.approx(head * 7 / 8, rel=1e-6)
+    assert hybrid.time_s["tp_comm"] > 0 == plain.time_s["tp_comm"]
+    assert hybrid.memory_gib["optimizer"] < plain.memory_gib["optimizer"] / 4
+    assert hybrid.iteration_time_s < plain.iteration_time_s
