@@ -178,3 +178,25 @@ def load_cluster(ref: str, nodes: int | None = None) -> ClusterSpec:
     path, data = _resolve("cluster", ref)
     cluster = cluster_from_mapping(data, str(path))
     return cluster.with_nodes(nodes) if nodes is not None else cluster
+
+
+def cluster_mapping(cluster: ClusterSpec) -> dict:
+    """A loaded cluster as the mapping the loader reads (GPU and links inlined): for writing specs back."""
+    import dataclasses
+
+    gpu = cluster.gpu
+    eff = gpu.efficiency
+    out = {
+        "name": cluster.name,
+        "gpu": {"name": gpu.name, "memory_GiB": gpu.memory_GiB, "hbm_GBps": gpu.hbm_GBps,
+                "peak_tflops": dict(gpu.peak_tflops),
+                "efficiency": {"source": eff.source,
+                               "matmul": {d: [list(p) for p in pts] for d, pts in eff.matmul.items()},
+                               "memory_bound": eff.memory_bound, "op_overhead_us": eff.op_overhead_us}},
+        "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
+        "intra_node": dataclasses.asdict(cluster.intra_node), "inter_node": dataclasses.asdict(cluster.inter_node),
+        "nics_per_node": cluster.nics_per_node,
+    }
+    if cluster.cost_per_gpu_hour_usd is not None:
+        out["cost_per_gpu_hour_usd"] = cluster.cost_per_gpu_hour_usd
+    return out

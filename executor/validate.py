@@ -1,0 +1,283 @@
+"""Close the loop: run layouts through the executor, compare measured with predicted.
+
+For each layout: the planner's stage split and prediction (the same cost model `plan` uses), a plan
+file, `paraplan execute` for a few steps, the measured step time (the median of the steps after the
+first, which warms up) and peak memory. Then the mean absolute percentage error of the predicted step
+times, Kendall's tau between the predicted and the measured rankings, a predicted-vs-measured chart
+with the y = x line, and whether the planner's recommendation is the measured-fastest.
+
+``update_spec`` feeds the measurements back: the measured times are fitted as
+a·(predicted compute) + c·(predicted communication) (non-negative least squares over the layouts), and
+the cluster's spec is rescaled by those factors (GEMM peaks, memory bandwidth and per-kernel overhead by
+a; link bandwidth and latency by c), so the next plan on this cluster is calibrated by real runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from paraplan.hardware_specs import MEASUREMENTS_DIR
+from paraplan.planner.api import plan_for
+from paraplan.planner.costmodel import CostModel, Prediction, validate_layout
+from paraplan.planner.errors import InvalidLayout, PlanError
+from paraplan.planner.ilp import best_partition
+from paraplan.planner.layout import Layout
+from paraplan.planner.search import search
+from paraplan.planner.strategies import parse_strategy, strategy_layout
+from paraplan.planner.workload import Workload
+
+from .errors import ExecutionError
+
+COMPUTE_KEYS = ("compute", "recompute", "bubble", "optimizer")
+COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm")
+
+
+@dataclass
+class Row:
+    name: str
+    source: str  # default | strategy | planner #k
+    layout: Layout
+    prediction: Prediction | None = None
+    measured_s: float | None = None
+    measured_memory_gib: float | None = None
+    status: str = "ok"
+    plan_path: str = ""
+
+    @property
+    def predicted_s(self) -> float | None:
+        return self.prediction.iteration_time_s if self.prediction else None
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted_s is None or not self.measured_s:
+            return None
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def default_strategies(gpus: int, global_batch: int) -> list[str]:
+    """A spread of layouts: dp, tp, pp with GPipe and 1F1B at several micro-batch counts, recomputation on
+    and off, ZeRO 0 and 3 (issue 8)."""
+    per = global_batch // gpus if global_batch % gpus == 0 else 1
+    small, big = 1, max(1, per)
+    mid = max(1, per // 2)
+    out = [f"dp={gpus},mb={big}", f"dp={gpus},mb={small}", f"dp={gpus},zero=3,mb={mid}",
+           f"dp={gpus},recompute=full,mb={mid}", f"tp={gpus},mb={max(1, global_batch // 2)}",
+           f"tp={gpus},sp=1,mb={max(1, global_batch // 2)}", f"tp={gpus},recompute=selective,mb={global_batch}"]
+    for sched in ("gpipe", "1f1b"):
+        for m in (gpus, 2 * gpus, 4 * gpus):
+            if global_batch % m == 0:
+                out.append(f"pp={gpus},schedule={sched},mb={global_batch // m}")
+    return out
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-b between two rankings (ties counted as in scipy's default)."""
+    n = len(xs)
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denom if denom else float("nan")
+
+
+def price(model: CostModel, lay: Layout, fixed_recompute: bool) -> tuple[Prediction, list[list[int]], list[str]]:
+    validate_layout(model, lay)
+    part = best_partition(model, lay, (lay.recompute,) if fixed_recompute else None)
+    # the executor runs exactly this plan; the event simulator prices its schedule as it will run
+    pred = model.evaluate(lay, part.stages, part.recompute, simulate=True)
+    return pred, part.stages, part.recompute
+
+
+def run_plan(plan_path: str, steps: int, out_dir: str, timeout: float) -> tuple[float, float | None]:
+    """Run ``paraplan execute`` on a plan; (median steady step time, max peak memory over ranks)."""
+    cmd = [sys.executable, "-m", "paraplan", "execute", "--plan", plan_path, "--steps", str(steps), "--out", out_dir,
+           "--json", "--timeout", f"{timeout:g}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3 + 120)
+    if p.returncode != 0:
+        raise ExecutionError((p.stderr.strip().splitlines() or ["execute failed"])[-1])
+    record = json.loads(p.stdout)
+    times = record["step_time_s"][1:] or record["step_time_s"]
+    mems = [m for m in record.get("peak_memory_gib", []) if m is not None]
+    return statistics.median(times), (max(mems) if mems else None)
+
+
+def collect_layouts(work: Workload, gpus: int, strategies: list[str], top: int, dtype: str) -> list[Row]:
+    rows: list[Row] = []
+    texts = strategies or default_strategies(gpus, work.global_batch)
+    source = "strategy" if strategies else "default"
+    for text in texts:
+        fields = parse_strategy(text)
+        lay = strategy_layout(fields, gpus, work.global_batch, dtype, text)
+        rows.append(Row(text, source, lay))
+        rows[-1].fixed = "recompute" in fields  # type: ignore[attr-defined]
+    if top:
+        result = search(work, gpus, top_k=top, dtype=dtype)
+        seen = {r.layout.short() for r in rows}
+        for k, cand in enumerate(result.ranked, 1):
+            if cand.layout.short() not in seen:
+                rows.append(Row(cand.layout.short(), f"planner #{k}", cand.layout))
+                rows[-1].fixed = False  # type: ignore[attr-defined]
+    return rows
+
+
+def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: int, out_dir: str,
+             timeout: float = 300.0, progress=None) -> list[Row]:
+    dtype = work.default_dtype()
+    rows = collect_layouts(work, gpus, strategies, top, dtype)
+    model = CostModel(work)
+    Path(out_dir, "plans").mkdir(parents=True, exist_ok=True)
+    for i, row in enumerate(rows):
+        if progress:
+            progress(i, len(rows), row.name)
+        try:
+            pred, stages, modes = price(model, row.layout, getattr(row, "fixed", False))
+        except (InvalidLayout, PlanError) as e:
+            row.status = f"invalid: {e}"
+            continue
+        row.prediction = pred
+        plan = plan_for(work, row.layout, stages, pred, modes)
+        row.plan_path = str(Path(out_dir, "plans", f"{i:02d}.json"))
+        plan.write(row.plan_path)
+        try:
+            row.measured_s, row.measured_memory_gib = run_plan(row.plan_path, steps,
+                                                               str(Path(out_dir, "runs", f"{i:02d}")), timeout)
+        except (ExecutionError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+            row.status = f"failed: {e}"
+    if progress:
+        progress(len(rows), len(rows), "")
+    return rows
+
+
+def summary(rows: list[Row]) -> dict:
+    done = [r for r in rows if r.measured_s and r.predicted_s]
+    if not done:
+        raise ExecutionError("no layout ran to completion; nothing to compare")
+    mape = statistics.mean(abs(r.error) for r in done)
+    tau = kendall_tau([r.predicted_s for r in done], [r.measured_s for r in done]) if len(done) > 1 else float("nan")
+    fastest = min(done, key=lambda r: r.measured_s)
+    planner = next((r for r in done if r.source.startswith("planner")), None)
+    predicted_best = min(done, key=lambda r: r.predicted_s)
+    rec = planner or predicted_best
+    return {"mape": mape, "kendall_tau": tau, "layouts": len(done), "measured_fastest": fastest.name,
+            "recommended": rec.name, "recommended_vs_fastest": rec.measured_s / fastest.measured_s - 1}
+
+
+def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = {"report": str(Path(out_dir, "validation.md")), "chart": str(Path(out_dir, "predicted_vs_measured.png")),
+             "json": str(Path(out_dir, "validation.json"))}
+    done = [r for r in rows if r.measured_s and r.predicted_s]
+    fig, ax = plt.subplots(figsize=(6, 6))
+    xs, ys = [r.measured_s for r in done], [r.predicted_s for r in done]
+    ax.scatter(xs, ys, color="#4C72B0", zorder=3)
+    for r in done:
+        ax.annotate(r.layout.short(), (r.measured_s, r.predicted_s), fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")
+    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
+    ax.plot([lo, hi], [lo, hi], "--", color="black", linewidth=1, label="y = x")
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#DDDDDD", alpha=0.5,
+                    label="±15%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(f"{title}\nMAPE {100 * stats['mape']:.1f}%, Kendall tau {stats['kendall_tau']:.2f}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(files["chart"], dpi=120)
+    plt.close(fig)
+    lines = [f"# Validation: {title}", "",
+             f"- layouts run: {stats['layouts']}; mean absolute percentage error **{100 * stats['mape']:.1f}%**; "
+             f"Kendall's tau **{stats['kendall_tau']:.2f}**",
+             f"- measured fastest: {stats['measured_fastest']}; recommended by the planner: {stats['recommended']} "
+             f"({100 * stats['recommended_vs_fastest']:+.1f}% against the fastest)", "",
+             "| layout | source | predicted s | measured s | error | predicted GiB | measured GiB | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.layout.short()} | {r.source} | {_f(r.predicted_s)} | {_f(r.measured_s)} | "
+                     f"{'' if r.error is None else f'{100 * r.error:+.1f}%'} | "
+                     f"{_f(r.prediction.peak_memory_gib if r.prediction else None)} | {_f(r.measured_memory_gib)} | "
+                     f"{r.status} |")
+    lines += ["", "Measured step time: the median of the steps after the first. Measured memory: the largest "
+              "peak over the ranks (CPU: the process's peak resident set, torch included).", "",
+              "![predicted vs measured](predicted_vs_measured.png)", ""]
+    Path(files["report"]).write_text("\n".join(lines))
+    Path(files["json"]).write_text(json.dumps(to_json(rows, stats), indent=1))
+    return files
+
+
+def _f(x: float | None) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+def to_json(rows: list[Row], stats: dict) -> dict:
+    return {**stats, "rows": [{"plan": r.layout.short(), "name": r.name, "source": r.source,
+                               "predicted_s": r.predicted_s, "measured_s": r.measured_s, "error": r.error,
+                               "predicted_memory_gib": r.prediction.peak_memory_gib if r.prediction else None,
+                               "measured_memory_gib": r.measured_memory_gib, "status": r.status,
+                               "plan_file": r.plan_path} for r in rows]}
+
+
+def fit_factors(rows: list[Row]) -> tuple[float, float]:
+    """(a, c): measured ≈ a·compute + c·communication, least squares on relative errors, a and c >= 0."""
+    import numpy as np
+
+    done = [r for r in rows if r.measured_s and r.prediction]
+    comp = np.array([sum(r.prediction.time_s[k] for k in COMPUTE_KEYS) for r in done])
+    comm = np.array([sum(r.prediction.time_s[k] for k in COMM_KEYS) for r in done])
+    meas = np.array([r.measured_s for r in done])
+    a_mat = np.stack([comp / meas, comm / meas], axis=1)
+    if comm.sum() > 0.02 * comp.sum():
+        (a, c), *_ = np.linalg.lstsq(a_mat, np.ones(len(done)), rcond=None)
+        if a > 0 and c > 0:
+            return float(a), float(c)
+    total = (comp + comm) / meas  # one factor for everything
+    k = float(np.dot(total, np.ones(len(done))) / np.dot(total, total))
+    return k, k
+
+
+def update_spec(work: Workload, rows: list[Row], out: str | None = None) -> tuple[Path, float, float]:
+    """Rescale the cluster's spec by the fitted compute and communication factors and write it where
+    ``load_cluster`` finds it (hardware_specs/measurements/<cluster>.yaml unless ``out`` is given)."""
+    from paraplan.hardware_specs import cluster_mapping
+
+    from .calibrate import write_mapping
+
+    a, c = fit_factors(rows)
+    spec = cluster_mapping(work.cluster)
+    gpu = spec["gpu"]
+    gpu["peak_tflops"] = {d: (None if v is None else v / a) for d, v in gpu["peak_tflops"].items()}
+    gpu["hbm_GBps"] = gpu["hbm_GBps"] / a
+    gpu["efficiency"]["op_overhead_us"] = gpu["efficiency"]["op_overhead_us"] * a
+    gpu["efficiency"]["source"] = f"{gpu['efficiency'].get('source', '')}; rescaled by validate (compute x{a:.3f})"
+    for link in ("intra_node", "inter_node"):
+        spec[link]["bandwidth_GBps"] = spec[link]["bandwidth_GBps"] / c
+        spec[link]["latency_us"] = spec[link]["latency_us"] * c
+    target = Path(out) if out else MEASUREMENTS_DIR / f"{work.cluster.name}.yaml"
+    note = (f"# Rescaled by `paraplan validate --update-spec` from {len([r for r in rows if r.measured_s])} runs: "
+            f"compute x{a:.3f}, communication x{c:.3f}.\n")
+    write_mapping(spec, target, note)
+    return target, a, c

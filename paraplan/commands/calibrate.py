@@ -1,0 +1,30 @@
+"""``paraplan calibrate``: measure this machine (or, under torchrun, the cluster) into a hardware spec."""
+
+from __future__ import annotations
+
+from paraplan.executor.calibrate import calibrate_cluster
+
+from .output import print_json, stderr, stdout, table
+
+
+def run(args) -> int:
+    stderr.print(f"calibrating {args.cluster}: GEMMs, memory bandwidth, per-kernel overhead, collectives over "
+                 f"{args.ranks} processes{' (quick)' if args.quick else ''}...")
+    path, cal, spec = calibrate_cluster(args.cluster, args.ranks, args.quick, args.out)
+    if path is None:  # a non-zero rank under torchrun
+        return 0
+    gpu, link = spec["gpu"], spec["intra_node"]
+    if args.json:
+        print_json({"spec_file": str(path), "seconds": cal.seconds, "threads_per_rank": cal.threads,
+                    "peak_tflops": gpu["peak_tflops"], "hbm_GBps": gpu["hbm_GBps"],
+                    "op_overhead_us": gpu["efficiency"]["op_overhead_us"], "matmul": gpu["efficiency"]["matmul"],
+                    "intra_node": link, "collectives": [list(c) for c in cal.collectives]})
+        return 0
+    rows = [[d, f"{v:.4g}" if v else "-"] for d, v in gpu["peak_tflops"].items()]
+    stdout.print(table(f"{gpu['name']}: best GEMM rate per dtype (TFLOP/s), {cal.threads} thread(s) per rank",
+                       ["dtype", "TFLOP/s"], rows))
+    stdout.print(f"memory bandwidth {gpu['hbm_GBps']:.3g} GB/s per rank; {gpu['efficiency']['op_overhead_us']:.3g} µs "
+                 f"per kernel; link {link['bandwidth_GBps']:.3g} GB/s, {link['latency_us']:.3g} µs latency "
+                 f"({len(cal.collectives)} collective timings)")
+    stdout.print(f"spec written to {path} ({cal.seconds:.0f} s); plan/simulate/validate on '{args.cluster}' use it now")
+    return 0
