@@ -63,20 +63,12 @@ def _timeit(fn, sync, repeats: int, min_time: float = 0.02) -> float:
     fn()
     sync()
     once = max(time.perf_counter() - t0, 1e-7)
-    inner = max(1, int(min_time / once))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
+    return _timeit_fixed(fn, sync, repeats, max(1, int(min_time / once)))
 
 
 def _timeit_fixed(fn, sync, repeats: int, inner: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` samples of ``inner`` calls (collectives: every rank
-    makes the same calls)."""
+    makes the same calls, so the count cannot depend on a rank's own timing)."""
     fn()
     sync()
     samples = []

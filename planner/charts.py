@@ -48,44 +48,46 @@ def gantt(pred: Prediction, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def time_breakdown(preds: list[Prediction], labels: list[str], path: str, title: str) -> None:
-    """Stacked bars: where each plan's iteration time goes."""
+def _stacked(preds: list[Prediction], labels: list[str], parts: list[tuple[str, str, object]], ylabel: str,
+             title: str):
+    """Stacked bars, one per plan: ``parts`` are (legend, colour, value of a prediction)."""
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(preds) + 2), 4.5))
     bottoms = [0.0] * len(preds)
-    for key, color in zip(TIME_KEYS, TIME_COLORS, strict=True):
-        vals = [p.time_s.get(key, 0.0) for p in preds]
-        ax.bar(range(len(preds)), vals, bottom=bottoms, color=color, label=key.replace("_", " "))
+    for label, color, value in parts:
+        vals = [value(p) for p in preds]
+        ax.bar(range(len(preds)), vals, bottom=bottoms, color=color, label=label)
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     ax.set_xticks(range(len(preds)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("seconds per iteration")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
+    return fig, ax
+
+
+def _save(fig, ax, path: str) -> None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def time_breakdown(preds: list[Prediction], labels: list[str], path: str, title: str) -> None:
+    """Stacked bars: where each plan's iteration time goes."""
+    parts = [(k.replace("_", " "), c, lambda p, k=k: p.time_s.get(k, 0.0)) for k, c in zip(TIME_KEYS, TIME_COLORS,
+                                                                                            strict=True)]
+    fig, ax = _stacked(preds, labels, parts, "seconds per iteration", title)
+    _save(fig, ax, path)
+
+
 def memory_vs_capacity(preds: list[Prediction], labels: list[str], path: str, title: str) -> None:
     """Stacked memory per GPU (most loaded rank) against the GPU's capacity."""
     keys = ("params", "grads", "optimizer", "activations", "other")
     colors = ["#4C72B0", "#55A868", "#DD8452", "#C44E52", "#CCCCCC"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(preds) + 2), 4.5))
-    bottoms = [0.0] * len(preds)
-    for key, color in zip(keys, colors, strict=True):
-        vals = [p.memory_gib[key] for p in preds]
-        ax.bar(range(len(preds)), vals, bottom=bottoms, color=color, label=key)
-        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    parts = [(k, c, lambda p, k=k: p.memory_gib[k]) for k, c in zip(keys, colors, strict=True)]
+    fig, ax = _stacked(preds, labels, parts, "GiB per GPU (most loaded rank)", title)
     cap = preds[0].memory_capacity_gib if preds else 0
     ax.axhline(cap, color="black", linestyle="--", linewidth=1, label=f"GPU memory {cap:g} GiB")
-    ax.set_xticks(range(len(preds)))
-    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("GiB per GPU (most loaded rank)")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path)
 
 
 def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str) -> None:
