@@ -4,5 +4,8 @@
 torchrun (launch.py); every rank runs worker.py, which builds its share of the plan in one fixed
 order (parallelize.py: parallel_dims, chunks, tensor_parallel, checkpointing, data_parallel,
 pipeline, optim, tied) and trains it (trainer.py on batches.py's data), rank 0 reporting
-(console.py) and recording the run (record.py). Importing this package imports no torch.
+(console.py) and recording the run (record.py). Two layouts build differently: parameter servers
+(ps_protocol.py, the protocol; param_server.py, the server ranks; ps_worker.py and ps_client.py, the
+workers) and hybrid parallelism's class-sharded classifier (class_sharded.py, hybrid.py); rank_model.py
+is what every builder returns. Importing this package imports no torch.
 """

@@ -34,7 +34,19 @@ class Job:
 
     @property
     def world_size(self) -> int:
-        return self.dims.world_size
+        """Every rank the plan runs: dp x tp x pp trainers, plus parameter servers (dp_mode ps)."""
+        return self.layout.world_size
+
+    def is_server(self, rank: int) -> bool:
+        """Parameter servers are the last ``ps_servers`` ranks (ps_protocol.py)."""
+        return self.layout.dp_mode == "ps" and rank >= self.layout.num_gpus
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            lay = self.layout
+            servers = f" + {lay.ps_servers} parameter servers" if lay.dp_mode == "ps" else ""
+            raise ExecutionError(f"the plan needs dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp}{servers} = "
+                                 f"{self.world_size} ranks, but {world_size} were launched")
 
     @property
     def num_stages(self) -> int:
@@ -79,11 +91,13 @@ class Job:
             plan.validate_stages(blocks)
         except PlanError as e:
             raise ExecutionError(f"{src}: {e}") from None
-        if lay.dp_mode != "allreduce":
-            raise ExecutionError(f"{src}: dp_mode {lay.dp_mode!r} (parameter servers) is simulated, not executed; "
-                                 "use dp_mode allreduce")
+        if lay.dp_mode == "ps":
+            self._check_parameter_servers()
+        if lay.head_parallel > 1:
+            self._check_class_sharded_head()
         if plan.layer_strategies:
-            raise ExecutionError(f"{src}: per-layer strategies (layer_strategies) are not executed yet")
+            raise ExecutionError(f"{src}: layer_strategies for {next(iter(plan.layer_strategies))!r}: only the "
+                                 "classifier 'head' can be sharded (head_parallel)")
         if lay.dtype == "fp16":
             raise ExecutionError(f"{src}: fp16 training needs loss scaling, which the executor does not do; "
                                  "use bf16 (or fp32)")
@@ -104,3 +118,26 @@ class Job:
             if lay.sequence_parallel and s % lay.tp:
                 raise ExecutionError(f"{src}: sequence parallelism needs tp {lay.tp} to divide the sequence "
                                      f"length {s}")
+
+    def _check_parameter_servers(self) -> None:
+        lay, src = self.layout, self.source
+        if lay.tp > 1 or lay.pp > 1:
+            raise ExecutionError(f"{src}: parameter servers (dp_mode ps) are executed for data parallelism only "
+                                 f"(tp = pp = 1), the plan has tp {lay.tp} and pp {lay.pp}")
+        if lay.zero:
+            raise ExecutionError(f"{src}: parameter servers hold the optimizer themselves; use zero 0 with dp_mode ps")
+
+    def _check_class_sharded_head(self) -> None:
+        lay, spec, src = self.layout, self.spec, self.source
+        k = lay.head_parallel
+        if isinstance(spec, TransformerSpec):
+            raise ExecutionError(f"{src}: a class-sharded classifier (head_parallel {k}) is executed for resnet, vgg "
+                                 f"and mlp models, not {spec.family}")
+        if lay.tp > 1 or lay.pp > 1 or lay.dp_mode != "allreduce" or lay.dp % k:
+            raise ExecutionError(f"{src}: head_parallel {k} runs on data parallelism only (tp = pp = 1, dp_mode "
+                                 f"allreduce) with k dividing dp {lay.dp}")
+        if lay.zero:
+            raise ExecutionError(f"{src}: a class-sharded classifier (head_parallel) is executed with zero 0 only, "
+                                 f"the plan has zero {lay.zero}")
+        if spec.num_classes % k:
+            raise ExecutionError(f"{src}: head_parallel {k} does not divide the {spec.num_classes} classes")

@@ -173,6 +173,7 @@ def _exit_text(code: int) -> str:
 PHASES = {"starting": "while starting", "rendezvous": "while joining the process group",
           "mesh": "while building the device mesh", "model": "while building its model chunks",
           "optimizer": "while building the optimizer", "pipeline": "while building the pipeline schedule",
+          "finish": "after its last step (draining parameter-server replies)",
           "record": "while recording the run", "done": "after finishing"}
 
 

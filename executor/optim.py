@@ -78,9 +78,10 @@ class ShardedOptimizer:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of optimizer state this rank holds (local shards): what ZeRO 1-3 divide by dp."""
+    """Bytes of optimizer state this rank holds (local shards): what ZeRO 1-3 divide by dp. A
+    parameter-server worker holds none (its servers do)."""
     inner = optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer
-    if inner is None:
+    if not isinstance(inner, torch.optim.Optimizer):
         return 0
     return sum(local(t).numel() * t.element_size() for state in inner.state.values() for t in state.values()
                if isinstance(t, torch.Tensor))

@@ -18,7 +18,6 @@ whole model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -28,53 +27,27 @@ from paraplan.models import loss_function
 from paraplan.planner.schedules import stage_rank
 
 from .checkpointing import apply_ac
-from .chunks import Chunk, build_chunks, materialize
+from .chunks import build_chunks, materialize
 from .data_parallel import apply_dp
 from .job import Job
 from .optim import ShardedOptimizer, adamw
 from .pipeline import build_schedule
+from .rank_model import RankModel, mixed_precision_dtype
 from .tensor_parallel import apply_tp
-from .tied import TiedSync, build_tied_syncs
-
-
-@dataclass
-class RankModel:
-    """What one rank trains: its chunks, how to run them and how to update them."""
-
-    job: Job
-    rank: int
-    device: torch.device
-    mesh: object  # DeviceMesh
-    chunks: list[Chunk]
-    trained: list[nn.Module]  # the chunks' modules as wrapped for data parallelism
-    optimizer: object  # torch.optim.Optimizer or ShardedOptimizer
-    schedule: object | None  # a torch pipelining schedule when pp > 1
-    tied: list[TiedSync] = field(default_factory=list)
-    autocast_dtype: torch.dtype | None = None
-
-    @property
-    def coords(self) -> tuple[int, int, int]:
-        return self.job.dims.coords(self.rank)
-
-    @property
-    def has_first_stage(self) -> bool:
-        return any(c.stage == 0 for c in self.chunks)
-
-    @property
-    def has_last_stage(self) -> bool:
-        return any(c.stage == self.job.num_stages - 1 for c in self.chunks)
-
-
-def mixed_precision_dtype(job: Job, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast/FSDP mixed precision on GPUs when the plan trains in bf16; fp32 on CPU."""
-    if device.type == "cuda" and job.layout.dtype == "bf16":
-        return torch.bfloat16
-    return None
+from .tied import build_tied_syncs
 
 
 def build_rank_model(job: Job, rank: int, device: torch.device, timeout: timedelta | None,
                      on_phase=lambda phase: None) -> RankModel:
     lay, dims, spec = job.layout, job.dims, job.spec
+    if lay.dp_mode == "ps":
+        from .ps_worker import build_ps_worker
+
+        return build_ps_worker(job, rank, device, timeout, on_phase)
+    if lay.head_parallel > 1:
+        from .hybrid import build_hybrid_rank_model
+
+        return build_hybrid_rank_model(job, rank, device, timeout, on_phase)
     on_phase("mesh")
     mesh = dims.build_mesh(device.type, timeout)
     pp_rank, _, _ = dims.coords(rank)
@@ -106,7 +79,7 @@ def build_rank_model(job: Job, rank: int, device: torch.device, timeout: timedel
                                   lay.schedule, lay.num_micro_batches, mesh["pp"], device, loss_function(spec))
     autocast = mp_dtype if mp_dtype is not None and not _all_fsdp(trained) else None
     return RankModel(job=job, rank=rank, device=device, mesh=mesh, chunks=chunks, trained=trained,
-                     optimizer=optimizer, schedule=schedule, tied=tied, autocast_dtype=autocast)
+                     optimizer=optimizer, schedule=schedule, grad_syncs=list(tied), autocast_dtype=autocast)
 
 
 def _all_fsdp(modules: list[nn.Module]) -> bool:

@@ -5,6 +5,12 @@ loop accumulates gradients over the plan's micro-batches itself (each micro-batc
 divided by their number), letting DDP/FSDP reduce only after the last one. Either way the gradient
 of a step is that of the global batch's mean loss, and the loss logged is the mean over every
 sample of the global batch (one all-reduce of each last-stage rank's share).
+
+The rank model decides the rest: its loss function (a class-sharded classifier's cross-entropy,
+hybrid.py), the gradient syncs to run before the update (tied copies, the head's replicas), and what
+``optimizer.step()`` does (AdamW, ZeRO-1's sharded AdamW, or a parameter-server worker's push and
+pull, ps_client.py). With asynchronous parameter servers the workers must not wait for each other,
+so the per-step losses are reduced once, in :meth:`Trainer.finish`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch import nn
 from paraplan.models import loss_function
 
 from .batches import BatchSource
-from .parallelize import RankModel
+from .rank_model import RankModel
 
 
 @dataclass
@@ -35,6 +41,7 @@ class Trainer:
     rm: RankModel
     source: BatchSource
     results: list[StepResult] = field(default_factory=list)
+    _shares: list[torch.Tensor] = field(default_factory=list)  # per step: this rank's share of the mean loss
 
     @classmethod
     def create(cls, rm: RankModel) -> Trainer:
@@ -51,14 +58,27 @@ class Trainer:
         inputs, targets = (t.to(rm.device) for t in self.source.batch(k))  # (B/dp, s) each
         with self._autocast():
             losses = self._pipeline(inputs, targets) if rm.schedule is not None else self._accumulate(inputs, targets)
-        for tied in rm.tied:
-            tied.sync_grads()
+        for sync in rm.grad_syncs:
+            sync.sync_grads()
         rm.optimizer.step()
         rm.optimizer.zero_grad(set_to_none=True)
-        loss = self._global_mean(losses)
+        share = self._share(losses)
+        loss = self._local_mean(share) if rm.deferred_loss else self._global_mean([share])[0]
         result = StepResult(step=k, loss=loss, time_s=time.perf_counter() - start)
         self.results.append(result)
+        self._shares.append(share)
         return result
+
+    def finish(self) -> None:
+        """After the last step: drain the optimizer's messages in flight (parameter servers), and turn
+        deferred per-step losses into global means with one reduction."""
+        finish = getattr(self.rm.optimizer, "finish", None)
+        if finish is not None:
+            finish()
+        if self.rm.deferred_loss and self.results:
+            means = self._global_mean(self._shares)
+            self.results = [StepResult(step=r.step, loss=m, time_s=r.time_s)
+                            for r, m in zip(self.results, means, strict=True)]
 
     def _autocast(self):
         if self.rm.autocast_dtype is None:
@@ -75,7 +95,7 @@ class Trainer:
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         rm = self.rm
         (model,) = rm.trained
-        loss_fn = loss_function(rm.job.spec)
+        loss_fn = rm.loss_fn or loss_function(rm.job.spec)
         m = rm.job.layout.num_micro_batches
         losses = []
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):  # contiguous
@@ -85,16 +105,26 @@ class Trainer:
             losses.append(loss.detach())
         return losses
 
-    def _global_mean(self, losses: list[torch.Tensor]) -> float:
-        """Mean loss over the global batch: last-stage ranks of tensor rank 0 contribute their share."""
+    def _share(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the global mean loss: last-stage ranks of tensor rank 0 contribute the
+        sum of their micro-batch means over (micro-batches x dp); the shares of all ranks add up to it."""
         rm = self.rm
         _, _, tp_rank = rm.coords
         lay = rm.job.layout
         share = torch.zeros((), dtype=torch.float64, device=rm.device)
         if losses and tp_rank == 0:
             share += torch.stack(losses).double().sum() / (lay.num_micro_batches * lay.dp)
-        dist.all_reduce(share)
-        return float(share.item())
+        return share
+
+    def _local_mean(self, share: torch.Tensor) -> float:
+        """The mean loss over this rank's own samples (shown while the global mean is deferred)."""
+        return float(share.item()) * self.rm.job.layout.dp
+
+    def _global_mean(self, shares: list[torch.Tensor]) -> list[float]:
+        """Mean loss over the global batch, per step: one all-reduce of the shares over the loss group."""
+        total = torch.stack(shares)  # (steps,) float64
+        dist.all_reduce(total, group=self.rm.loss_group)
+        return [float(x) for x in total.tolist()]
 
 
 @contextlib.contextmanager
@@ -103,7 +133,9 @@ def _gradient_sync(model: nn.Module, enabled: bool):
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel) and not enabled:
+    from .hybrid import HybridClassifierModel
+
+    if isinstance(model, DistributedDataParallel | HybridClassifierModel) and not enabled:
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule):

@@ -64,44 +64,93 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
     import torch
     import torch.distributed as dist
 
-    from .console import TrainingDisplay
     from .failures import inject_fault
     from .machine import rank_device
     from .optim import optimizer_state_bytes
-    from .parallelize import build_rank_model
     from .record import RunSummary, peak_memory_gib
-    from .trainer import Trainer
 
     rank = dist.get_rank()
     device, backend = rank_device(job.plan)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # several plans may run in one process
-    rm = build_rank_model(job, rank, device, timeout, on_phase=lambda ph: status.update(phase=ph))
-    trainer = Trainer.create(rm)
-    notes = []
-    if device.type == "cpu" and job.layout.dtype != "fp32":
-        notes.append(f"the plan trains in {job.layout.dtype}; on CPU the executor trains in fp32")
-    with TrainingDisplay(job, steps, enabled=rank == 0 and not quiet, notes=notes) as display:
-        for k in range(steps):
+    if job.is_server(rank):
+        from .param_server import ParameterServer
+        from .ps_protocol import PSRoles
+        from .ps_worker import worker_group
+
+        status.update(phase="mesh")
+        worker_group(PSRoles.of(job.layout), timeout)  # every rank takes part in creating the workers' group
+        status.update(phase="model")
+        server = ParameterServer(job, rank, device)
+
+        def on_step(k: int) -> None:
             status.update(phase="train", step=k)
             inject_fault(rank, k)
-            r = trainer.step(k)
-            display.step(k, r.loss, r.time_s)
+
+        server.serve(steps, on_step)
+        results, optimizer = [], server.optimizer
+    else:
+        results, optimizer = _train(job, rank, device, steps, timeout, status, quiet)
     status.update(phase="record")
     per_rank: list = [None] * dist.get_world_size()  # (peak memory GiB, optimizer state GiB) of every rank
-    dist.all_gather_object(per_rank, (peak_memory_gib(device), optimizer_state_bytes(rm.optimizer) / 2**30))
+    dist.all_gather_object(per_rank, (peak_memory_gib(device), optimizer_state_bytes(optimizer) / 2**30))
     if rank == 0:
+        from .console import TrainingDisplay
+
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        summary = RunSummary(job=job, losses=[r.loss for r in trainer.results],
-                             step_time_s=[r.time_s for r in trainer.results], peak_memory_gib=[m for m, _ in per_rank],
+        summary = RunSummary(job=job, losses=[r.loss for r in results],
+                             step_time_s=[r.time_s for r in results], peak_memory_gib=[m for m, _ in per_rank],
                              optimizer_state_gib=[o for _, o in per_rank],
                              backend=backend, device=name, nnodes=nnodes)
+        display = TrainingDisplay(job, steps, enabled=not quiet)
         display.summary(summary)
         if out:
             path = summary.write(out)
             if not quiet:
                 display.console.print(f"run record written to {path}")
     dist.barrier()
+
+
+def _train(job, rank: int, device, steps: int, timeout: timedelta | None, status, quiet: bool):
+    """Build this rank's model and train it; returns (step results, optimizer)."""
+    from .console import TrainingDisplay
+    from .failures import inject_fault
+    from .parallelize import build_rank_model
+    from .trainer import Trainer
+
+    rm = build_rank_model(job, rank, device, timeout, on_phase=lambda ph: status.update(phase=ph))
+    trainer = Trainer.create(rm)
+    notes = []
+    if device.type == "cpu" and job.layout.dtype != "fp32":
+        notes.append(f"the plan trains in {job.layout.dtype}; on CPU the executor trains in fp32")
+    notes += _layout_notes(job)
+    with TrainingDisplay(job, steps, enabled=rank == 0 and not quiet, notes=notes) as display:
+        for k in range(steps):
+            status.update(phase="train", step=k)
+            inject_fault(rank, k)
+            r = trainer.step(k)
+            display.step(k, r.loss, r.time_s)
+    status.update(phase="finish")
+    trainer.finish()
+    return trainer.results, rm.optimizer
+
+
+def _ranks(lo: int, hi: int) -> str:
+    return f"rank {lo}" if hi == lo + 1 else f"ranks {lo}-{hi - 1}"
+
+
+def _layout_notes(job) -> list[str]:
+    lay = job.layout
+    notes = []
+    if lay.dp_mode == "ps":
+        mode = "sync" if lay.ps_staleness == 0 else f"async, staleness bound {lay.ps_staleness}"
+        notes.append(f"{lay.num_gpus} workers ({_ranks(0, lay.num_gpus)}) and {lay.ps_servers} parameter "
+                     f"server{'s' if lay.ps_servers > 1 else ''} ({_ranks(lay.num_gpus, lay.world_size)}), {mode}")
+        if lay.ps_staleness:
+            notes.append("step losses shown are worker 0's; the record holds the mean over every worker")
+    if lay.head_parallel > 1:
+        notes.append(f"classifier sharded by class over groups of {lay.head_parallel} consecutive ranks")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         status.update(phase="rendezvous")
         dist.init_process_group(backend=backend, timeout=timeout)
         for job in jobs:
-            job.dims.check_world(dist.get_world_size())
+            job.check_world(dist.get_world_size())
         for job, out in zip(jobs, outs, strict=True):
             run_plan(job, args.steps, out, timeout, status, args.nnodes, quiet=args.quiet)
         status.update(state="done", phase="done")

@@ -28,6 +28,9 @@ EXTRA_MODELS = {
     "bert-small": dict(family="bert", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024,
                        seq_length=128),
     "mlp-small": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=10),
+    # a classifier much larger than its trunk: what a class-sharded head (head_parallel) is for
+    "mlp-1k-classes": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=1000),
+    "resnet18-tiny": dict(family="resnet", depth=18, image_size=64, num_classes=100),
 }
 
 
@@ -63,18 +66,23 @@ class Case:
     micro_batch: int = 1
     global_batch: int = 8
     seed: int = 0
+    dp_mode: str = "allreduce"
+    ps_servers: int = 1
+    ps_staleness: int = 0
+    head_parallel: int = 1
     extra: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp + (self.ps_servers if self.dp_mode == "ps" else 0)
 
     def plan(self) -> Plan:
         spec = spec_from_mapping(model_mapping(self.model), source=self.model)
         layout = Layout(dp=self.dp, tp=self.tp, pp=self.pp, micro_batch=self.micro_batch,
                         global_batch=self.global_batch, schedule=self.schedule, virtual_stages=self.virtual_stages,
                         zero=self.zero, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
-                        dtype="fp32")
+                        dtype="fp32", dp_mode=self.dp_mode, ps_servers=self.ps_servers,
+                        ps_staleness=self.ps_staleness, head_parallel=self.head_parallel)
         stages = split_stages(block_names(spec), layout.num_stages)
         return Plan(model=self.model, cluster="local", layout=layout, stages=stages, seed=self.seed,
                     model_spec=spec.to_dict(), seq_length=SEQ, nodes=1,
@@ -90,27 +98,39 @@ class Case:
 _REFERENCE: dict[tuple, list[float]] = {}
 
 
-def reference_losses(case: Case, steps: int = STEPS) -> list[float]:
-    """The same model, seed and global batch trained in this process without any parallelism: one
-    forward of the whole global batch per step, AdamW with the executor's settings."""
-    key = (case.model, case.seed, case.global_batch, steps)
-    if key in _REFERENCE:
-        return _REFERENCE[key]
+def reference_model(case: Case):
+    """(spec, model) of the case, reference-initialised in this process, on CPU."""
     spec = spec_from_mapping(model_mapping(case.model), source=case.model)
     with torch.random.fork_rng():
         model = build_model(spec, "cpu")
     initialize(model, spec, case.seed)
+    return spec, model
+
+
+def reference_losses(case: Case, steps: int = STEPS, micro_batch: int | None = None) -> list[float]:
+    """The same model, seed and global batch trained in this process without any parallelism: one
+    forward of the whole global batch per step (or, given ``micro_batch``, gradient accumulation over
+    contiguous micro-batches of that size: what BatchNorm models need to match), AdamW with the
+    executor's settings."""
+    key = (case.model, case.seed, case.global_batch, steps, micro_batch)
+    if key in _REFERENCE:
+        return _REFERENCE[key]
+    spec, model = reference_model(case)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     source = BatchSource(spec=spec, seed=case.seed, global_batch=case.global_batch, seq_length=SEQ)
     loss_fn = loss_function(spec)
+    m = case.global_batch // (micro_batch or case.global_batch)
     losses = []
     for k in range(steps):
         x, y = source.batch(k)  # (B, s) each
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        total = 0.0
+        for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+            loss = loss_fn(model(xi), yi)
+            (loss / m).backward()
+            total += loss.item() / m
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(total)
     _REFERENCE[key] = losses
     return losses
 
@@ -120,8 +140,8 @@ def read_run(folder: str) -> dict:
         return json.load(f)
 
 
-def assert_losses_match(case: Case, run: dict) -> None:
-    ref = reference_losses(case, len(run["losses"]))
+def assert_losses_match(case: Case, run: dict, ref: list[float] | None = None) -> None:
+    ref = ref if ref is not None else reference_losses(case, len(run["losses"]))
     assert len(run["losses"]) == len(ref)
     for k, (got, want) in enumerate(zip(run["losses"], ref, strict=True)):
         assert abs(got - want) <= RTOL * abs(want), (

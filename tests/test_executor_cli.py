@@ -49,6 +49,20 @@ def test_simulated_plan_runs_and_records(tmp_path):
     assert run["mean_step_time_s"] == pytest.approx(run["step_time_s"][1])
 
 
+def test_simulated_parameter_server_plan_runs(tmp_path):
+    """``simulate --dp-mode ps`` writes a plan that ``execute`` runs with its servers as extra ranks."""
+    plan = tmp_path / "ps.json"
+    p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "local", "--global-batch", "8", "--seq-len", "32",
+                "--dp", "2", "--tp", "1", "--pp", "1", "--micro-batch", "2", "--dtype", "fp32", "--dp-mode", "ps",
+                "--ps-servers", "1", "--ps-staleness", "1", "--write-plan", str(plan))
+    assert p.returncode == 0, p.stderr
+    p = run_cli("execute", "--plan", str(plan), "--steps", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    run = json.loads(p.stdout)
+    assert run["world_size"] == 3 and len(run["peak_memory_gib"]) == 3 and len(run["losses"]) == 3
+    assert run["plan"]["dp_mode"] == "ps" and run["plan"]["ps_staleness"] == 1
+
+
 def test_json_prints_only_the_run_record(plan_file):
     p = run_cli("execute", "--plan", plan_file(Case("one", "llama-tiny", micro_batch=4)), "--steps", "2", "--json")
     assert p.returncode == 0, p.stderr
@@ -67,6 +81,11 @@ def test_json_prints_only_the_run_record(plan_file):
     pytest.param({"cluster": "dgx-h100", "dtype": "bf16"}, "no CUDA GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     ({"dp_mode": "ps"}, "parameter servers"),
+    ({"dp_mode": "ps", "tp": 2, "pp": 1, "stages": [["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]]},
+     "data parallelism only (tp = pp = 1)"),
+    ({"dp": 2, "pp": 1, "num_micro_batches": 2, "layer_strategies": {"head": {"parallel": "tensor", "degree": 2}},
+      "stages": [["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]]}, "head_parallel"),
+    ({"layer_strategies": {"layers.0": {"parallel": "tensor", "degree": 2}}}, "layer_strategies"),
 ])
 def test_invalid_plans_are_refused_in_one_line(plan_file, change, fragment):
     start = time.time()
