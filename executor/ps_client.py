@@ -37,8 +37,10 @@ class PSClient:
         for j, (lo, hi) in enumerate(self.bounds):
             server = self.roles.server_rank(j)
             reply = torch.empty(hi - lo, dtype=torch.float32, device=flat.device)  # (shard_j,)
-            recvs.append(dist.irecv(reply, src=server, tag=t))  # posted before the server can answer
+            # send first: nccl runs one pair's operations in issue order, and the server answers only
+            # after this push; the receive is still posted before any waiting, so gloo matches it too
             sends.append(dist.isend(flat[lo:hi], dst=server, tag=t))
+            recvs.append(dist.irecv(reply, src=server, tag=t))
             replies.append(reply)
         self._pending[t] = (flat, sends, replies, recvs)
         self.pushed += 1

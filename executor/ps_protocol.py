@@ -16,7 +16,9 @@ falls never changes an update.
 Messages (point-to-point, gloo or nccl, over the default group). At step t worker w sends server j its
 gradient shard (tag t), the gradient of the mean loss over its own samples of step t (accumulated
 over its micro-batches), and server j answers with its parameter shard (tag t), "the reply to push
-(w, t)". Workers post the receive for a reply when they push, so a server's send is always matched.
+(w, t)". Workers post the receive for a reply right after the push, before waiting on anything, so a
+server's send is always matched; every pair's messages go in issue order (what nccl, which ignores
+tags, needs).
 
 Sync mode (``ps_staleness`` s = 0). Server j, in round t, receives the N workers' shards of step t,
 sums them in worker order and divides by N, takes one AdamW step and sends the new shard to every

@@ -142,3 +142,20 @@ def test_hybrid_with_zero_is_refused_in_one_line(tmp_path):
     p = run_cli("execute", "--plan", str(path))
     assert_one_line_error(p, "head_parallel", "zero 0")
     assert p.returncode == 2
+
+
+@pytest.mark.parametrize("mapping,in_features,pool", [
+    (dict(family="resnet", depth=50, image_size=224, num_classes=1000), 2048, True),
+    (dict(family="vgg", depth=16, image_size=224, num_classes=1000), 4096, False),
+    (dict(family="mlp", input_size=64, hidden_sizes=[128, 96], num_classes=1000), 96, False),
+])
+def test_every_classifier_family_splits_into_trunk_and_head(mapping, in_features, pool):
+    """On the meta device (no memory): the trunk keeps every block but ``head``, under its own names."""
+    from paraplan.executor.hybrid import split_head
+    from paraplan.models import block_names, spec_from_mapping
+
+    spec = spec_from_mapping({"name": "m", **mapping}, source="test")
+    blocks = block_names(spec)
+    chunk, got_in, got_pool = split_head(spec, [blocks])
+    assert (got_in, got_pool) == (in_features, pool)
+    assert chunk.module.present_blocks() == blocks[:-1] and blocks[-1] == "head"
