@@ -36,6 +36,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -75,8 +85,11 @@ def _add_layout(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--dp-mode", choices=("allreduce", "ps"), default="allreduce",
                    help="gradient sync: ring all-reduce or parameter servers")
     p.add_argument("--ps-servers", type=_positive_int, default=1, help="parameter servers (with --dp-mode ps)")
-    p.add_argument("--ps-staleness", type=int, default=0,
+    p.add_argument("--ps-staleness", type=_non_negative_int, default=0,
                    help="asynchronous parameter server: staleness bound in steps (0 = synchronous)")
+    p.add_argument("--head-parallel", type=_positive_int, default=1,
+                   help="hybrid parallelism (resnet/vgg/mlp): shard the classifier by class over this many "
+                        "data-parallel ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive_int, required=True)
     p.add_argument("--strategy", action="append", default=[], metavar="S")
     p.add_argument("--steps", type=_positive_int, default=4)
-    p.add_argument("--top", type=_positive_int, default=3, help="planner's top-k added to the layouts")
+    p.add_argument("--top", type=_non_negative_int, default=3, help="planner's top-k added to the layouts (0: none)")
     p.add_argument("--out", help="folder for the report")
     p.add_argument("--update-spec", action="store_true", help="feed the measurements back into the cluster spec")
     _add_common(p)

@@ -330,6 +330,11 @@ class CostModel:
                 t_sync = comm.parameter_server_sync(grads, lay.num_gpus, lay.ps_servers, cluster,
                                                     all_in_one_node=lay.world_size <= cluster.gpus_per_node,
                                                     worker_busy=busy)
+                # the servers run the optimizer on their 1/k of the parameters: once a round when synchronous,
+                # once per worker's push when asynchronous (executor/ps_protocol.py)
+                steps = 1 if lay.ps_staleness == 0 else lay.dp
+                t_sync += steps * params / lay.ps_servers * ADAM_BYTES_PER_PARAM / (
+                    gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
                 if lay.ps_staleness > 0:
                     t_sync = max(0.0, t_sync - lay.ps_staleness * makespan)
                 exposed = t_sync

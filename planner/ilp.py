@@ -248,7 +248,8 @@ class StageILP:
                 in_node = lay.world_size <= cluster.gpus_per_node
                 a, k = _secant(lambda b, in_node=in_node: comm.parameter_server_sync(
                     b, lay.num_gpus, lay.ps_servers, cluster, in_node, busy), guess)
-                sync = a + k * grads
+                steps = 1 if lay.ps_staleness == 0 else lay.dp  # server optimizer steps per round (as CostModel)
+                sync = a + k * grads + steps * params / lay.ps_servers * ADAM_BYTES_PER_PARAM / hbm
                 prob += exposed >= (sync - lay.ps_staleness * makespan if lay.ps_staleness else sync) + const, \
                     f"ps_sync_{r}"
             elif lay.dp > 1:

@@ -19,4 +19,4 @@ def layout_from_args(args, work: Workload) -> Layout:
                   schedule=args.schedule, virtual_stages=args.virtual_stages, zero=args.zero,
                   recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   dtype=args.dtype or work.default_dtype(), dp_mode=args.dp_mode, ps_servers=args.ps_servers,
-                  ps_staleness=args.ps_staleness)
+                  ps_staleness=args.ps_staleness, head_parallel=args.head_parallel)
