@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from paraplan.hardware_specs import MEASUREMENTS_DIR, SPEC_DIR, ClusterSpec, load_cluster
+from paraplan.hardware_specs import SPEC_DIR, ClusterSpec, load_cluster, measurements_dir
 from paraplan.hardware_specs.loader import cluster_from_mapping
 
 from .errors import ExecutionError
@@ -52,6 +52,8 @@ class Calibration:
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)  # (op, ranks, bytes, seconds)
     link_bandwidth_GBps: float | None = None
     link_latency_us: float | None = None
+    framework_us: dict[str, float] = field(default_factory=dict)
+    framework_runs: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -283,7 +285,7 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
         curves["default"] = curves["fp32"]
     for d in ("fp32", "tf32", "bf16", "fp16", "fp8"):
         peaks.setdefault(d, None)
-    gpu_map = {"name": f"{gpu.name} (calibrated)", "memory_GiB": gpu.memory_GiB,
+    gpu_map = {"name": gpu.name, "memory_GiB": gpu.memory_GiB,
                "hbm_GBps": round(cal.bandwidth_GBps, 3),
                "peak_tflops": peaks,
                "efficiency": {"source": f"paraplan calibrate: {cal.device}, {cal.threads} thread(s) per rank, "
@@ -303,7 +305,7 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
 
 
 def write_spec(mapping: dict, path: str | None, cal: Calibration) -> Path:
-    target = Path(path) if path else MEASUREMENTS_DIR / f"{mapping['name']}.yaml"
+    target = Path(path) if path else measurements_dir() / f"{mapping['name']}.yaml"
     header = (f"# Written by `paraplan calibrate` on {time.strftime('%Y-%m-%d %H:%M')}: {cal.device}, "
               f"{cal.threads} thread(s) per rank, {cal.ranks} ranks for the collectives.\n"
               f"# Measured: GEMM rates (peak = best rate seen), memory bandwidth, per-kernel overhead,\n"
@@ -336,6 +338,7 @@ def shipped_cluster(cluster: str) -> ClusterSpec:
 def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) -> tuple[Path | None, Calibration, dict]:
     """Measure, build the spec and (on rank 0) write it. Under torchrun every rank measures the
     collectives over the whole job (the cluster's links); alone, ``ranks`` local processes are spawned."""
+    started = time.perf_counter()
     base = shipped_cluster(cluster)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cal = calibrate_under_torchrun(quick)
@@ -344,6 +347,13 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
     else:
         cal = calibrate(ranks=ranks, quick=quick)
     mapping = calibrated_spec(base, cal)
+    if not quick and ranks > 1 and cal.device == "cpu":
+        # the framework's per-event host costs, from executor runs of a calibration model
+        from .framework_fit import fit_framework
+
+        cal.framework_us, cal.framework_runs = fit_framework(mapping, ranks)
+        mapping["gpu"]["efficiency"]["framework_us"] = cal.framework_us
+        cal.seconds = time.perf_counter() - started
     return write_spec(mapping, out, cal), cal, mapping
 
 

@@ -28,7 +28,7 @@ def plan_cluster(plan: Plan) -> ClusterSpec | None:
 def plan_device_type(plan: Plan) -> str:
     cluster = plan_cluster(plan)
     if cluster is not None:
-        return "cpu" if cluster.gpu.name == "cpu" else "cuda"
+        return "cpu" if cluster.gpu.is_cpu else "cuda"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

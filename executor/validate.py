@@ -8,8 +8,9 @@ with the y = x line, and whether the planner's recommendation is the measured-fa
 
 ``update_spec`` feeds the measurements back: the measured times are fitted as
 a·(predicted compute) + c·(predicted communication) (non-negative least squares over the layouts), and
-the cluster's spec is rescaled by those factors (GEMM peaks, memory bandwidth and per-kernel overhead by
-a; link bandwidth and latency by c), so the next plan on this cluster is calibrated by real runs.
+the cluster's spec is rescaled by those factors (GEMM peaks, memory bandwidth, per-kernel overhead and
+the framework's per-event costs by a; link bandwidth and latency by c), so the next plan on this
+cluster is calibrated by real runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from paraplan.hardware_specs import MEASUREMENTS_DIR
+from paraplan.hardware_specs import measurements_dir
 from paraplan.planner.api import plan_for
 from paraplan.planner.costmodel import CostModel, Prediction, validate_layout
 from paraplan.planner.errors import InvalidLayout, PlanError
@@ -129,18 +130,28 @@ def collect_layouts(work: Workload, gpus: int, strategies: list[str], top: int, 
         rows[-1].fixed = "recompute" in fields  # type: ignore[attr-defined]
     if top:
         result = search(work, gpus, top_k=top, dtype=dtype)
-        seen = {r.layout.short() for r in rows}
+        by_short = {r.layout.short(): r for r in rows}
         for k, cand in enumerate(result.ranked, 1):
-            if cand.layout.short() not in seen:
-                rows.append(Row(cand.layout.short(), f"planner #{k}", cand.layout))
-                rows[-1].fixed = False  # type: ignore[attr-defined]
+            same = by_short.get(cand.layout.short())
+            if same is not None and not getattr(same, "fixed", False):
+                same.source += f", planner #{k}"  # already in the list: run it once, under both names
+                continue
+            rows.append(Row(cand.layout.short(), f"planner #{k}", cand.layout))
+            rows[-1].fixed = False  # type: ignore[attr-defined]
+            by_short[cand.layout.short()] = rows[-1]
     return rows
 
 
 def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: int, out_dir: str,
-             timeout: float = 300.0, progress=None) -> list[Row]:
+             timeout: float = 300.0, progress=None, measure_blocks: bool = True) -> list[Row]:
     dtype = work.default_dtype()
     rows = collect_layouts(work, gpus, strategies, top, dtype)
+    if measure_blocks and work.cluster.gpu.is_cpu:
+        # this machine is the cluster: time the model's blocks here, as the executor's ranks will run them
+        from .block_times import measure_block_times
+
+        measure_block_times(work.spec, {r.layout.micro_batch for r in rows}, dtype, work.cluster.gpu.name, gpus)
+        work._measurements.clear()
     model = CostModel(work)
     Path(out_dir, "plans").mkdir(parents=True, exist_ok=True)
     for i, row in enumerate(rows):
@@ -172,7 +183,8 @@ def summary(rows: list[Row]) -> dict:
     mape = statistics.mean(abs(r.error) for r in done)
     tau = kendall_tau([r.predicted_s for r in done], [r.measured_s for r in done]) if len(done) > 1 else float("nan")
     fastest = min(done, key=lambda r: r.measured_s)
-    planner = next((r for r in done if r.source.startswith("planner")), None)
+    # the planner's recommendation is its #1 pick; if that did not run, the best-predicted layout that did
+    planner = next((r for r in done if "planner #1" in r.source.split(", ")), None)
     predicted_best = min(done, key=lambda r: r.predicted_s)
     rec = planner or predicted_best
     return {"mape": mape, "kendall_tau": tau, "layouts": len(done), "measured_fastest": fastest.name,
@@ -272,11 +284,12 @@ def update_spec(work: Workload, rows: list[Row], out: str | None = None) -> tupl
     gpu["peak_tflops"] = {d: (None if v is None else v / a) for d, v in gpu["peak_tflops"].items()}
     gpu["hbm_GBps"] = gpu["hbm_GBps"] / a
     gpu["efficiency"]["op_overhead_us"] = gpu["efficiency"]["op_overhead_us"] * a
+    gpu["efficiency"]["framework_us"] = {k: v * a for k, v in gpu["efficiency"].get("framework_us", {}).items()}
     gpu["efficiency"]["source"] = f"{gpu['efficiency'].get('source', '')}; rescaled by validate (compute x{a:.3f})"
     for link in ("intra_node", "inter_node"):
         spec[link]["bandwidth_GBps"] = spec[link]["bandwidth_GBps"] / c
         spec[link]["latency_us"] = spec[link]["latency_us"] * c
-    target = Path(out) if out else MEASUREMENTS_DIR / f"{work.cluster.name}.yaml"
+    target = Path(out) if out else measurements_dir() / f"{work.cluster.name}.yaml"
     note = (f"# Rescaled by `paraplan validate --update-spec` from {len([r for r in rows if r.measured_s])} runs: "
             f"compute x{a:.3f}, communication x{c:.3f}.\n")
     write_mapping(spec, target, note)

@@ -14,11 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from .datafile import read_data_file
-from .specs import DTYPES, ClusterSpec, Efficiency, GPUSpec, HardwareSpecError, LinkSpec
+from .specs import DTYPES, FRAMEWORK_EVENTS, ClusterSpec, Efficiency, GPUSpec, HardwareSpecError, LinkSpec
 
 SPEC_DIR = Path(__file__).resolve().parent
 KINDS = {"gpu": "gpus", "link": "links", "cluster": "clusters"}
 MEASUREMENTS_DIR = SPEC_DIR / "measurements"
+
+
+def measurements_dir() -> Path:
+    """Where calibrations and measured block times live: ``PARAPLAN_MEASUREMENTS`` if set (tests keep
+    theirs apart), else hardware_specs/measurements/ beside the shipped specs."""
+    return Path(os.environ.get("PARAPLAN_MEASUREMENTS") or MEASUREMENTS_DIR)
 
 DEFAULT_EFFICIENCY = Efficiency(
     matmul={"default": ((1e6, 0.02), (1e8, 0.15), (1e9, 0.40), (1e10, 0.62), (1e11, 0.72), (1e12, 0.75))},
@@ -75,7 +81,7 @@ def _resolve(kind: str, ref: str) -> tuple[Path, Any]:
 
 
 def parse_efficiency(where: str, data: Any) -> Efficiency:
-    data = _check_keys(where, data, {"matmul", "memory_bound", "op_overhead_us"}, {"source"})
+    data = _check_keys(where, data, {"matmul", "memory_bound", "op_overhead_us"}, {"source", "framework_us"})
     curves = data["matmul"]
     if not isinstance(curves, dict) or "default" not in curves:
         raise HardwareSpecError(f"{where}: 'matmul' must map dtypes to curves and include 'default'")
@@ -99,9 +105,12 @@ def parse_efficiency(where: str, data: Any) -> Efficiency:
     mb = _number(where, "memory_bound", data["memory_bound"])
     if mb > 1:
         raise HardwareSpecError(f"{where}: 'memory_bound' {mb} exceeds 1 (the peak bandwidth)")
+    framework = _check_keys(f"{where}: framework_us", data.get("framework_us", {}), set(), set(FRAMEWORK_EVENTS))
     return Efficiency(matmul=parsed, memory_bound=mb,
                       op_overhead_us=_number(where, "op_overhead_us", data["op_overhead_us"], allow_zero=True),
-                      source=str(data.get("source", "unspecified")))
+                      source=str(data.get("source", "unspecified")),
+                      framework_us={k: _number(where, f"framework_us.{k}", v, allow_zero=True)
+                                    for k, v in framework.items()})
 
 
 def gpu_from_mapping(data: Any, where: str) -> GPUSpec:
@@ -172,7 +181,7 @@ def load_cluster(ref: str, nodes: int | None = None) -> ClusterSpec:
 
     ``nodes`` overrides the node count (the CLI's ``--nodes``).
     """
-    calibrated = MEASUREMENTS_DIR / f"{ref}.yaml"
+    calibrated = measurements_dir() / f"{ref}.yaml"
     if not os.path.exists(ref) and calibrated.exists():
         ref = str(calibrated)
     path, data = _resolve("cluster", ref)
@@ -192,7 +201,8 @@ def cluster_mapping(cluster: ClusterSpec) -> dict:
                 "peak_tflops": dict(gpu.peak_tflops),
                 "efficiency": {"source": eff.source,
                                "matmul": {d: [list(p) for p in pts] for d, pts in eff.matmul.items()},
-                               "memory_bound": eff.memory_bound, "op_overhead_us": eff.op_overhead_us}},
+                               "memory_bound": eff.memory_bound, "op_overhead_us": eff.op_overhead_us,
+                               **({"framework_us": dict(eff.framework_us)} if eff.framework_us else {})}},
         "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
         "intra_node": dataclasses.asdict(cluster.intra_node), "inter_node": dataclasses.asdict(cluster.inter_node),
         "nics_per_node": cluster.nics_per_node,

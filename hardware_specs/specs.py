@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+FRAMEWORK_EVENTS = ("step", "micro_batch", "tp_module", "fsdp_unit", "pp_action")
 
 
 class HardwareSpecError(ValueError):
@@ -30,6 +31,16 @@ class Efficiency:
     memory_bound: float
     op_overhead_us: float
     source: str = "defaults"
+    # Framework costs per event, in µs, that a host-bound run pays beyond its kernels (measured by
+    # `paraplan calibrate` from executor runs): step (one training step's fixed work), micro_batch
+    # (one micro-batch of the gradient-accumulation loop without a pipeline), tp_module (one call of a
+    # tensor-parallel module, forward and backward), fsdp_unit (one FSDP unit's hooks and gathers per
+    # micro-batch), pp_action (one forward or backward action of a pipeline schedule).
+    framework_us: dict[str, float] = field(default_factory=dict)
+
+    def framework(self, event: str) -> float:
+        """Seconds per ``event`` (0 where nothing was measured: on GPUs the host runs ahead of the kernels)."""
+        return self.framework_us.get(event, 0.0) * 1e-6
 
     def matmul_fraction(self, flops: float, dtype: str) -> float:
         points = self.matmul.get(dtype) or self.matmul["default"]
@@ -62,6 +73,11 @@ class GPUSpec:
     @property
     def memory_bytes(self) -> float:
         return self.memory_GiB * 2**30
+
+    @property
+    def is_cpu(self) -> bool:
+        """A host CPU standing in for GPUs (the ``local`` cluster): processes, gloo, fp32."""
+        return self.name == "cpu"
 
 
 @dataclass(frozen=True)

@@ -146,11 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     p = sub.add_parser("execute", help="train a plan with torch.distributed")
-    p.add_argument("--plan", required=True, metavar="PLAN.json")
-    p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by plan or simulate")
+    p.add_argument("--steps", type=_positive_int, default=5, help="training steps to run")
     p.add_argument("--out", help="folder for run.json")
-    p.add_argument("--nnodes", type=_positive_int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=_positive_int, default=1, help="machines in the job")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index among them")
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=None)
     p.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous (instead of master addr/port)")
@@ -159,20 +159,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     p = sub.add_parser("calibrate", help="measure this machine (or, under torchrun, the cluster)")
-    p.add_argument("--cluster", default="local")
-    p.add_argument("--out", help="spec file to write (default: hardware_specs/measurements/<cluster>.yaml)")
+    p.add_argument("--cluster", default="local", help="the spec to start from (default: local)")
+    p.add_argument("--out", help="spec file to write (default: hardware_specs/measurements/<cluster>.yaml, "
+                                 "or $PARAPLAN_MEASUREMENTS/<cluster>.yaml)")
     p.add_argument("--ranks", type=_positive_int, default=2, help="processes for the collective measurements")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     _add_common(p)
 
     p = sub.add_parser("validate", help="run layouts and compare measured with predicted")
     _add_workload(p)
-    p.add_argument("--gpus", type=_positive_int, required=True)
-    p.add_argument("--strategy", action="append", default=[], metavar="S")
-    p.add_argument("--steps", type=_positive_int, default=4)
+    p.add_argument("--gpus", type=_positive_int, required=True, help="processes (GPUs) each layout runs on")
+    p.add_argument("--strategy", action="append", default=[], metavar="S",
+                   help='a layout to run, as in compare (e.g. "pp=2,schedule=1f1b,mb=2"); repeatable; '
+                        "default: a spread of dp, tp and pp layouts")
+    p.add_argument("--steps", type=_positive_int, default=4,
+                   help="training steps per layout (the first warms up and is not timed)")
     p.add_argument("--top", type=_non_negative_int, default=3, help="planner's top-k added to the layouts (0: none)")
     p.add_argument("--out", help="folder for the report")
     p.add_argument("--update-spec", action="store_true", help="feed the measurements back into the cluster spec")
+    p.add_argument("--no-block-times", action="store_true",
+                   help="price blocks from FLOPs and bytes only (by default, on the local cluster, the model's "
+                        "blocks are timed first)")
     _add_common(p)
     return parser
 

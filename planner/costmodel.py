@@ -161,7 +161,7 @@ class CostModel:
         n = len(prof.layers)
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
-               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1)
+               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, lay.dp > 1, lay.zero >= 2)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -195,6 +195,16 @@ class CostModel:
             tp_bwd = max(0.0, tp_bwd - times.bwd_weight)
         if mode == "full":
             tp_bwd += tp_fwd  # the recomputed forward's collectives
+        # Host-side framework costs of this block per micro-batch (measured per event by calibrate; zero on
+        # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).
+        fw = gpu.efficiency
+        host = 0.0
+        if t > 1:
+            host += work.tp_module_calls(i, sp) * fw.framework("tp_module") * (1.5 if mode == "full" else 1.0)
+        if lay.dp > 1 and lay.zero >= 2 and layer.kind == "transformer_layer":
+            host += fw.framework("fsdp_unit")
+        tp_fwd += host / 2
+        tp_bwd += host / 2
         cost = BlockCost(
             fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
@@ -202,6 +212,18 @@ class CostModel:
             params=layer.params * sharded_ratio, output_bytes=layer.output_bytes * b / t)
         self._blocks[key] = cost
         return cost
+
+    def stage_host_overhead(self, lay: Layout) -> float:
+        """Host-side framework seconds a stage pays per micro-batch beyond its blocks: the micro-batch's own
+        handling, one forward and one backward action of the pipeline schedule, and the data-parallel
+        wrapper's root unit (FSDP2 for ZeRO-2/3; FSDP2's replicate when ZeRO-0/1 runs with a pipeline or
+        tensor parallelism)."""
+        fw = self.work.cluster.gpu.efficiency
+        # pp = 1: the trainer's own gradient-accumulation loop handles each micro-batch; pp > 1: the schedule
+        t = 2 * fw.framework("pp_action") if lay.pp > 1 else fw.framework("micro_batch")
+        if lay.dp > 1 and (lay.zero >= 2 or lay.pp > 1 or lay.tp > 1) and lay.head_parallel == 1:
+            t += fw.framework("fsdp_unit")
+        return t
 
     def _sharded_head_cost(self, layer, lay: Layout, place: Placement) -> BlockCost:
         """The classifier sharded by class over k data-parallel ranks (hybrid parallelism, Krizhevsky 2014's
@@ -237,7 +259,7 @@ class CostModel:
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
-               lay.head_parallel)
+               lay.head_parallel, lay.dp > 1, lay.zero >= 2)
         table = self._tables.get(key)
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
@@ -273,6 +295,9 @@ class CostModel:
             st.act_working = max(table.working[lo:hi])
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
                 st.params -= tied * (self.block_cost(n_blocks - 1, lay, place, mode).params / prof.layers[-1].params)
+            fixed = self.stage_host_overhead(lay)
+            st.tp_fwd += fixed / 2
+            st.tp_bwd += fixed / 2
             out.append(st)
         # Point-to-point: stage s sends its output forward and receives/sends gradients backward.
         for s in range(len(out) - 1):
@@ -367,7 +392,8 @@ class CostModel:
                                                 if place.pp_cross_node else cluster.intra_node)
             dp_exposed.append(exposed)
             opt_params = 0.0 if lay.dp_mode == "ps" else (params / lay.dp if lay.zero >= 1 else params)
-            opt_time.append(opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound))
+            opt_time.append(opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+                            + gpu.efficiency.framework("step"))
         end = [finish[r] + dp_exposed[r] for r in range(p)]
         iteration = max(end) + max(opt_time)
         # ---- breakdown on the bottleneck rank ----
@@ -414,7 +440,7 @@ class CostModel:
         model_tflops = model_flops / iteration / n_gpus / 1e12
         hw_tflops = hw_flops / iteration / n_gpus / 1e12
         tokens = lay.global_batch * work.tokens_per_sample
-        if lay.dtype == "fp32" and gpu.name != "cpu":
+        if lay.dtype == "fp32" and not gpu.is_cpu:
             notes.append("fp32 matmuls priced at the fp32 (not TF32) peak, as PyTorch runs them by default")
         return Prediction(
             layout=lay, num_parameters=prof.num_parameters, iteration_time_s=iteration,

@@ -207,10 +207,15 @@ class StageILP:
                 ends = 1 if assign[0] == "counts" and s in (0, S - 1) else 0  # embedding/head ride along
                 prob += sizes[s] >= low - ends, f"chunk_balance_low_{s}"
                 prob += sizes[s] <= low + 1, f"chunk_balance_high_{s}"
-        # Point-to-point: stage s pays its send forward, stage s+1 the gradient back.
+        # Point-to-point: stage s pays its send forward, stage s+1 the gradient back; every stage its
+        # schedule actions and data-parallel root unit (the cost model's stage_host_overhead).
         for s in range(S - 1):
             F[s] += C[s]
             B[s + 1] += C[s]
+        host = self.model.stage_host_overhead(lay)
+        for s in range(S):
+            F[s] += host / 2
+            B[s] += host / 2
         ranks = self._rank_stages
         T = {r: pulp.lpSum(F[s] + B[s] + W[s] for s in ranks[r]) for r in range(p)}
         Tmax = pulp.LpVariable("slowest_rank_time", lowBound=0)

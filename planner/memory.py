@@ -80,4 +80,4 @@ def _elem(layer: LayerProfile) -> int:
 
 
 def framework_allowance(gpu: GPUSpec) -> float:
-    return FRAMEWORK_GIB["cpu" if gpu.name == "cpu" else "gpu"] * GiB
+    return FRAMEWORK_GIB["cpu" if gpu.is_cpu else "gpu"] * GiB

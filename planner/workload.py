@@ -32,6 +32,7 @@ class Workload:
     overlap_tp: bool = False  # TP all-reduce of input gradients hidden behind weight-gradient GEMMs (Megatron)
     _profiles: dict[str, ModelProfile] = field(default_factory=dict, repr=False)
     _measurements: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
+    _tp_calls: dict[tuple, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, model: str | ModelSpec, cluster: str | ClusterSpec, global_batch: int,
@@ -69,6 +70,23 @@ class Workload:
             self._profiles[dtype] = profile_for_planning(self.spec, dtype)
         return self._profiles[dtype]
 
+    def tp_module_calls(self, block: int, sequence_parallel: bool) -> int:
+        """Modules of block ``block`` that tensor parallelism wraps (what the executor parallelizes): the
+        sharded linears and embeddings, plus under sequence parallelism the norms and the regions whose
+        inputs are gathered. Each is one call per pass, and carries the framework's per-call cost."""
+        key = (block, sequence_parallel)
+        if key not in self._tp_calls:
+            from paraplan.models import build_model, tp_plan, tp_style
+
+            model = build_model(self.spec, "meta")
+            plan = tp_plan(self.spec)
+            styles = {"colwise", "rowwise", "vocab_embedding", "vocab_head"} | (
+                {"norm", "region"} if sequence_parallel else set())
+            name = model.block_names[block]
+            self._tp_calls[key] = sum(1 for fqn, _ in model.get_submodule(name).named_modules()
+                                      if tp_style(plan, f"{name}.{fqn}" if fqn else name) in styles)
+        return self._tp_calls[key]
+
     def measurement(self, micro_batch: int, dtype: str) -> dict | None:
         key = (micro_batch, dtype)
         if key not in self._measurements:
@@ -77,4 +95,4 @@ class Workload:
         return self._measurements[key]
 
     def default_dtype(self) -> str:
-        return "fp32" if self.cluster.gpu.name == "cpu" else "bf16"
+        return "fp32" if self.cluster.gpu.is_cpu else "bf16"

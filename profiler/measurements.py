@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from paraplan.hardware_specs import MEASUREMENTS_DIR
+from paraplan.hardware_specs import measurements_dir
 
 from .errors import ProfileError
 from .records import ModelProfile
@@ -34,8 +34,9 @@ def measurement_record(profile: ModelProfile, gpu: str) -> dict[str, Any]:
 
 
 def save_measurements(profile: ModelProfile, gpu: str, name: str | None = None,
-                      directory: Path = MEASUREMENTS_DIR) -> Path:
+                      directory: Path | None = None) -> Path:
     """Write the profile's measured times as ``<directory>/<name>.json`` (default name from the key)."""
+    directory = directory or measurements_dir()
     record = measurement_record(profile, gpu)
     name = name or f"{gpu}--{profile.model}--mb{profile.micro_batch}--s{profile.seq_length}--{profile.dtype}"
     if os.sep in name or name.startswith("."):
@@ -47,8 +48,9 @@ def save_measurements(profile: ModelProfile, gpu: str, name: str | None = None,
 
 
 def find_measurement(gpu: str, spec: dict[str, Any], micro_batch: int, seq_length: int | None, dtype: str,
-                     directory: Path = MEASUREMENTS_DIR) -> dict[str, Any] | None:
+                     directory: Path | None = None) -> dict[str, Any] | None:
     """The saved measurement for exactly this workload on this GPU spec, or None."""
+    directory = directory or measurements_dir()
     if not directory.exists():
         return None
     for path in sorted(directory.glob("*.json")):

@@ -17,6 +17,8 @@ CLI = [sys.executable, "-m", "paraplan"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Hermetic profile cache: shared by this test session (and its subprocesses), empty at its start.
 os.environ["PARAPLAN_CACHE"] = tempfile.mkdtemp(prefix="paraplan-test-cache-")
+# Hermetic measurements: no calibration or measured block times of the developer's machine leak in.
+os.environ["PARAPLAN_MEASUREMENTS"] = tempfile.mkdtemp(prefix="paraplan-test-measurements-")
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

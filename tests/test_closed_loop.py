@@ -9,7 +9,8 @@ import pytest
 
 from conftest import assert_one_line_error, run_cli
 from paraplan.executor.calibrate import Calibration, calibrated_spec, fit_link
-from paraplan.executor.validate import Row, default_strategies, fit_factors, kendall_tau
+from paraplan.executor.framework_fit import nnls
+from paraplan.executor.validate import Row, default_strategies, fit_factors, kendall_tau, summary
 from paraplan.hardware_specs import load_cluster
 from paraplan.hardware_specs.loader import cluster_from_mapping
 from paraplan.planner.layout import Layout
@@ -53,6 +54,36 @@ def test_fit_factors_separates_compute_and_communication():
         rows.append(r)
     a, c = fit_factors(rows)
     assert (a, c) == (pytest.approx(1.3), pytest.approx(0.5))
+
+
+def test_nnls_recovers_non_negative_costs_and_clamps_a_negative_one():
+    """Framework costs are >= 0: an exact non-negative solution is found; a column whose unconstrained
+    coefficient would be negative is dropped to 0 and the rest refitted."""
+    import numpy as np
+
+    a = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 1.0], [3.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    x = np.array([0.5, 1.5, 2.0])
+    assert nnls(a, a @ x) == pytest.approx(x)
+    b = a @ np.array([1.0, 2.0, -3.0])
+    got = nnls(a, b)
+    assert got[2] == 0 and (got >= 0).all()
+    refit, *_ = np.linalg.lstsq(a[:, :2], b, rcond=None)
+    assert got[:2] == pytest.approx(refit)
+
+
+def test_summary_recommends_the_planners_first_pick_even_when_it_was_a_default_layout():
+    """The planner's #1 often equals one of the default spread; validate runs it once under both names,
+    and the recommendation it judges is that #1 (not the next planner pick)."""
+    rows = []
+    for name, source, pred, meas in (("a", "default, planner #1", 1.0, 1.0), ("b", "default", 1.5, 1.4),
+                                     ("c", "planner #2", 1.1, 1.2)):
+        r = Row(name, source, Layout(dp=1, tp=1, pp=1, micro_batch=1, global_batch=1))
+        r.prediction, r.measured_s = _Pred(pred, 0.0), meas
+        rows.append(r)
+    stats = summary(rows)
+    assert stats["recommended"] == "a" and stats["measured_fastest"] == "a"
+    assert stats["recommended_vs_fastest"] == 0
+    assert stats["mape"] == pytest.approx((0 + 0.1 / 1.4 + 0.1 / 1.2) / 3)
 
 
 def test_calibrated_spec_loads_back_with_the_measurements():

@@ -23,7 +23,8 @@ def run(args) -> int:
         raise PlanError(f"--out {out}: folder {parent} does not exist")
     show = not args.json and sys.stderr.isatty()
     progress = (lambda i, n, name: stderr.print(f"[{i + 1}/{n}] {name}") if i < n else None) if show else None
-    rows = validate(work, args.gpus, args.strategy, args.steps, args.top, out, progress=progress)
+    rows = validate(work, args.gpus, args.strategy, args.steps, args.top, out, progress=progress,
+                    measure_blocks=not args.no_block_times)
     stats = summary(rows)
     files = write_outputs(rows, stats, out, f"{work.spec.name} on {args.gpus} x {work.cluster.gpu.name} "
                                             f"({work.cluster.name}), global batch {work.global_batch}")

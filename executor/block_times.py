@@ -1,0 +1,56 @@
+"""Measure a model's per-block times on this machine and save them where the cost model finds them.
+
+The cost model prices a block from its FLOPs and bytes unless a measurement of exactly that workload
+(GPU spec, model, micro-batch, sequence length, dtype) exists (profiler/measurements.py); then it uses
+the measured forward and backward times. `validate` and `calibrate` measure the micro-batch sizes their
+layouts use the way `paraplan execute` will run them: on a CPU, ``ranks`` processes profile at once,
+each with one rank's share of the cores, so the times include what the ranks cost each other (shared
+caches and memory bandwidth); the first process's times are saved.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from paraplan.models import ModelSpec
+
+
+def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype: str, gpu_name: str, threads: int,
+                    device: str, directory: str | None, out: str) -> None:
+    import torch
+
+    from paraplan.models import spec_from_mapping
+    from paraplan.profiler import profile_model
+    from paraplan.profiler.measurements import save_measurements
+
+    torch.set_num_threads(threads)
+    spec = spec_from_mapping(spec_dict, "measured model")
+    paths = []
+    for mb in micro_batches:
+        prof = profile_model(spec, device, micro_batch=mb, dtype=dtype, warmup=2, repeats=7)
+        if rank == 0:
+            from pathlib import Path
+
+            paths.append(str(save_measurements(prof, gpu=gpu_name, directory=Path(directory) if directory else None)))
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write("\n".join(paths))
+
+
+def measure_block_times(spec: ModelSpec, micro_batches: set[int], dtype: str, gpu_name: str, ranks: int,
+                        device: str = "cpu") -> list[str]:
+    """Profile ``spec`` at each micro-batch size and save the times as GPU spec ``gpu_name``'s."""
+    import torch.multiprocessing as mp
+
+    from paraplan.hardware_specs import measurements_dir
+
+    procs = max(1, ranks) if device == "cpu" else 1
+    threads = max(1, (os.cpu_count() or 1) // procs)
+    out = tempfile.mktemp(prefix="paraplan-blocks-")
+    mp.start_processes(_profile_worker, args=(spec.to_dict(), sorted(micro_batches), dtype, gpu_name, threads, device,
+                                              str(measurements_dir()), out), nprocs=procs, start_method="spawn")
+    with open(out) as f:
+        paths = f.read().split("\n")
+    os.unlink(out)
+    return paths
