@@ -196,6 +196,7 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     files = {"report": str(Path(out_dir, "validation.md")), "chart": str(Path(out_dir, "predicted_vs_measured.png")),
              "json": str(Path(out_dir, "validation.json"))}
@@ -203,19 +204,28 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dic
     fig, ax = plt.subplots(figsize=(6, 6))
     xs, ys = [r.measured_s for r in done], [r.predicted_s for r in done]
     ax.scatter(xs, ys, color="#4C72B0", zorder=3)
-    for r in done:
-        ax.annotate(r.layout.short(), (r.measured_s, r.predicted_s), fontsize=6, xytext=(3, 3),
-                    textcoords="offset points")
+    pick = next((r for r in done if r.name == stats["recommended"]), None)
+    if pick is not None:
+        ax.scatter([pick.measured_s], [pick.predicted_s], marker="*", s=160, color="#C44E52", zorder=4,
+                   label="planner's pick")
+    for i, r in enumerate(rows, 1):  # numbered as in the report's table: names would overlap in a cluster
+        if r in done:
+            ax.annotate(str(i), (r.measured_s, r.predicted_s), fontsize=7, xytext=(3, 3), textcoords="offset points")
     lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
     ax.plot([lo, hi], [lo, hi], "--", color="black", linewidth=1, label="y = x")
     ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#DDDDDD", alpha=0.5,
                     label="±15%")
+    milliseconds = FuncFormatter(lambda v, _: f"{1e3 * v:g}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # after set_*scale, which resets locators and formatters
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(milliseconds)
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("measured step time (s)")
-    ax.set_ylabel("predicted step time (s)")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
     ax.set_title(f"{title}\nMAPE {100 * stats['mape']:.1f}%, Kendall tau {stats['kendall_tau']:.2f}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -226,10 +236,10 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dic
              f"Kendall's tau **{stats['kendall_tau']:.2f}**",
              f"- measured fastest: {stats['measured_fastest']}; recommended by the planner: {stats['recommended']} "
              f"({100 * stats['recommended_vs_fastest']:+.1f}% against the fastest)", "",
-             "| layout | source | predicted s | measured s | error | predicted GiB | measured GiB | status |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.layout.short()} | {r.source} | {_f(r.predicted_s)} | {_f(r.measured_s)} | "
+             "| # | layout | source | predicted s | measured s | error | predicted GiB | measured GiB | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | {r.layout.short()} | {r.source} | {_f(r.predicted_s)} | {_f(r.measured_s)} | "
                      f"{'' if r.error is None else f'{100 * r.error:+.1f}%'} | "
                      f"{_f(r.prediction.peak_memory_gib if r.prediction else None)} | {_f(r.measured_memory_gib)} | "
                      f"{r.status} |")

@@ -1,26 +1,41 @@
-"""The model zoo: spec dataclasses, presets, loaders and torch builders for every family."""
+"""The model zoo: spec dataclasses, presets, loaders and torch builders for every family.
 
-from .custom import CallableSpec, CustomModel, load_callable_model
+Specs, presets and loaders are plain Python; the torch builders are imported on first use (PEP 562),
+so planning from a cached profile never pays for importing torch.
+"""
+
+import importlib
+
+from .custom import CallableSpec, load_callable_model
 from .errors import ModelSpecError
 from .loading import load_model_spec, parse_data_file
 from .param_count import count_parameters
 from .presets import PRESETS
-from .registry import (
-    block_names,
-    build_model,
-    initialize,
-    loss_function,
-    parameter_generator,
-    reference_init,
-    sample_batch,
-    tied_aliases,
+from .specs import (
+    FAMILIES,
+    MLPSpec,
+    ModelSpec,
+    ResNetSpec,
+    TransformerSpec,
+    VGGSpec,
+    spec_from_mapping,
     tokens_per_sample,
-    tp_plan,
-    tp_style,
 )
-from .specs import FAMILIES, MLPSpec, ModelSpec, ResNetSpec, TransformerSpec, VGGSpec, spec_from_mapping
-from .staged import StagedModel
-from .transformer import in_attention_core, unfused_attention
+
+# name -> the submodule (needing torch) that defines it
+_LAZY = {
+    **dict.fromkeys(("block_names", "build_model", "initialize", "loss_function", "parameter_generator",
+                     "reference_init", "sample_batch", "tied_aliases", "tp_plan", "tp_style"), "registry"),
+    "CustomModel": "custom", "StagedModel": "staged",
+    "in_attention_core": "transformer", "unfused_attention": "transformer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CallableSpec", "CustomModel", "FAMILIES", "MLPSpec", "ModelSpec", "ModelSpecError", "PRESETS", "ResNetSpec",

@@ -88,13 +88,6 @@ def loss_function(spec: ModelSpec) -> Callable[[torch.Tensor, torch.Tensor], tor
     return transformer_loss if isinstance(spec, TransformerSpec) else classifier_loss
 
 
-def tokens_per_sample(spec: ModelSpec, seq_length: int | None = None) -> int:
-    """Tokens a sample carries (sequence length for language models, 1 otherwise)."""
-    if isinstance(spec, TransformerSpec):
-        return seq_length or spec.seq_length
-    return 1
-
-
 def reference_init(module: nn.Module, param_name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
     """The full (unsharded) initial value of parameter ``param_name`` of ``module``, on CPU, fp32.
 

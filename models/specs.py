@@ -220,3 +220,10 @@ def spec_from_mapping(data: Any, source: str) -> ModelSpec:
     spec = cls(**values)
     spec.validate(source)
     return spec
+
+
+def tokens_per_sample(spec: ModelSpec, seq_length: int | None = None) -> int:
+    """Tokens a sample carries (sequence length for language models, 1 otherwise)."""
+    if isinstance(spec, TransformerSpec):
+        return seq_length or spec.seq_length
+    return 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from paraplan.hardware_specs import FRAMEWORK_EVENTS
 from paraplan.profiler.tp_view import region_collectives
 
 from . import comm
@@ -59,6 +60,8 @@ class BlockCost:
 class _BlockTable:
     sums: list[list[float]]  # per cost field, prefix sums over blocks
     working: list[float]
+    costs: list[BlockCost]  # each block's own
+    weights: tuple[float, ...]  # each block's time (compute, recompute, TP communication): balances stages
 
 
 @dataclass
@@ -152,6 +155,8 @@ class CostModel:
         self.work = work
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
+        fw = work.cluster.gpu.efficiency
+        self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
 
     # ---- per block ----
     def block_cost(self, i: int, lay: Layout, place: Placement, recompute: str) -> BlockCost:
@@ -161,7 +166,7 @@ class CostModel:
         n = len(prof.layers)
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
-               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, lay.dp > 1, lay.zero >= 2)
+               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay))
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -197,12 +202,12 @@ class CostModel:
             tp_bwd += tp_fwd  # the recomputed forward's collectives
         # Host-side framework costs of this block per micro-batch (measured per event by calibrate; zero on
         # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).
-        fw = gpu.efficiency
+        fw = self._framework
         host = 0.0
-        if t > 1:
-            host += work.tp_module_calls(i, sp) * fw.framework("tp_module") * (1.5 if mode == "full" else 1.0)
-        if lay.dp > 1 and lay.zero >= 2 and layer.kind == "transformer_layer":
-            host += fw.framework("fsdp_unit")
+        if t > 1 and fw["tp_module"] > 0:
+            host += work.tp_module_calls(i, sp) * fw["tp_module"] * (1.5 if mode == "full" else 1.0)
+        if self._fsdp_units(lay) and layer.kind == "transformer_layer":
+            host += fw["fsdp_unit"]
         tp_fwd += host / 2
         tp_bwd += host / 2
         cost = BlockCost(
@@ -213,16 +218,20 @@ class CostModel:
         self._blocks[key] = cost
         return cost
 
+    def _fsdp_units(self, lay: Layout) -> bool:
+        """Does each transformer layer pay an FSDP unit's host cost (ZeRO-2/3 shard layer by layer)?"""
+        return lay.dp > 1 and lay.zero >= 2 and self._framework["fsdp_unit"] > 0
+
     def stage_host_overhead(self, lay: Layout) -> float:
         """Host-side framework seconds a stage pays per micro-batch beyond its blocks: the micro-batch's own
         handling, one forward and one backward action of the pipeline schedule, and the data-parallel
         wrapper's root unit (FSDP2 for ZeRO-2/3; FSDP2's replicate when ZeRO-0/1 runs with a pipeline or
         tensor parallelism)."""
-        fw = self.work.cluster.gpu.efficiency
+        fw = self._framework
         # pp = 1: the trainer's own gradient-accumulation loop handles each micro-batch; pp > 1: the schedule
-        t = 2 * fw.framework("pp_action") if lay.pp > 1 else fw.framework("micro_batch")
+        t = 2 * fw["pp_action"] if lay.pp > 1 else fw["micro_batch"]
         if lay.dp > 1 and (lay.zero >= 2 or lay.pp > 1 or lay.tp > 1) and lay.head_parallel == 1:
-            t += fw.framework("fsdp_unit")
+            t += fw["fsdp_unit"]
         return t
 
     def _sharded_head_cost(self, layer, lay: Layout, place: Placement) -> BlockCost:
@@ -259,7 +268,7 @@ class CostModel:
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
-               lay.head_parallel, lay.dp > 1, lay.zero >= 2)
+               lay.head_parallel, self._fsdp_units(lay))
         table = self._tables.get(key)
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
@@ -273,7 +282,8 @@ class CostModel:
                     acc += getattr(c, f)
                     col.append(acc)
                 sums.append(col)
-            table = _BlockTable(sums=sums, working=[c.act_working for c in costs])
+            weights = tuple(sum(col[i + 1] - col[i] for col in sums[:6]) + 1e-12 for i in range(n))
+            table = _BlockTable(sums=sums, working=[c.act_working for c in costs], costs=costs, weights=weights)
             self._tables[key] = table
         return table
 
@@ -285,17 +295,19 @@ class CostModel:
         n_blocks = len(prof.layers)
         out = []
         tied = prof.layers[-1].tied_params
+        fixed = self.stage_host_overhead(lay)
+        tables = []
         for s, blocks in enumerate(stages):
             mode = stage_recompute[s] if stage_recompute else lay.recompute
             st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
             table = self._table(lay, place, mode)
+            tables.append(table)
             lo, hi = blocks[0], blocks[-1] + 1
             (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes,
              st.params, st.recompute_flops) = (col[hi] - col[lo] for col in table.sums)
             st.act_working = max(table.working[lo:hi])
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
-                st.params -= tied * (self.block_cost(n_blocks - 1, lay, place, mode).params / prof.layers[-1].params)
-            fixed = self.stage_host_overhead(lay)
+                st.params -= tied * (table.costs[-1].params / prof.layers[-1].params)
             st.tp_fwd += fixed / 2
             st.tp_bwd += fixed / 2
             out.append(st)
@@ -304,7 +316,7 @@ class CostModel:
             a, b = out[s], out[s + 1]
             if a.rank == b.rank:
                 continue
-            boundary = self.block_cost(a.blocks[-1], lay, place, a.recompute).output_bytes
+            boundary = tables[s].costs[a.blocks[-1]].output_bytes
             cross = place.pp_cross_node if (b.rank - a.rank) % lay.pp in (1, lay.pp - 1) else True
             t = comm.p2p(boundary, cross, self.work.cluster, place.gpus_per_node_busy)
             a.p2p_fwd += t
@@ -421,8 +433,8 @@ class CostModel:
             acts += max(costs[s].act_working for s in ranks[r])
             other = framework_allowance(gpu)
             if lay.zero == 3:  # two blocks' gathered weights live at once (FSDP's prefetch)
-                biggest = max(self.block_cost(i, lay, place, costs[s].recompute).params for s in ranks[r]
-                              for i in costs[s].blocks)
+                biggest = max(max(self._table(lay, place, costs[s].recompute).costs[i].params for i in costs[s].blocks)
+                              for s in ranks[r])
                 other += 2 * biggest * (4 if lay.dtype == "fp32" else 2)
             other += FRAGMENTATION * (w + g + o + acts)
             breakdowns.append({"params": w / GiB, "grads": g / GiB, "optimizer": o / GiB, "activations": acts / GiB,
@@ -519,8 +531,7 @@ def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     if lay.num_stages > n:
         raise InvalidLayout(f"pp x virtual stages = {lay.num_stages} exceeds the model's {n} blocks",
                             "more stages than blocks")
-    sums = model._table(lay, place, lay.recompute).sums
-    weights = tuple(sum(col[i + 1] - col[i] for col in sums[:6]) + 1e-12 for i in range(n))
+    weights = model._table(lay, place, lay.recompute).weights
     return [list(s) for s in _balanced_cached(weights, lay.num_stages)]
 
 

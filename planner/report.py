@@ -201,8 +201,8 @@ def _charts(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> dict
     files["memory"] = os.path.join(out, "memory.png")
     charts.memory_vs_capacity(preds, labels, files["memory"], f"Memory per GPU — {title}")
     best = result.ranked[0]
-    sim = CostModel(result.work).evaluate(best.layout, best.stages, best.stage_recompute, simulate=True,
-                                          keep_timeline=True)
+    model = result.model or CostModel(result.work)
+    sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
     if sim.sim is not None:
         files["timeline"] = os.path.join(out, "timeline.png")
         charts.gantt(sim, files["timeline"])

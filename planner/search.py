@@ -73,6 +73,7 @@ class SearchResult:
     ilp_solves: int
     dtype: str
     notes: list[str] = field(default_factory=list)
+    model: CostModel | None = None  # its per-block caches serve later searches of the same workload
 
     @property
     def best(self) -> Candidate | None:
@@ -201,12 +202,14 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
 
 def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
            progress: Callable[[int, int], None] | None = None, layouts: list[Layout] | None = None,
-           allowed_modes: tuple[str, ...] | None = None, refine_slack: float | None = 0.05) -> SearchResult:
+           allowed_modes: tuple[str, ...] | None = None, refine_slack: float | None = 0.05,
+           model: CostModel | None = None) -> SearchResult:
     """Find the ``top_k`` fastest layouts of ``work`` on ``gpus`` GPUs that fit, with every candidate's status.
 
     Pruning: a layout is dropped without an ILP when its lower bound cannot beat the k-th best time
     found (proven), or — unless ``refine_slack`` is None (exhaustive) — when even its balanced split,
-    priced exactly, is more than ``refine_slack`` slower than that k-th best.
+    priced exactly, is more than ``refine_slack`` slower than that k-th best. ``model``: a cost model of
+    ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs are reused.
     """
     from .costmodel import validate_layout
 
@@ -221,7 +224,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         work.cluster.gpu.peak_flops(dtype)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    model = CostModel(work)
+    if model is None or model.work is not work:
+        model = CostModel(work)
     modes = modes_for(model, allowed_modes)
     layouts = layouts if layouts is not None else enumerate_layouts(work, gpus, dtype)
     candidates: list[Candidate] = []
@@ -314,7 +318,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
             cand.reason = f"{top_k} ({final:.4g} s)" if final else ""
     ranked = sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.time_s)
     return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
-                        search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype)
+                        search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model)
 
 
 def _summary_mode(modes: list[str]) -> str:

@@ -9,7 +9,9 @@ ignored, never an error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -28,6 +30,18 @@ def _folder() -> Path | None:
     return Path(where) if where else Path.home() / ".cache" / "paraplan" / "profiles"
 
 
+@functools.cache
+def _torch_version() -> str:
+    """torch's version from its installed metadata: importing torch to read it would cost a second."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return torch.__version__
+
+
+@functools.cache
 def _source_digest() -> str:
     h = hashlib.sha256()
     for f in sorted(Path(__file__).parent.glob("*.py")):
@@ -40,11 +54,9 @@ def _source_digest() -> str:
 
 def cache_key(spec: dict[str, Any], micro_batch: int, seq_length: int | None, dtype: str,
               tp_degrees: list[int]) -> str:
-    import torch
-
     from paraplan import __version__
 
-    payload = json.dumps([_FORMAT, spec, micro_batch, seq_length, dtype, tp_degrees, torch.__version__, __version__,
+    payload = json.dumps([_FORMAT, spec, micro_batch, seq_length, dtype, tp_degrees, _torch_version(), __version__,
                           _source_digest()], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 

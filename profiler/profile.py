@@ -22,10 +22,8 @@ from paraplan.models import (
     CallableSpec,
     ModelSpec,
     ModelSpecError,
-    TransformerSpec,
     build_model,
     load_callable_model,
-    load_model_spec,
     loss_function,
     parameter_generator,
     reference_init,
@@ -34,7 +32,7 @@ from paraplan.models import (
     tp_style,
 )
 
-from . import cache
+from .api import default_dtype
 from .errors import ProfileError
 from .records import LayerProfile, ModelProfile
 from .timing import time_block
@@ -45,10 +43,6 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 MAX_MICRO_BATCH = 1 << 16
 PARAM_SHARDED = {"colwise": ("weight", "bias"), "rowwise": ("weight",), "vocab_embedding": ("weight",),
                  "vocab_head": ("weight", "bias"), "class_sharded": ("weight", "bias")}
-
-
-def default_dtype(device: str) -> str:
-    return "fp32" if device == "cpu" else "bf16"
 
 
 def _device_name(device: str) -> str:
@@ -199,43 +193,6 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
     return layer, trace
 
 
-def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int = 1, seq_length: int | None = None,
-                  dtype: str | None = None, tp_degrees: list[int] | None = None, warmup: int = 2,
-                  repeats: int = 5) -> ModelProfile:
-    """Profile ``model`` at ``micro_batch`` samples (and ``seq_length`` tokens each, for language models).
-
-    A transformer's layers are identical, so a two-layer copy of the model is traced (and timed) and
-    its second layer's record stands for every layer: a 126-layer model costs what a 2-layer one does.
-    """
-    spec = load_model_spec(model) if isinstance(model, str) else model
-    key = None
-    if device == "meta" and not isinstance(spec, CallableSpec):
-        key = cache.cache_key(spec.to_dict(), micro_batch, seq_length, dtype or default_dtype(device),
-                              sorted(set(tp_degrees or [])))
-        hit = cache.load(key)
-        if hit is not None:
-            return hit
-    if isinstance(spec, TransformerSpec) and spec.num_layers > 2:
-        short = profile_model(spec.replace(num_layers=2), device, micro_batch, seq_length, dtype, tp_degrees,
-                              warmup, repeats)
-        embed, _, layer, head = short.layers
-        layers = [embed]
-        for i in range(spec.num_layers):
-            copy_ = copy.deepcopy(layer)
-            copy_.name = f"layers.{i}"
-            layers.append(copy_)
-        layers.append(head)
-        short.layers = layers
-        short.num_parameters += (spec.num_layers - 2) * layer.params
-        short.model, short.spec = spec.name, spec.replace(seq_length=short.seq_length).to_dict()
-        result = short
-    else:
-        result = _profile_model(spec, device, micro_batch, seq_length, dtype, tp_degrees, warmup, repeats)
-    if key is not None:
-        cache.store(key, result)
-    return result
-
-
 def _profile_model(spec: ModelSpec, device: str, micro_batch: int, seq_length: int | None, dtype: str | None,
                    tp_degrees: list[int] | None, warmup: int, repeats: int) -> ModelProfile:
     if micro_batch <= 0 or micro_batch > MAX_MICRO_BATCH:
@@ -331,16 +288,3 @@ def _time_layers(work: _Workload, layers: list[LayerProfile], captured: dict[str
         layer.fwd_ms, layer.bwd_ms, layer.peak_memory_bytes = result
         timed.setdefault(layer.signature, result)
         del block
-
-
-def profile_for_planning(spec: ModelSpec, dtype: str) -> ModelProfile:
-    """The meta profile at one sample per micro-batch, with each pass's memory traffic split into a
-    part that grows with the micro-batch (activations) and a fixed part (weight-sized: gradient
-    accumulation, optimizer-facing copies), found by also profiling two samples: fixed = 2·t(1) - t(2).
-    The cost model scales only the first part by the micro-batch size."""
-    one = profile_model(spec, "meta", micro_batch=1, dtype=dtype)
-    two = profile_model(spec, "meta", micro_batch=2, dtype=dtype)
-    for a, b in zip(one.layers, two.layers, strict=True):
-        for mix_a, mix_b in ((a.fwd_ops, b.fwd_ops), (a.bwd_ops, b.bwd_ops)):
-            mix_a.other_bytes_fixed = max(0, min(mix_a.other_bytes, 2 * mix_a.other_bytes - mix_b.other_bytes))
-    return one

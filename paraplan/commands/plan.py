@@ -85,7 +85,7 @@ def run(args) -> int:
     scaling = []
     if not args.no_charts:
         for g in scaling_counts(gpus, work.cluster.gpus_per_node):
-            r = result if g == gpus else search(work, g, top_k=1, dtype=args.dtype)
+            r = result if g == gpus else search(work, g, top_k=1, dtype=args.dtype, model=result.model)
             scaling.append(ScalingPoint(g, r.best))
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
     if args.json:

@@ -1,0 +1,71 @@
+"""The profiler's entry points, importable without torch.
+
+A meta profile is deterministic, so it is cached on disk (see :mod:`.cache`); on a hit nothing here
+imports torch, which keeps planning from a warm cache fast. On a miss, or on a real device, the
+tracing and timing machinery of :mod:`.profile` is imported and run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from paraplan.models import CallableSpec, ModelSpec, TransformerSpec, load_model_spec
+
+from . import cache
+from .records import ModelProfile
+
+
+def default_dtype(device: str) -> str:
+    return "fp32" if device == "cpu" else "bf16"
+
+
+def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int = 1, seq_length: int | None = None,
+                  dtype: str | None = None, tp_degrees: list[int] | None = None, warmup: int = 2,
+                  repeats: int = 5) -> ModelProfile:
+    """Profile ``model`` at ``micro_batch`` samples (and ``seq_length`` tokens each, for language models).
+
+    A transformer's layers are identical, so a two-layer copy of the model is traced (and timed) and
+    its second layer's record stands for every layer: a 126-layer model costs what a 2-layer one does.
+    """
+    spec = load_model_spec(model) if isinstance(model, str) else model
+    key = None
+    if device == "meta" and not isinstance(spec, CallableSpec):
+        key = cache.cache_key(spec.to_dict(), micro_batch, seq_length, dtype or default_dtype(device),
+                              sorted(set(tp_degrees or [])))
+        hit = cache.load(key)
+        if hit is not None:
+            return hit
+    if isinstance(spec, TransformerSpec) and spec.num_layers > 2:
+        short = profile_model(spec.replace(num_layers=2), device, micro_batch, seq_length, dtype, tp_degrees,
+                              warmup, repeats)
+        embed, _, layer, head = short.layers
+        layers = [embed]
+        for i in range(spec.num_layers):
+            copy_ = copy.deepcopy(layer)
+            copy_.name = f"layers.{i}"
+            layers.append(copy_)
+        layers.append(head)
+        short.layers = layers
+        short.num_parameters += (spec.num_layers - 2) * layer.params
+        short.model, short.spec = spec.name, spec.replace(seq_length=short.seq_length).to_dict()
+        result = short
+    else:
+        from .profile import _profile_model  # torch: only on a miss
+
+        result = _profile_model(spec, device, micro_batch, seq_length, dtype, tp_degrees, warmup, repeats)
+    if key is not None:
+        cache.store(key, result)
+    return result
+
+
+def profile_for_planning(spec: ModelSpec, dtype: str) -> ModelProfile:
+    """The meta profile at one sample per micro-batch, with each pass's memory traffic split into a
+    part that grows with the micro-batch (activations) and a fixed part (weight-sized: gradient
+    accumulation, optimizer-facing copies), found by also profiling two samples: fixed = 2·t(1) - t(2).
+    The cost model scales only the first part by the micro-batch size."""
+    one = profile_model(spec, "meta", micro_batch=1, dtype=dtype)
+    two = profile_model(spec, "meta", micro_batch=2, dtype=dtype)
+    for a, b in zip(one.layers, two.layers, strict=True):
+        for mix_a, mix_b in ((a.fwd_ops, b.fwd_ops), (a.bwd_ops, b.bwd_ops)):
+            mix_a.other_bytes_fixed = max(0, min(mix_a.other_bytes, 2 * mix_a.other_bytes - mix_b.other_bytes))
+    return one
