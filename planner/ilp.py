@@ -99,6 +99,13 @@ class StageILP:
         self.repeated = model._repeated(lay)
 
     # ---- data helpers ----
+    def _inner_chunk_order(self, r: int) -> list[int]:
+        """Rank r's chunks other than the first and last stage (those carry the embedding and the head),
+        fewest micro-batches in flight at the rank's peak first, ties by index."""
+        flights = in_flight(self.schedule, self.p, self.v, self.m)[r]
+        inner = [s for s in self._rank_stages[r] if 0 < s < self.S - 1]
+        return sorted(inner, key=lambda s: (flights.get(s, 0), s))
+
     def boundary(self, s: int, last_block: int) -> float:
         """Point-to-point time of the boundary after stage s whose last block is ``last_block``."""
         a, b = stage_rank(self.schedule, s, self.p), stage_rank(self.schedule, s + 1, self.p)
@@ -108,8 +115,10 @@ class StageILP:
         nbytes = self.cost[(last_block, self.modes[0])].output_bytes
         return comm.p2p(nbytes, cross, self.work.cluster, self.place.gpus_per_node_busy)
 
-    def solve(self, beta: float = 0.0, start: tuple[list[list[int]], list[str]] | None = None
-              ) -> tuple[list[list[int]], list[str], str, float | None]:
+    def solve(self, beta: float = 0.0, start: tuple[list[list[int]], list[str]] | None = None,
+              cutoff_s: float | None = None) -> tuple[list[list[int]], list[str], str, float | None]:
+        """(stages, modes, status, objective in seconds). With ``cutoff_s`` CBC only looks for splits
+        faster than it, and reports "infeasible" when its bound proves there is none."""
         lay, work, S, p, v, m = self.lay, self.work, self.S, self.p, self.v, self.m
         prob = pulp.LpProblem(f"stages_{lay.short().replace(' ', '_')}", pulp.LpMinimize)
         # One recomputation mode per pipeline rank (all its chunks): memory is a rank's budget, and stages
@@ -207,6 +216,14 @@ class StageILP:
                 ends = 1 if assign[0] == "counts" and s in (0, S - 1) else 0  # embedding/head ride along
                 prob += sizes[s] >= low - ends, f"chunk_balance_low_{s}"
                 prob += sizes[s] <= low + 1, f"chunk_balance_high_{s}"
+            if assign[0] == "counts":
+                # Symmetry: swapping the layer counts of two inner chunks of one rank changes nothing but
+                # that rank's activation memory, which is least with the bigger chunk where fewer
+                # micro-batches are in flight. Fixing that order (ties by index) removes the equivalent
+                # solutions CBC would otherwise branch over.
+                for r in range(p):
+                    for a, b in _pairs_by_flight(self._inner_chunk_order(r)):
+                        prob += sizes[a] >= sizes[b], f"chunk_order_rank_{r}_{a}_{b}"
         # Point-to-point: stage s pays its send forward, stage s+1 the gradient back; every stage its
         # schedule actions and data-parallel root unit (the cost model's stage_host_overhead).
         for s in range(S - 1):
@@ -314,8 +331,9 @@ class StageILP:
         prob += (z + o) * scale
         if start is not None:
             self._warm_start(assign, yr, start)
+        options = [f"cutoff {cutoff_s * scale:.12g}"] if cutoff_s is not None else []
         prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=start is not None,
-                                     gapRel=1e-9, gapAbs=0.0))
+                                     gapRel=1e-9, gapAbs=0.0, options=options))
         if prob.sol_status == pulp.LpSolutionOptimal:
             status_name = "optimal"
         elif prob.sol_status == pulp.LpSolutionIntegerFeasible:
@@ -371,6 +389,10 @@ class StageILP:
         return stages, modes
 
 
+def _pairs_by_flight(order: list[int]):
+    return zip(order, order[1:], strict=False)
+
+
 def chunks_balanced(stages: list[list[int]], n_blocks: int, ends_ride_along: bool) -> bool:
     """The planner's rule for v > 1 (the ILP's chunk-balance rows): every chunk holds within one block
     of the others. With ``ends_ride_along`` (a transformer) only layers count, and the end chunks may
@@ -407,10 +429,13 @@ def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, .
 
 
 def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...] | None = None,
-                   local_search: bool = True, start: Prediction | None = None) -> Partition:
+                   local_search: bool = True, start: Prediction | None = None,
+                   cutoff_s: float | None = None) -> Partition | None:
     """The ILP's stage boundaries and per-stage recomputation for ``lay``, priced exactly and polished.
 
-    Raises InvalidLayout("out of memory by X GiB") when no split fits.
+    ``cutoff_s``: only a split faster than this is of interest (the search's k-th best time, with a
+    margin for what the exact model and the polish may gain over the ILP's linear pieces); returns
+    None when CBC proves there is none. Raises InvalidLayout("out of memory by X GiB") when no split fits.
     """
     modes = modes_for(model, allowed_modes)
     if lay.num_stages == 1:  # one stage: no boundary to choose, only the recomputation mode
@@ -425,9 +450,11 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
     if needs_beta and warm is not None:  # start from the bubble of the split CBC starts from
         beta = _bubble_beta(model, lay, model.evaluate(lay, warm[0], warm[1]))
     for _ in range(3 if needs_beta else 1):
-        stages, st_modes, status, obj = ilp.solve(beta, warm)
+        stages, st_modes, status, obj = ilp.solve(beta, warm, cutoff_s)
         last_status, last_obj = status, obj
         if not stages:
+            if cutoff_s is not None and best is None:
+                return None  # nothing beats the cutoff, or nothing found in time: either way, not a top plan
             break
         pred = model.evaluate(lay, stages, st_modes)
         if best is None or pred.iteration_time_s < best.prediction.iteration_time_s:
@@ -466,8 +493,17 @@ def _warm_split(model: CostModel, lay: Layout, ilp: StageILP, modes: tuple[str, 
     (what the chunk-balance rows accept) in the first mode that fits, else the given balanced split."""
     if ilp.repeated:
         layers, S = ilp.n - 2, ilp.S
+        if lay.virtual_stages > 1:
+            # the extra layers go to each rank's inner chunks in the ILP's symmetry order, ranks taking
+            # turns (so the start satisfies the chunk-order rows), then to the end chunks
+            orders = [ilp._inner_chunk_order(r) for r in range(lay.pp)]
+            turns = [orders[r][k] for k in range(max(map(len, orders), default=0)) for r in range(lay.pp)
+                     if k < len(orders[r])]
+            plus = set((turns + [0, S - 1])[:layers % S])
+        else:
+            plus = set(range(layers % S))
         for u in modes:
-            sizes = [layers // S + (1 if s < layers % S else 0) for s in range(S)]
+            sizes = [layers // S + (1 if s in plus else 0) for s in range(S)]
             if min(sizes[1:-1] or [1]) < 1:
                 break
             stages, nxt = [], 1

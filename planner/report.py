@@ -158,7 +158,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint], tr
            f"{len(result.candidates):,} candidate layouts in {result.search_time_s:.2f} s "
            f"({result.ilp_solves} stage-split ILPs solved with PuLP/CBC):", ""]
     labels = {"ok": "priced exactly with their ILP stage split", "priced": "priced at a balanced split only "
-              "(over 5% behind the top plans)", "pruned": "pruned by a lower bound that cannot beat the top plans",
+              "(over 5% behind the top plans, or the ILP's bound showed no split beats them)",
+              "pruned": "pruned by a lower bound that cannot beat the top plans",
               "dominated": "dominated by an equally fast, leaner variant", "oom": "rejected: out of memory",
               "invalid": "rejected: invalid for this model or cluster"}
     for k in ("ok", "priced", "pruned", "dominated", "oom", "invalid"):

@@ -32,6 +32,8 @@ from .schedules import in_flight
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+# The ILP's cutoff sits this far above the k-th best time (heuristic mode only; see search()).
+CUTOFF_MARGIN = 0.02
 
 
 @dataclass
@@ -56,6 +58,8 @@ class Candidate:
             return self.reason
         if self.status == "pruned":
             return f"ok (not solved: its lower bound {self.lower_bound_s:.4g} s cannot beat the top {self.reason})"
+        if self.status == "priced" and self.reason == "bound":
+            return "ok (balanced split only: the ILP's bound shows no split of it beats the top plans)"
         if self.status == "priced":
             return "ok (balanced split only: more than 5% slower than the top plans)"
         if self.status == "dominated":
@@ -129,9 +133,11 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
     return out
 
 
-def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple[float, dict[str, float]]:
+def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_recomputation: bool = True
+                ) -> tuple[float, dict[str, float]]:
     """The time no stage split of ``lay`` can beat, and per recomputation mode the memory (bytes) its
-    most loaded rank needs at least (see the module docstring).
+    most loaded rank needs at least (see the module docstring). ``forced_recomputation``: charge the
+    recomputation memory forces (see recomputation_bound; tighter, and dearer to compute).
 
     Memory: the most loaded rank holds at least the average of all ranks: model states over pp ranks,
     plus activations with the least-memory recomputation, each stage holding at least as many
@@ -141,11 +147,26 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple[
     place = placement(work.cluster, lay.dp, lay.tp, lay.pp)
     tables = {u: model._table(lay, place, u) for u in modes}
     base = model._table(lay, place, "none").sums  # fwd, bwd_in, bwd_w, recompute, tp_fwd, tp_bwd, acts, params
-    total = base[0][-1] + base[1][-1] + base[2][-1] + base[4][-1] + base[5][-1]
     params = base[7][-1]
+    head = work.profile(lay.dtype).layers[-1]
+    if head.tied_params:  # a tied embedding/head weight: one copy where both ends share a rank (the least)
+        params -= head.tied_params * model._table(lay, place, "none").costs[-1].params / head.params
     acts = {u: t.sums[6][-1] for u, t in tables.items()}
     working = {u: max(t.working) for u, t in tables.items()}
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    gpu = work.cluster.gpu
+    states = sum(model_state_bytes(params, lay.dtype, lay.zero, lay.dp, lay.dp_mode == "ps"))
+    schedule = lay.schedule if p > 1 else "1f1b"
+    least = [min(d.values()) if d else 1 for d in in_flight(schedule, p, v, m)]
+    allowance = framework_allowance(gpu)
+    # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
+    times = {u: sum(t.sums[k][-1] for k in (0, 1, 2, 3, 4, 5)) for u, t in tables.items()}
+    total = base[0][-1] + base[1][-1] + base[2][-1] + base[4][-1] + base[5][-1]
+    room = gpu.memory_bytes - allowance
+    cheapest = min(times, key=times.get)
+    if forced_recomputation and len(modes) > 1 and \
+            1.0 / sum(1.0 / (states + f * acts[cheapest]) for f in least) > room:
+        total = max(total, recomputation_bound(times, acts, states, least, room))
     per_rank = total / p
     if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
         pipe = (m - 1) * per_rank + total
@@ -153,18 +174,41 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple[
         pipe = m * per_rank + (p - 1) / v * per_rank
     else:
         pipe = m * per_rank
-    gpu = work.cluster.gpu
     opt_params = 0.0 if lay.dp_mode == "ps" else (params / p / lay.dp if lay.zero >= 1 else params / p)
     opt = opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
     # phi_r·(states + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states + f_r·acts).
-    states = sum(model_state_bytes(params, lay.dtype, lay.zero, lay.dp, lay.dp_mode == "ps"))
-    schedule = lay.schedule if p > 1 else "1f1b"
-    least = [min(d.values()) if d else 1 for d in in_flight(schedule, p, v, m)]
-    allowance = framework_allowance(gpu)
     memory = {u: 1.0 / sum(1.0 / (states + f * acts[u]) for f in least) + working[u] + allowance for u in modes}
     return pipe + opt, memory
+
+
+def recomputation_bound(times: dict[str, float], acts: dict[str, float], states: float, least: list[int],
+                        room: float) -> float:
+    """A lower bound on the ranks' summed time per micro-batch when memory forces recomputation.
+
+    The relaxation of the memory bound above, with modes: rank r holds fractions phi[r,u] of the model's
+    blocks in mode u (whole-model time T_u, activations a_u), within its memory,
+    sum_u phi[r,u]·(states + f_r·a_u) <= room, and sum phi = 1. Minimising sum phi[r,u]·T_u is a linear
+    program; any point of its dual bounds it from below:
+    D(mu) = mu - room·sum_r max_u (mu - T_u)^+ / (states + f_r·a_u), for every mu.
+    D is concave and piecewise linear, so its maximum lies on a breakpoint: some T_u, or where two
+    modes' pieces of one rank cross. Evaluated at all of them at once (numpy).
+    """
+    import numpy as np
+
+    t = np.array(list(times.values()))  # (U,)
+    a = np.array([acts[u] for u in times])  # (U,)
+    den = states + np.outer(np.array(least, dtype=float), a)  # (P, U): rank r's bytes per model in mode u
+    # crossings of mode pieces within a rank: (mu - t_i)/d_i = (mu - t_j)/d_j
+    i, j = np.triu_indices(len(t), 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cross = (t[j] * den[:, i] - t[i] * den[:, j]) / (den[:, i] - den[:, j])  # (P, pairs)
+    mu = np.concatenate([t, cross[np.isfinite(cross)]])
+    mu = mu[mu >= t.min()]  # (M,)
+    pieces = np.maximum(mu[:, None, None] - t[None, None, :], 0.0) / den[None, :, :]  # (M, P, U)
+    dual = mu - room * pieces.max(axis=2).sum(axis=1)  # (M,)
+    return float(dual.max())
 
 
 def _dominated_by(lay: Layout, valid: set[tuple]) -> str | None:
@@ -208,7 +252,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
 
     Pruning: a layout is dropped without an ILP when its lower bound cannot beat the k-th best time
     found (proven), or — unless ``refine_slack`` is None (exhaustive) — when even its balanced split,
-    priced exactly, is more than ``refine_slack`` slower than that k-th best. ``model``: a cost model of
+    priced exactly, is more than ``refine_slack`` slower than that k-th best, or when the ILP, given that
+    time (plus ``CUTOFF_MARGIN``) as a cutoff, proves no split beats it. ``model``: a cost model of
     ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs are reused.
     """
     from .costmodel import validate_layout
@@ -249,7 +294,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         if better:
             cand.status, cand.reason = "dominated", better
             continue
-        cand.lower_bound_s, mem_by_mode = lower_bound(model, cand.layout, modes)
+        cand.lower_bound_s, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False)
         cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
         lb_mem = min(mem_by_mode.values())
         if lb_mem > capacity:
@@ -265,6 +310,10 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     for idx, cand in enumerate(alive):
         if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
             break
+        if len(kth) >= top_k:  # the tighter bound, computed only for layouts the quick one let through
+            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes)[0])
+            if cand.lower_bound_s >= -kth[0]:
+                continue
         pred = quick_price(model, cand.layout, modes, cand.no_fit)
         if pred is None:
             quick.append((float("inf"), idx))
@@ -298,13 +347,21 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 batch.append(cand)
             if progress is not None:
                 progress(done, len(quick))
-            futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction) for c in batch]
+            # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
+            # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
+            cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
+                else None
+            futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
+                                   cutoff_s=cutoff) for c in batch]
             for cand, fut in zip(batch, futures, strict=True):
                 solves += 1
                 try:
                     part = fut.result()
                 except InvalidLayout as e:
                     cand.status, cand.reason, cand.prediction = "oom", str(e), None
+                    continue
+                if part is None:
+                    cand.status, cand.reason = "priced", "bound"
                     continue
                 cand.status, cand.prediction = "ok", part.prediction
                 cand.stages, cand.stage_recompute = part.stages, part.recompute

@@ -14,7 +14,7 @@ from paraplan.planner.ilp import best_partition, chunks_balanced, modes_for
 from paraplan.planner.layout import Layout
 from paraplan.planner.placement import placement
 from paraplan.planner.schedules import stage_rank
-from paraplan.planner.search import enumerate_layouts, search
+from paraplan.planner.search import enumerate_layouts, lower_bound, search
 from paraplan.planner.workload import Workload
 
 SMALL_GPT = dict(name="gpt-small", family="gpt", num_layers=6, hidden_size=1024, num_attention_heads=16,
@@ -231,3 +231,27 @@ def test_sharded_classifier_trades_gradient_sync_for_feature_gathers():
     assert hybrid.time_s["tp_comm"] > 0 == plain.time_s["tp_comm"]
     assert hybrid.memory_gib["optimizer"] < plain.memory_gib["optimizer"] / 4
     assert hybrid.iteration_time_s < plain.iteration_time_s
+
+
+def test_lower_bound_never_exceeds_the_best_split(small):
+    """The search prunes by lower bounds, so each must hold: on an instance where memory forces
+    recomputation (the bound then charges the least recomputation any mix of modes per rank needs),
+    no layout's bound exceeds the best time of all its splits and per-rank modes."""
+    model = CostModel(small)
+    modes = modes_for(model)
+    checked = forced = 0
+    for lay in enumerate_layouts(small, 8, "bf16"):
+        if lay.micro_batch > 2:
+            continue
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        best = brute_force(model, lay)
+        if best == float("inf"):
+            continue
+        bound, _ = lower_bound(model, lay, modes)
+        assert bound <= best * (1 + 1e-9), lay.short()
+        checked += 1
+        forced += bound > lower_bound(model, lay, ("none",))[0] * (1 + 1e-6)
+    assert checked > 50 and forced > 5
