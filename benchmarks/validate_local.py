@@ -41,7 +41,7 @@ def main() -> None:
         shutil.rmtree(OUT)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(paraplan("validate", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2",
-                                 "--global-batch", "8", "--steps", "8", "--top", "3", "--out", str(OUT), "--json"))
+                                 "--global-batch", "8", "--steps", "16", "--top", "3", "--out", str(OUT), "--json"))
     from paraplan.hardware_specs import measurements_dir
 
     calibrated = measurements_dir() / "local.yaml"

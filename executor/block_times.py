@@ -28,7 +28,7 @@ def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype:
     spec = spec_from_mapping(spec_dict, "measured model")
     paths = []
     for mb in micro_batches:
-        prof = profile_model(spec, device, micro_batch=mb, dtype=dtype, warmup=2, repeats=7)
+        prof = profile_model(spec, device, micro_batch=mb, dtype=dtype, warmup=3, repeats=15)
         if rank == 0:
             from pathlib import Path
 
