@@ -2,14 +2,17 @@
 and the whole `paraplan plan` command with its report and charts.
 
 `search_time_s` is the search itself (enumeration, bounds, ILPs); `wall` is the command as a user runs
-it, process start, profiling, the scaling re-plans and the charts included.
-Run: .venv/bin/python benchmarks/bench_plan.py
+it, process start, profiling, the scaling re-plans and the charts included. The first run of a case
+fills the profile cache (a fresh one: cold start); the repeats show the spread on this noisy machine.
+Run: .venv/bin/python benchmarks/bench_plan.py [--repeats N]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,21 +28,33 @@ CASES = {
 }
 
 
+def _run(args: list[str], env: dict) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "paraplan", "plan", *args, "--json"], capture_output=True, text=True,
+                       check=True, env=env)
+    return time.perf_counter() - t0, json.loads(p.stdout)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each case with report and charts")
+    repeats = ap.parse_args().repeats
     env = {**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}
     for name, args in CASES.items():
-        out = tempfile.mkdtemp(prefix="paraplan-report-")
-        for label, extra in (("search only", ["--no-charts"]), ("report + charts", [])):
-            t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, "-m", "paraplan", "plan", *args, "--out", out, "--json", *extra],
-                               capture_output=True, text=True, check=True, env=env)
-            wall = time.perf_counter() - t0
-            r = json.loads(p.stdout)
-            print(f"{name} [{label}]: search {r['search_time_s']:.2f} s, wall {wall:.2f} s; "
-                  f"{r['num_candidates']:,} candidates, {r['ilp_solves']} ILPs; best "
-                  f"dp{r['best']['plan']['dp']} tp{r['best']['plan']['tp']} pp{r['best']['plan']['pp']} "
-                  f"{r['best']['plan']['schedule']} -> {r['best']['tokens_per_s']:,.0f} tokens/s, "
-                  f"MFU {100 * r['best']['mfu']:.1f}%")
+        out = ["--out", tempfile.mkdtemp(prefix="paraplan-report-")]
+        cold, r = _run([*args, *out, "--no-charts"], env)
+        print(f"{name}\n  search only, cold profile cache: search {r['search_time_s']:.2f} s, wall {cold:.2f} s; "
+              f"{r['num_candidates']:,} candidates, {r['ilp_solves']} ILPs")
+        walls, searches = [], []
+        for _ in range(repeats):
+            wall, r = _run([*args, *out], env)
+            walls.append(wall)
+            searches.append(r["search_time_s"])
+        b = r["best"]["plan"]
+        print(f"  report + charts, {repeats} runs: search median {statistics.median(searches):.2f} s; wall median "
+              f"{statistics.median(walls):.2f} s (min {min(walls):.2f}, max {max(walls):.2f}); best "
+              f"dp{b['dp']} tp{b['tp']} pp{b['pp']} {b['schedule']} -> {r['best']['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {100 * r['best']['mfu']:.1f}%")
 
 
 if __name__ == "__main__":

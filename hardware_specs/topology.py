@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from .specs import ClusterSpec, LinkSpec
 
+if TYPE_CHECKING:  # networkx is imported where a graph is built: planning never needs one
+    import networkx as nx
+
 
 def build_topology(cluster: ClusterSpec) -> nx.Graph:
+    import networkx as nx
+
     g = nx.Graph(name=cluster.name)
     g.add_node("network", kind="switch")
     nic_bw = cluster.inter_node.bandwidth_GBps / cluster.nics_per_node
@@ -58,6 +62,8 @@ def group_span(cluster: ClusterSpec, ranks: list[int]) -> GroupSpan:
 
 def path_link(graph: nx.Graph, a: int, b: int) -> LinkSpec:
     """The route between ranks a and b as one link: its slowest hop's bandwidth, summed latency."""
+    import networkx as nx
+
     path = nx.shortest_path(graph, f"gpu{a}", f"gpu{b}")
     edges = [graph.edges[u, v] for u, v in zip(path, path[1:], strict=False)]
     slowest = min(edges, key=lambda e: e["bandwidth_GBps"])

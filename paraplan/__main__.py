@@ -1,3 +1,3 @@
-from paraplan.cli import main
+from paraplan.cli import console
 
-raise SystemExit(main())
+console()

@@ -8,7 +8,9 @@ exit code 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import os
 import sys
 
 from paraplan import __version__
@@ -226,3 +228,28 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"paraplan {args.command}: internal error: {type(e).__name__}: {e} "
                          "(run again with --debug for the traceback, and report it)\n")
         return 1
+
+
+# Commands that only compute, write their files and exit (no torch.distributed, no processes left behind).
+PLANNING_COMMANDS = ("plan", "simulate", "compare")
+
+
+def console() -> None:
+    """The ``paraplan`` console script: :func:`main`, with two shortcuts for the planning commands.
+    Their objects (thousands of candidates, cached per-block costs) hold no reference cycles worth
+    collecting, so the cyclic garbage collector is off, and the interpreter's teardown, which would free
+    them one by one, is skipped once the output is flushed (``paraplan plan`` on llama2-70b/64 GPUs:
+    about 0.4 s of 2.4 s; benchmarks/bench_plan.py)."""
+    argv = sys.argv[1:]
+    planning = bool(argv) and argv[0] in PLANNING_COMMANDS
+    if planning:
+        gc.disable()
+    code = main(argv)
+    if planning:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError:
+            pass
+        os._exit(code)
+    raise SystemExit(code)

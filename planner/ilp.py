@@ -332,6 +332,11 @@ class StageILP:
         if start is not None:
             self._warm_start(assign, yr, start)
         options = [f"cutoff {cutoff_s * scale:.12g}"] if cutoff_s is not None else []
+        if assign[0] == "counts":
+            # A handful of integers with tight LP bounds: CBC's cut rounds and primal heuristics cost more
+            # than the few nodes they save (llama2-70b on 64 GPUs: the search's ILPs ~30% less CPU, same plans;
+            # benchmarks/bench_plan.py)
+            options += ["cuts off", "heuristics off"]
         prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=start is not None,
                                      gapRel=1e-9, gapAbs=0.0, options=options))
         if prob.sol_status == pulp.LpSolutionOptimal:

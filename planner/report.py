@@ -9,19 +9,14 @@ from __future__ import annotations
 import csv
 import os
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from .api import plan_for
 from .costmodel import CostModel, Prediction
+from .scaling import ScalingPoint
 from .search import Candidate, SearchResult
 
 GiB = 2**30
-
-
-@dataclass
-class ScalingPoint:
-    gpus: int
-    best: Candidate | None
 
 
 def plan_object(result: SearchResult, cand: Candidate) -> dict:
@@ -101,9 +96,10 @@ def _money(result: SearchResult, pred: Prediction, train_tokens: float | None) -
     return rows
 
 
-def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint], train_tokens: float | None = None,
-                 charts: bool = True) -> dict[str, str]:
-    """Write the whole report folder; returns {what: path}."""
+def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | Callable[[], list[ScalingPoint]],
+                 train_tokens: float | None = None, charts: bool = True) -> dict[str, str]:
+    """Write the whole report folder; returns {what: path}. ``scaling`` may be a call that waits for the
+    points (see scaling.start_scaling): it is made only once the other charts are drawn."""
     os.makedirs(out, exist_ok=True)
     files = {"report": os.path.join(out, "report.md"), "plan": os.path.join(out, "plan.json"),
              "candidates": os.path.join(out, "candidates.csv")}
@@ -112,7 +108,15 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint], tr
     write_plan(result, best, files["plan"])
     write_candidates_csv(result, files["candidates"])
     if charts:
-        files.update(_charts(result, out, scaling))
+        files.update(_charts(result, out))
+    if callable(scaling):
+        scaling = scaling()
+    if charts and scaling:
+        files["scaling"] = os.path.join(out, "scaling.png")
+        from . import charts as draw
+
+        draw.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
+                     files["scaling"], f"Throughput vs GPU count — {result.work.spec.name}")
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     status = Counter(c.status for c in result.candidates)
@@ -190,7 +194,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint], tr
     return files
 
 
-def _charts(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> dict[str, str]:
+def _charts(result: SearchResult, out: str) -> dict[str, str]:
+    """Every chart but the scaling one (its points may still be being computed)."""
     from . import charts
 
     files = {}
@@ -207,10 +212,6 @@ def _charts(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> dict
     if sim.sim is not None:
         files["timeline"] = os.path.join(out, "timeline.png")
         charts.gantt(sim, files["timeline"])
-    if scaling:
-        files["scaling"] = os.path.join(out, "scaling.png")
-        charts.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
-                       files["scaling"], f"Throughput vs GPU count — {result.work.spec.name}")
     priced = [c for c in result.candidates if c.prediction is not None]
     if priced:
         files["pareto"] = os.path.join(out, "pareto.png")

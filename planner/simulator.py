@@ -12,10 +12,12 @@ charged to the sending stage's task durations (blocking sends, as Megatron's sch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from .schedules import rank_orders, stage_rank
+
+if TYPE_CHECKING:  # the task graph is built only to check the direct walk against it (tests)
+    import networkx as nx
 
 
 @dataclass
@@ -40,6 +42,8 @@ class SimResult:
 def build_graph(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: list[float],
                 t_w: list[float]) -> nx.DiGraph:
     """The iteration's task DAG. Non-zero-bubble schedules run B as the full backward (B + W)."""
+    import networkx as nx
+
     split = schedule == "zb-v"
     n_stages = pp * v
     g = nx.DiGraph()
@@ -64,15 +68,6 @@ def build_graph(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: l
     return g
 
 
-def _dependency(op: tuple[str, int, int], n_stages: int) -> tuple[str, int, int] | None:
-    kind, s, i = op
-    if kind == "F":
-        return ("F", s - 1, i) if s > 0 else None
-    if kind == "B":
-        return ("B", s + 1, i) if s < n_stages - 1 else ("F", s, i)
-    return ("B", s, i)
-
-
 def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: list[float],
                       t_w: list[float], act_bytes: list[float] | None = None,
                       keep_timeline: bool = False) -> SimResult:
@@ -83,27 +78,43 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
     """
     split = schedule == "zb-v"
     n_stages = pp * v
+    last = n_stages - 1
     orders = rank_orders(schedule, pp, v, m)
-    finish: dict[tuple[str, int, int], float] = {}
+    # Finish times in flat lists indexed stage·m + micro-batch (-1: not run yet); the planner runs this
+    # for thousands of layouts, so no per-task tuples or dicts on the hot path.
+    done_f, done_b = [-1.0] * (n_stages * m), [-1.0] * (n_stages * m)
+    t_bw = t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)]  # non-zb: B is the whole backward
+    record = keep_timeline or act_bytes is not None
     starts: dict[tuple[str, int, int], float] = {}
+    finish: dict[tuple[str, int, int], float] = {}
     ptr, clock = [0] * pp, [0.0] * pp
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(pp):
-            order = orders[r]
-            while ptr[r] < len(order):
-                op = order[ptr[r]]
-                dep = _dependency(op, n_stages)
-                if dep is not None and dep not in finish:
+            order, k, now = orders[r], ptr[r], clock[r]
+            while k < len(order):
+                kind, s, i = order[k]
+                if kind == "F":
+                    ready = done_f[(s - 1) * m + i] if s > 0 else 0.0
+                elif kind == "B":
+                    ready = done_b[(s + 1) * m + i] if s < last else done_f[s * m + i]
+                else:  # W: after its own B
+                    ready = done_b[s * m + i]
+                if ready < 0:
                     break
-                kind, s, _ = op
-                dur = t_f[s] if kind == "F" else t_w[s] if kind == "W" else t_b[s] + (0.0 if split else t_w[s])
-                start = max(clock[r], finish[dep]) if dep is not None else clock[r]
-                starts[op], finish[op] = start, start + dur
-                clock[r] = start + dur
-                ptr[r] += 1
-                remaining -= 1
+                begin = now if now > ready else ready
+                now = begin + (t_f[s] if kind == "F" else t_bw[s] if kind == "B" else t_w[s])
+                if kind == "F":
+                    done_f[s * m + i] = now
+                elif kind == "B":
+                    done_b[s * m + i] = now
+                if record:
+                    starts[order[k]], finish[order[k]] = begin, now
+                k += 1
+            if k > ptr[r]:
+                remaining -= k - ptr[r]
+                ptr[r], clock[r] = k, now
                 progressed = True
         assert progressed, f"schedule {schedule} deadlocks (p={pp}, v={v}, m={m})"
     result = SimResult(makespan=max(clock), rank_finish=list(clock))
@@ -132,6 +143,8 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
 
 def graph_makespan(g: nx.DiGraph) -> float:
     """Longest path through the task graph (task durations on the nodes)."""
+    import networkx as nx
+
     finish: dict = {}
     for node in nx.topological_sort(g):
         start = max((finish[p] for p in g.predecessors(node)), default=0.0)

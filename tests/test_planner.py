@@ -255,3 +255,25 @@ def test_lower_bound_never_exceeds_the_best_split(small):
         checked += 1
         forced += bound > lower_bound(model, lay, ("none",))[0] * (1 + 1e-6)
     assert checked > 50 and forced > 5
+
+
+def _scaling_summary(points):
+    return [(p.gpus, p.best.layout.short() if p.best else None, p.best.time_s if p.best else None) for p in points]
+
+
+def test_scaling_points_forked_equal_in_line_and_survive_a_dead_child(monkeypatch):
+    """The report's scaling re-plans run in forked children; the answer must not depend on it, and a
+    child that dies is replaced by re-planning in the parent."""
+    from paraplan.planner import scaling
+
+    work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
+    result = search(work, 16, top_k=1)
+    counts = scaling.scaling_counts(16, work.cluster.gpus_per_node)
+    assert counts == [2, 4, 8, 16]  # the count and up to three halvings, none below an eighth of a node
+    forked = _scaling_summary(scaling.start_scaling(result)())
+    assert [g for g, _, _ in forked] == counts and forked[-1][1] == result.best.layout.short()
+    in_line = _scaling_summary(scaling.ScalingPoint(g, result.best if g == 16 else search(work, g, top_k=1).best)
+                               for g in counts)
+    assert forked == in_line
+    monkeypatch.setattr(scaling, "_child", lambda conn, counts: __import__("os")._exit(3))
+    assert _scaling_summary(scaling.start_scaling(result)()) == forked

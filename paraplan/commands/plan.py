@@ -7,7 +7,8 @@ import re
 import sys
 
 from paraplan.planner.errors import PlanError
-from paraplan.planner.report import ScalingPoint, plan_object, write_report
+from paraplan.planner.report import plan_object, write_report
+from paraplan.planner.scaling import start_scaling
 from paraplan.planner.search import SearchResult, search
 from paraplan.planner.workload import Workload
 
@@ -47,15 +48,6 @@ def nothing_fits_message(result: SearchResult) -> str:
             f"try about {more} GPUs (--gpus/--nodes), a smaller global batch or a GPU with more memory")
 
 
-def scaling_counts(gpus: int, per_node: int) -> list[int]:
-    counts = [gpus]
-    g = gpus
-    while len(counts) < 4 and g % 2 == 0 and g // 2 >= max(1, per_node // 8):
-        g //= 2
-        counts.append(g)
-    return sorted(counts)
-
-
 def run(args) -> int:
     given = [args.model, args.cluster, args.global_batch]
     if all(v is None for v in given):
@@ -82,11 +74,8 @@ def run(args) -> int:
             bar.stop()
     if result.best is None:
         raise PlanError(nothing_fits_message(result))
-    scaling = []
-    if not args.no_charts:
-        for g in scaling_counts(gpus, work.cluster.gpus_per_node):
-            r = result if g == gpus else search(work, g, top_k=1, dtype=args.dtype, model=result.model)
-            scaling.append(ScalingPoint(g, r.best))
+    # the scaling chart's re-plans run beside the drawing of the other charts
+    scaling = start_scaling(result) if not args.no_charts else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
     if args.json:
         print_json({"best": plan_object(result, result.best), "top_k": [plan_object(result, c) for c in result.ranked],
