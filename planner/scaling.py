@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,10 +43,13 @@ def _replan(result: SearchResult, counts: list[int]) -> dict[int, Candidate | No
 
 
 def _child(conn, counts: list[int]) -> None:
-    """Forked worker: re-plan from the inherited search, send {gpus: best} (or nothing, on failure)."""
+    """Forked worker: re-plan from the inherited search and send {gpus: best}. On any failure it sends
+    nothing and prints nothing: the parent then re-plans in line and reports an error itself, once."""
     try:
         assert _PARENT is not None
         conn.send_bytes(pickle.dumps(_replan(_PARENT, counts)))
+    except BaseException:  # interrupts too: the parent sees the closed pipe
+        pass
     finally:
         conn.close()
 
@@ -66,6 +70,8 @@ def start_scaling(result: SearchResult) -> Callable[[], list[ScalingPoint]]:
         found = _replan(result, others)
         return lambda: points(found)
     ctx = multiprocessing.get_context("fork")
+    sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
+    sys.stderr.flush()
     # one child per count: a search alternates single-threaded pricing with CBC processes, so several
     # side by side keep both cores busy where one leaves one idle half the time
     jobs = []

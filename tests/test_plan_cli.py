@@ -98,3 +98,21 @@ def test_compare_hybrid_and_data_parallel_optimisations(tmp_path):
     assert fp32_8["sync_ms_per_1k_samples"] == pytest.approx(fp32_1["sync_ms_per_1k_samples"] / 8)
     assert bf16_1["grad_bytes_per_gpu"] == pytest.approx(fp32_1["grad_bytes_per_gpu"] / 2)
     assert bf16_1["allreduce_s"] < 0.55 * fp32_1["allreduce_s"]
+
+
+@pytest.mark.parametrize("command", [
+    ["plan", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8"],
+    ["compare", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8"],
+    ["validate", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8"],
+])
+def test_report_folder_that_is_a_file_is_a_one_line_error(command, tmp_path):
+    taken = tmp_path / "report"
+    taken.write_text("not a folder")
+    assert_one_line_error(run_cli(*command, "--out", str(taken)), "--out", "is a file")
+    assert taken.read_text() == "not a folder"
+
+
+def test_plan_file_that_is_a_folder_is_a_one_line_error(tmp_path):
+    p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "local", "--global-batch", "8", "--dp", "1",
+                "--tp", "1", "--pp", "1", "--micro-batch", "1", "--write-plan", str(tmp_path))
+    assert_one_line_error(p, "--write-plan", "is a folder")

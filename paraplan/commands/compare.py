@@ -8,7 +8,7 @@ from paraplan.planner.compare import compare, dp_optimisations, ps_vs_ring
 from paraplan.planner.errors import PlanError
 
 from .common import workload_from_args
-from .output import print_json, stderr, stdout, table
+from .output import output_path_problem, print_json, stderr, stdout, table
 
 
 def _row_json(row) -> dict:
@@ -56,9 +56,8 @@ def run(args) -> int:
     if gpus > work.cluster.num_gpus:
         raise PlanError(f"--gpus {gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus} GPUs; use --nodes")
     out = args.out or os.path.join("reports", f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise PlanError(f"--out {out}: folder {parent} does not exist")
+    if problem := output_path_problem(out, "--out", folder=True):
+        raise PlanError(problem)
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
     workers, series = ps_vs_ring(work, dtype, max(gpus, 2))
     dp_mb = next((r.layout.micro_batch for r in rows if r.prediction is not None and r.layout.tp == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -13,6 +14,19 @@ from rich.table import Table
 # Off a terminal rich would wrap tables at 80 columns; reports and logs read better wider.
 stdout = Console(width=None if sys.stdout.isatty() else 160)
 stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def output_path_problem(path: str, flag: str, folder: bool) -> str | None:
+    """Why ``path`` cannot be written (its folder missing; a file where a report folder goes, or a
+    folder where a file goes), as the user's one-line error; None when it can."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: folder {parent} does not exist"
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path}: is a file; give a folder for the report"
+    if not folder and os.path.isdir(path):
+        return f"{flag} {path}: is a folder; give a file name"
+    return None
 
 
 def _clean(value: Any) -> Any:

@@ -12,7 +12,7 @@ from paraplan.planner.scaling import start_scaling
 from paraplan.planner.search import SearchResult, search
 from paraplan.planner.workload import Workload
 
-from .output import print_json, stderr, stdout, table
+from .output import output_path_problem, print_json, stderr, stdout, table
 
 DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
 
@@ -61,9 +61,8 @@ def run(args) -> int:
     if args.train_tokens is not None and args.train_tokens <= 0:
         raise PlanError(f"--train-tokens must be positive, got {args.train_tokens:g}")
     out = args.out or os.path.join("reports", f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise PlanError(f"--out {out}: folder {parent} does not exist")
+    if problem := output_path_problem(out, "--out", folder=True):
+        raise PlanError(problem)
     bar, cb = _progress(not args.json and sys.stderr.isatty())
     if bar:
         bar.start()

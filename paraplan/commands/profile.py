@@ -8,7 +8,7 @@ import os
 from paraplan.profiler import ProfileError, profile_model
 from paraplan.profiler.measurements import save_measurements
 
-from .output import human, print_json, stderr, stdout, table
+from .output import human, output_path_problem, print_json, stderr, stdout, table
 
 
 def _fmt_ms(v):
@@ -21,9 +21,8 @@ def write_table(profile, path: str) -> None:
     rows = [x.public_dict() for x in profile.layers]
     df = pd.DataFrame(rows)
     ext = os.path.splitext(path)[1].lower()
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ProfileError(f"--out {path}: folder {parent} does not exist")
+    if problem := output_path_problem(path, "--out", folder=False):
+        raise ProfileError(problem)
     if ext == ".csv":
         df.to_csv(path, index=False)
     elif ext == ".json":

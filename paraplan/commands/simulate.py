@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
 
 from .common import layout_from_args, workload_from_args
-from .output import print_json, stderr, stdout, table
+from .output import output_path_problem, print_json, stderr, stdout, table
 
 
 def _check_out(path: str, flag: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise PlanError(f"{flag} {path}: folder {parent} does not exist")
+    if problem := output_path_problem(path, flag, folder=False):
+        raise PlanError(problem)
 
 
 def prediction_rows(d: dict) -> list[list[str]]:

@@ -10,7 +10,7 @@ from paraplan.executor.validate import summary, to_json, update_spec, validate, 
 from paraplan.planner.errors import PlanError
 
 from .common import workload_from_args
-from .output import print_json, stderr, stdout, table
+from .output import output_path_problem, print_json, stderr, stdout, table
 
 
 def run(args) -> int:
@@ -18,9 +18,8 @@ def run(args) -> int:
     if args.gpus > work.cluster.num_gpus:
         raise PlanError(f"--gpus {args.gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus}")
     out = args.out or os.path.join("reports", f"validate-{work.spec.name}-{work.cluster.name}-{args.gpus}gpus")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise PlanError(f"--out {out}: folder {parent} does not exist")
+    if problem := output_path_problem(out, "--out", folder=True):
+        raise PlanError(problem)
     show = not args.json and sys.stderr.isatty()
     progress = (lambda i, n, name: stderr.print(f"[{i + 1}/{n}] {name}") if i < n else None) if show else None
     rows = validate(work, args.gpus, args.strategy, args.steps, args.top, out, progress=progress,
