@@ -1,10 +1,11 @@
 """Throughput against GPU count for the report: the best plan searched again at smaller GPU counts.
 
-The re-plans are independent of the report's other charts, so they run in forked processes, one per
-count, while the parent draws. Each child inherits the search's cost model, with its cached per-block
-costs, through the fork and sends back only its count's best candidate (benchmarks/bench_plan.py
-measures the whole command). Where fork is unavailable, on one core, or if a child fails, the re-plans
-run in line: the answer is the same either way.
+The re-plans do not depend on the main search, so they start before it, in forked processes (one per
+count) at the lowest CPU priority: they run on what the main search leaves idle (its pricing is
+single-threaded, its ILPs come in bursts) and on what the drawing of the report leaves, and never
+delay either. Each child sends back only its count's best candidate. Where fork is unavailable, on
+one core, or if a child fails, the re-plans run in line, in the parent: the answer is the same either
+way. benchmarks/bench_plan.py measures the whole command.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import multiprocessing
 import os
 import pickle
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from .search import Candidate, SearchResult, search
+from .costmodel import CostModel
+from .search import Candidate, search
+from .workload import Workload
 
-# The finished search the forked child re-plans from: inherited through fork, never pickled.
-_PARENT: SearchResult | None = None
+# What a forked child re-plans: inherited through fork, never pickled.
+_JOB: tuple[Workload, str, CostModel] | None = None
 
 
 @dataclass
@@ -38,68 +40,73 @@ def scaling_counts(gpus: int, per_node: int) -> list[int]:
     return sorted(counts)
 
 
-def _replan(result: SearchResult, counts: list[int]) -> dict[int, Candidate | None]:
-    return {g: search(result.work, g, top_k=1, dtype=result.dtype, model=result.model).best for g in counts}
+def _replan(work: Workload, dtype: str, model: CostModel, gpus: int) -> Candidate | None:
+    return search(work, gpus, top_k=1, dtype=dtype, model=model).best
 
 
-def _child(conn, counts: list[int]) -> None:
-    """Forked worker: re-plan from the inherited search and send {gpus: best}. On any failure it sends
-    nothing and prints nothing: the parent then re-plans in line and reports an error itself, once."""
+def _child(conn, gpus: int) -> None:
+    """Forked worker: re-plan at ``gpus`` at the lowest priority and send the best candidate. On any
+    failure it sends nothing and prints nothing: the parent re-plans in line and reports any error once."""
     try:
-        assert _PARENT is not None
-        conn.send_bytes(pickle.dumps(_replan(_PARENT, counts)))
+        assert _JOB is not None
+        os.nice(19)
+        conn.send_bytes(pickle.dumps(_replan(*_JOB, gpus)))
     except BaseException:  # interrupts too: the parent sees the closed pipe
         pass
     finally:
         conn.close()
 
 
-def start_scaling(result: SearchResult) -> Callable[[], list[ScalingPoint]]:
-    """Start re-planning ``result``'s workload at the scaling counts; returns the call that waits for
-    the points (``result.gpus`` itself included, from ``result``)."""
-    global _PARENT
-    counts = scaling_counts(result.gpus, result.work.cluster.gpus_per_node)
-    others = [g for g in counts if g != result.gpus]
+class ScalingReplans:
+    """The re-plans at the scaling counts below ``gpus``, started in the background at construction."""
 
-    def points(found: dict[int, Candidate | None]) -> list[ScalingPoint]:
-        return [ScalingPoint(g, result.best if g == result.gpus else found[g]) for g in counts]
+    def __init__(self, work: Workload, gpus: int, dtype: str, model: CostModel):
+        global _JOB
+        self.work, self.gpus, self.dtype, self.model = work, gpus, dtype, model
+        self.counts = scaling_counts(gpus, work.cluster.gpus_per_node)
+        self._jobs: list[tuple[int, object, object]] = []
+        others = [g for g in self.counts if g != gpus]
+        if not others or (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            return  # points() re-plans in line
+        ctx = multiprocessing.get_context("fork")
+        sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
+        sys.stderr.flush()
+        _JOB = (work, dtype, model)
+        try:
+            for g in others:
+                receive, send = ctx.Pipe(duplex=False)
+                child = ctx.Process(target=_child, args=(send, g), daemon=True)
+                child.start()
+                send.close()
+                self._jobs.append((g, receive, child))
+        finally:
+            _JOB = None
 
-    if not others:
-        return lambda: points({})
-    if (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        found = _replan(result, others)
-        return lambda: points(found)
-    ctx = multiprocessing.get_context("fork")
-    sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
-    sys.stderr.flush()
-    # one child per count: a search alternates single-threaded pricing with CBC processes, so several
-    # side by side keep both cores busy where one leaves one idle half the time
-    jobs = []
-    _PARENT = result
-    try:
-        for g in others:
-            receive, send = ctx.Pipe(duplex=False)
-            child = ctx.Process(target=_child, args=(send, [g]), daemon=True)
-            child.start()
-            send.close()
-            jobs.append((g, receive, child))
-    finally:
-        _PARENT = None
-
-    def wait() -> list[ScalingPoint]:
+    def points(self, best: Candidate | None) -> list[ScalingPoint]:
+        """Every count's point, ``best`` (the main search's) at ``gpus``; waits for the children."""
         found: dict[int, Candidate | None] = {}
-        for g, receive, child in jobs:
+        for g, receive, child in self._jobs:
             try:
-                # our own child's pickle of our own dataclasses, over a private pipe (nothing a user handed us)
-                found.update(pickle.loads(receive.recv_bytes()))
+                # our own child's pickle of our own dataclass, over a private pipe (nothing a user handed us)
+                found[g] = pickle.loads(receive.recv_bytes())
             except (EOFError, OSError):  # the child died: re-plan here
-                found.update(_replan(result, [g]))
+                pass
             finally:
                 receive.close()
                 child.join()
-        return points(found)
+        self._jobs = []
+        for g in self.counts:
+            if g != self.gpus and g not in found:
+                found[g] = _replan(self.work, self.dtype, self.model, g)
+        return [ScalingPoint(g, best if g == self.gpus else found[g]) for g in self.counts]
 
-    return wait
+    def cancel(self) -> None:
+        """Stop the children (the main search failed: no report will need them)."""
+        for _, receive, child in self._jobs:
+            child.kill()
+            child.join()
+            receive.close()
+        self._jobs = []
 
 
-__all__ = ["ScalingPoint", "scaling_counts", "start_scaling"]
+__all__ = ["ScalingPoint", "ScalingReplans", "scaling_counts"]

@@ -262,18 +262,25 @@ def _scaling_summary(points):
 
 
 def test_scaling_points_forked_equal_in_line_and_survive_a_dead_child(monkeypatch):
-    """The report's scaling re-plans run in forked children; the answer must not depend on it, and a
-    child that dies is replaced by re-planning in the parent."""
+    """The report's scaling re-plans run in forked children; the answer must not depend on it, a child
+    that dies is replaced by re-planning in the parent, and cancelled children are gone."""
     from paraplan.planner import scaling
+    from paraplan.planner.costmodel import CostModel
 
     work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
-    result = search(work, 16, top_k=1)
-    counts = scaling.scaling_counts(16, work.cluster.gpus_per_node)
-    assert counts == [2, 4, 8, 16]  # the count and up to three halvings, none below an eighth of a node
-    forked = _scaling_summary(scaling.start_scaling(result)())
-    assert [g for g, _, _ in forked] == counts and forked[-1][1] == result.best.layout.short()
+    model = CostModel(work)
+    replans = scaling.ScalingReplans(work, 16, "bf16", model)
+    result = search(work, 16, top_k=1, dtype="bf16", model=model)
+    assert replans.counts == [2, 4, 8, 16]  # the count and up to three halvings, none below an eighth of a node
+    assert len(replans._jobs) == 3
+    forked = _scaling_summary(replans.points(result.best))
+    assert [g for g, _, _ in forked] == replans.counts and forked[-1][1] == result.best.layout.short()
     in_line = _scaling_summary(scaling.ScalingPoint(g, result.best if g == 16 else search(work, g, top_k=1).best)
-                               for g in counts)
+                               for g in replans.counts)
     assert forked == in_line
-    monkeypatch.setattr(scaling, "_child", lambda conn, counts: __import__("os")._exit(3))
-    assert _scaling_summary(scaling.start_scaling(result)()) == forked
+    monkeypatch.setattr(scaling, "_child", lambda conn, gpus: __import__("os")._exit(3))
+    assert _scaling_summary(scaling.ScalingReplans(work, 16, "bf16", model).points(result.best)) == forked
+    cancelled = scaling.ScalingReplans(work, 16, "bf16", model)
+    children = [child for _, _, child in cancelled._jobs]
+    cancelled.cancel()
+    assert children and not any(child.is_alive() for child in children)

@@ -6,9 +6,10 @@ import os
 import re
 import sys
 
+from paraplan.planner.costmodel import CostModel
 from paraplan.planner.errors import PlanError
 from paraplan.planner.report import plan_object, write_report
-from paraplan.planner.scaling import start_scaling
+from paraplan.planner.scaling import ScalingReplans
 from paraplan.planner.search import SearchResult, search
 from paraplan.planner.workload import Workload
 
@@ -63,18 +64,24 @@ def run(args) -> int:
     out = args.out or os.path.join("reports", f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     if problem := output_path_problem(out, "--out", folder=True):
         raise PlanError(problem)
+    model = CostModel(work)
+    # the scaling chart's re-plans run in the background, beside the search and the drawing
+    replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
     bar, cb = _progress(not args.json and sys.stderr.isatty())
     if bar:
         bar.start()
     try:
-        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb)
+        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model)
+        if result.best is None:
+            raise PlanError(nothing_fits_message(result))
+    except BaseException:
+        if replans:
+            replans.cancel()
+        raise
     finally:
         if bar:
             bar.stop()
-    if result.best is None:
-        raise PlanError(nothing_fits_message(result))
-    # the scaling chart's re-plans run beside the drawing of the other charts
-    scaling = start_scaling(result) if not args.no_charts else []
+    scaling = (lambda: replans.points(result.best)) if replans else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
     if args.json:
         print_json({"best": plan_object(result, result.best), "top_k": [plan_object(result, c) for c in result.ranked],
