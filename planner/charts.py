@@ -95,17 +95,19 @@ def memory_vs_capacity(preds: list[Prediction], labels: list[str], path: str, ti
     _save(fig, ax, path)
 
 
-def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str) -> None:
-    """Throughput of the best plan at each GPU count, against perfect linear scaling from the smallest."""
+def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str,
+            labels: list[str] | None = None) -> None:
+    """Throughput of the best plan at each GPU count, against perfect linear scaling from the smallest.
+    ``labels``: each point's layout (default: its prediction's layout)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    pts = [(g, p.tokens_per_s) for g, p in zip(gpus, preds, strict=True) if p is not None]
+    labels = labels or [p.layout.short() if p is not None else "" for p in preds]
+    pts = [(g, p.tokens_per_s, lbl) for g, p, lbl in zip(gpus, preds, labels, strict=True) if p is not None]
     if pts:
-        xs, ys = zip(*pts, strict=True)
+        xs, ys, names = zip(*pts, strict=True)
         ax.plot(xs, ys, "o-", color="#4C72B0", label="best plan (replanned at each count)")
         ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color="#999999", label="linear from the smallest")
-        for x, y, p in zip(xs, ys, [p for p in preds if p is not None], strict=True):
-            ax.annotate(p.layout.short().replace(" mb", "\nmb"), (x, y), fontsize=6, textcoords="offset points",
-                        xytext=(4, -14))
+        for x, y, name in zip(xs, ys, names, strict=True):
+            ax.annotate(name.replace(" mb", "\nmb"), (x, y), fontsize=6, textcoords="offset points", xytext=(4, -14))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     known = [p for p in preds if p is not None]

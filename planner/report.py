@@ -116,7 +116,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
         from . import charts as draw
 
         draw.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
-                     files["scaling"], f"Throughput vs GPU count — {result.work.spec.name}")
+                     files["scaling"], f"Throughput vs GPU count — {result.work.spec.name}",
+                     [s.best.layout.short() if s.best else "" for s in scaling])
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     status = Counter(c.status for c in result.candidates)
