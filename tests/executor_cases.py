@@ -7,9 +7,13 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from paraplan.executor.batches import BatchSource
+from paraplan.executor.errors import JobFailed
+from paraplan.executor.launch import LaunchOptions, launch
+from paraplan.executor.machine import free_port
 from paraplan.executor.optim import ADAMW
 from paraplan.models import PRESETS, block_names, build_model, initialize, loss_function, spec_from_mapping
 from paraplan.planner.layout import Layout
@@ -138,6 +142,37 @@ def reference_losses(case: Case, steps: int = STEPS, micro_batch: int | None = N
 def read_run(folder: str) -> dict:
     with open(os.path.join(folder, "run.json")) as f:
         return json.load(f)
+
+
+# Per launch key: {case name: output folder} and the launch's error (None when it ended well).
+_LAUNCHED: dict[str, tuple[dict[str, str], str | None]] = {}
+
+
+def launch_once(key: str, cases: list[Case], steps: int, tmp_path_factory) -> tuple[dict[str, str], str | None]:
+    """Run ``cases`` (all of one world size) in one torchrun launch, once per test session and ``key``."""
+    if key not in _LAUNCHED:
+        worlds = {c.world_size for c in cases}
+        assert len(worlds) == 1, worlds
+        folder = str(tmp_path_factory.mktemp(f"executor-{key}"))
+        plans = [c.write(folder) for c in cases]
+        outs = {c.name: os.path.join(folder, c.name) for c in cases}
+        error = None
+        try:
+            launch(plans, list(outs.values()), LaunchOptions(nproc_per_node=worlds.pop(),
+                                                             master_port=free_port("127.0.0.1"), steps=steps,
+                                                             timeout_s=120, threads_per_rank=1))
+        except JobFailed as e:
+            error = str(e)
+        _LAUNCHED[key] = (outs, error)
+    return _LAUNCHED[key]
+
+
+def launched_run(key: str, cases: list[Case], case: Case, steps: int, tmp_path_factory) -> dict:
+    """``case``'s run.json from :func:`launch_once`; fails the test with the launch's error if it did not run."""
+    outs, error = launch_once(key, cases, steps, tmp_path_factory)
+    if not os.path.exists(os.path.join(outs[case.name], "run.json")):
+        pytest.fail(f"{case.name} did not run: {error}")
+    return read_run(outs[case.name])
 
 
 def assert_losses_match(case: Case, run: dict, ref: list[float] | None = None) -> None:

@@ -13,11 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from executor_cases import STEPS, Case, assert_losses_match, read_run, reference_losses, reference_model
+from executor_cases import STEPS, Case, assert_losses_match, launched_run, reference_losses, reference_model
 
 from paraplan.executor.batches import BatchSource
-from paraplan.executor.errors import JobFailed
-from paraplan.executor.launch import LaunchOptions, launch
 from paraplan.executor.machine import free_port
 from paraplan.models import loss_function
 
@@ -32,23 +30,6 @@ CASES = {
     ],
 }
 
-_LAUNCHED: dict[int, tuple[dict[str, str], str | None]] = {}
-
-
-def runs_of(world: int, tmp_path_factory) -> tuple[dict[str, str], str | None]:
-    if world not in _LAUNCHED:
-        folder = str(tmp_path_factory.mktemp(f"executor-hybrid{world}"))
-        plans = [c.write(folder) for c in CASES[world]]
-        outs = {c.name: os.path.join(folder, c.name) for c in CASES[world]}
-        error = None
-        try:
-            launch(plans, list(outs.values()), LaunchOptions(nproc_per_node=world, master_port=free_port("127.0.0.1"),
-                                                             steps=STEPS, timeout_s=120, threads_per_rank=1))
-        except JobFailed as e:
-            error = str(e)
-        _LAUNCHED[world] = (outs, error)
-    return _LAUNCHED[world]
-
 
 def reference(case: Case) -> list[float]:
     """The single-process run; BatchNorm models accumulate over the same micro-batch size."""
@@ -58,10 +39,7 @@ def reference(case: Case) -> list[float]:
 
 @pytest.mark.parametrize("case", CASES[2] + CASES[4], ids=lambda c: c.name)
 def test_class_sharded_head_matches_single_process(case, tmp_path_factory):
-    outs, error = runs_of(case.world_size, tmp_path_factory)
-    if not os.path.exists(os.path.join(outs[case.name], "run.json")):
-        pytest.fail(f"{case.name} did not run: {error}")
-    run = read_run(outs[case.name])
+    run = launched_run(f"hybrid{case.world_size}", CASES[case.world_size], case, STEPS, tmp_path_factory)
     assert run["world_size"] == case.dp and run["steps"] == STEPS and len(run["peak_memory_gib"]) == case.dp
     assert run["plan"]["layer_strategies"] == {"head": {"parallel": "tensor", "degree": case.head_parallel}}
     assert_losses_match(case, run, ref=reference(case))

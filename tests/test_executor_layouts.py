@@ -8,14 +8,8 @@ case is still its own test.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from executor_cases import STEPS, Case, assert_losses_match, read_run
-
-from paraplan.executor.errors import JobFailed
-from paraplan.executor.launch import LaunchOptions, launch
-from paraplan.executor.machine import free_port
+from executor_cases import STEPS, Case, assert_losses_match, launch_once, launched_run, read_run
 
 CASES = {
     1: [Case("gpt-single", "gpt-tiny", micro_batch=2), Case("llama-single", "llama-tiny", micro_batch=2)],
@@ -61,32 +55,14 @@ CASES = {
     ],
 }
 
-_LAUNCHED: dict[int, tuple[dict[str, str], str | None]] = {}
 
-
-def runs_of(world: int, tmp_path_factory) -> tuple[dict[str, str], str | None]:
-    """Run every case of world size ``world`` in one torchrun launch (once per session)."""
-    if world not in _LAUNCHED:
-        folder = str(tmp_path_factory.mktemp(f"executor-world{world}"))
-        cases = CASES[world]
-        plans = [c.write(folder) for c in cases]
-        outs = {c.name: os.path.join(folder, c.name) for c in cases}
-        error = None
-        try:
-            launch(plans, list(outs.values()), LaunchOptions(nproc_per_node=world, master_port=free_port("127.0.0.1"),
-                                                             steps=STEPS, timeout_s=120, threads_per_rank=1))
-        except JobFailed as e:
-            error = str(e)
-        _LAUNCHED[world] = (outs, error)
-    return _LAUNCHED[world]
+def runs_of(world: int, tmp_path_factory) -> dict[str, str]:
+    """Output folders of every case of world size ``world``, all run in one torchrun launch."""
+    return launch_once(f"layouts{world}", CASES[world], STEPS, tmp_path_factory)[0]
 
 
 def check_case(case: Case, tmp_path_factory) -> None:
-    outs, error = runs_of(case.world_size, tmp_path_factory)
-    folder = outs[case.name]
-    if not os.path.exists(os.path.join(folder, "run.json")):
-        pytest.fail(f"{case.name} did not run: {error}")
-    run = read_run(folder)
+    run = launched_run(f"layouts{case.world_size}", CASES[case.world_size], case, STEPS, tmp_path_factory)
     assert run["world_size"] == case.world_size
     assert run["steps"] == STEPS and len(run["step_time_s"]) == STEPS
     assert len(run["peak_memory_gib"]) == case.world_size
@@ -107,8 +83,8 @@ def test_eight_rank_layout_matches_single_process(case, tmp_path_factory):
 
 def test_losses_fall_and_differ_between_models(tmp_path_factory):
     """The comparison is not vacuous: training makes progress and the models give different losses."""
-    gpt = read_run(runs_of(1, tmp_path_factory)[0]["gpt-single"])["losses"]
-    llama = read_run(runs_of(1, tmp_path_factory)[0]["llama-single"])["losses"]
+    gpt = read_run(runs_of(1, tmp_path_factory)["gpt-single"])["losses"]
+    llama = read_run(runs_of(1, tmp_path_factory)["llama-single"])["losses"]
     assert gpt[-1] < gpt[0] - 0.3 and llama[-1] < llama[0] - 0.3
     assert abs(gpt[1] - llama[1]) > 1e-2
 
@@ -116,7 +92,7 @@ def test_losses_fall_and_differ_between_models(tmp_path_factory):
 @pytest.mark.parametrize("replicated,sharded", [("gpt-dp2", "gpt-dp2-zero3"), ("llama-dp2", "llama-dp2-zero1"),
                                                 ("gpt-dp2", "gpt-dp2-zero2")])
 def test_zero_shards_the_optimizer_state(replicated, sharded, tmp_path_factory):
-    outs = runs_of(2, tmp_path_factory)[0]
+    outs = runs_of(2, tmp_path_factory)
     full = read_run(outs[replicated])["optimizer_state_gib"]
     part = read_run(outs[sharded])["optimizer_state_gib"]
     assert len(set(full)) == 1 and full[0] > 0  # every replica holds all of it

@@ -7,16 +7,11 @@ Every case runs 4 ranks (workers + servers) for 8 steps in one torchrun launch.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from executor_cases import RTOL, SEQ, Case, assert_losses_match, read_run, reference_model
+from executor_cases import RTOL, SEQ, Case, assert_losses_match, launched_run, reference_model
 
 from paraplan.executor.batches import BatchSource
-from paraplan.executor.errors import JobFailed
-from paraplan.executor.launch import LaunchOptions, launch
-from paraplan.executor.machine import free_port
 from paraplan.executor.optim import ADAMW
 from paraplan.executor.ps_protocol import flat_grads, flat_params, load_flat, shard_bounds
 from paraplan.models import loss_function
@@ -32,32 +27,9 @@ ASYNC = [
          ps_servers=1, ps_staleness=2),
 ]
 
-_LAUNCHED: dict[str, tuple[dict[str, str], str | None]] = {}
-
-
-def runs(tmp_path_factory) -> tuple[dict[str, str], str | None]:
-    """Every case in one 4-rank torchrun launch (once per session)."""
-    if "ps" not in _LAUNCHED:
-        folder = str(tmp_path_factory.mktemp("executor-ps"))
-        cases = SYNC + ASYNC
-        assert {c.world_size for c in cases} == {4}
-        plans = [c.write(folder) for c in cases]
-        outs = {c.name: os.path.join(folder, c.name) for c in cases}
-        error = None
-        try:
-            launch(plans, list(outs.values()), LaunchOptions(nproc_per_node=4, master_port=free_port("127.0.0.1"),
-                                                             steps=PS_STEPS, timeout_s=120, threads_per_rank=1))
-        except JobFailed as e:
-            error = str(e)
-        _LAUNCHED["ps"] = (outs, error)
-    return _LAUNCHED["ps"]
-
 
 def run_of(case: Case, tmp_path_factory) -> dict:
-    outs, error = runs(tmp_path_factory)
-    if not os.path.exists(os.path.join(outs[case.name], "run.json")):
-        pytest.fail(f"{case.name} did not run: {error}")
-    run = read_run(outs[case.name])
+    run = launched_run("ps", SYNC + ASYNC, case, PS_STEPS, tmp_path_factory)
     assert run["world_size"] == 4 and run["steps"] == PS_STEPS and len(run["step_time_s"]) == PS_STEPS
     assert len(run["peak_memory_gib"]) == 4
     return run
