@@ -48,9 +48,7 @@ def gantt(pred: Prediction, path: str, title: str = "") -> None:
                                                                 ("W", "weight grad (zb)"), ("dp", "DP sync"),
                                                                 ("opt", "optimizer"))]
     ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _stacked(preds: list[Prediction], labels: list[str], parts: list[tuple[str, str, object]], ylabel: str,
@@ -69,8 +67,8 @@ def _stacked(preds: list[Prediction], labels: list[str], parts: list[tuple[str, 
     return fig, ax
 
 
-def _save(fig, ax, path: str) -> None:
-    ax.legend(fontsize=7, ncol=2)
+def _save(fig, path: str) -> None:
+    """Lay out, write the PNG and free the figure (every chart ends so)."""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -81,7 +79,8 @@ def time_breakdown(preds: list[Prediction], labels: list[str], path: str, title:
     parts = [(k.replace("_", " "), c, lambda p, k=k: p.time_s.get(k, 0.0)) for k, c in zip(TIME_KEYS, TIME_COLORS,
                                                                                             strict=True)]
     fig, ax = _stacked(preds, labels, parts, "seconds per iteration", title)
-    _save(fig, ax, path)
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path)
 
 
 def memory_vs_capacity(preds: list[Prediction], labels: list[str], path: str, title: str) -> None:
@@ -92,7 +91,8 @@ def memory_vs_capacity(preds: list[Prediction], labels: list[str], path: str, ti
     fig, ax = _stacked(preds, labels, parts, "GiB per GPU (most loaded rank)", title)
     cap = preds[0].memory_capacity_gib if preds else 0
     ax.axhline(cap, color="black", linestyle="--", linewidth=1, label=f"GPU memory {cap:g} GiB")
-    _save(fig, ax, path)
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path)
 
 
 def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str,
@@ -114,9 +114,7 @@ def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: s
     ax.set_ylabel("tokens/s" if known and known[0].tokens_per_s != known[0].samples_per_s else "samples/s")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def pareto(preds: list[Prediction], highlight: list[bool], path: str, title: str) -> None:
@@ -142,9 +140,7 @@ def pareto(preds: list[Prediction], highlight: list[bool], path: str, title: str
     ax.set_ylabel("tokens/s")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def sync_vs_workers(workers: list[int], series: dict[str, list[float]], path: str, title: str) -> None:
@@ -158,6 +154,4 @@ def sync_vs_workers(workers: list[int], series: dict[str, list[float]], path: st
     ax.set_ylabel("gradient sync per iteration (s)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

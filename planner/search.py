@@ -211,19 +211,21 @@ def recomputation_bound(times: dict[str, float], acts: dict[str, float], states:
     return float(dual.max())
 
 
+def _layout_key(x: Layout) -> tuple:
+    """What tells enumerated layouts apart (recomputation is the ILP's choice, not the layout's)."""
+    return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel,
+            x.head_parallel)
+
+
 def _dominated_by(lay: Layout, valid: set[tuple]) -> str | None:
     """A layout that another valid layout matches in time with less memory, under this cost model:
     sequence parallelism on (same collective volume, less memory and less replicated work), ZeRO-2 over
     ZeRO-1 (same traffic, sharded gradients), 1F1B over GPipe (same bubble, fewer micro-batches in flight)."""
-    def key(x: Layout) -> tuple:
-        return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel,
-                x.head_parallel)
-
-    if lay.tp > 1 and not lay.sequence_parallel and key(lay.replace(sequence_parallel=True)) in valid:
+    if lay.tp > 1 and not lay.sequence_parallel and _layout_key(lay.replace(sequence_parallel=True)) in valid:
         return "sequence parallelism on"
-    if lay.zero == 1 and key(lay.replace(zero=2)) in valid:
+    if lay.zero == 1 and _layout_key(lay.replace(zero=2)) in valid:
         return "ZeRO-2"
-    if lay.schedule == "gpipe" and key(lay.replace(schedule="1f1b")) in valid:
+    if lay.schedule == "gpipe" and _layout_key(lay.replace(schedule="1f1b")) in valid:
         return "1f1b"
     return None
 
@@ -284,9 +286,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         cand = Candidate(lay, "pruned")
         candidates.append(cand)
         valid.append(cand)
-    keys = {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.schedule,
-             c.layout.virtual_stages, c.layout.zero, c.layout.sequence_parallel, c.layout.head_parallel)
-            for c in valid}
+    keys = {_layout_key(c.layout) for c in valid}
     capacity = work.cluster.gpu.memory_bytes
     alive: list[Candidate] = []
     for cand in valid:
