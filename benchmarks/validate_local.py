@@ -26,8 +26,10 @@ OUT = Path("reports/examples/validate-gpt-tiny-local-2gpus")
 
 def paraplan(*args: str) -> str:
     print("paraplan", " ".join(args), flush=True)
-    return subprocess.run([sys.executable, "-m", "paraplan", *args], check=True, capture_output=True,
-                          text=True).stdout
+    p = subprocess.run([sys.executable, "-m", "paraplan", *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"paraplan {args[0]} failed (exit {p.returncode}): {p.stderr.strip()}")
+    return p.stdout
 
 
 def main() -> None:
