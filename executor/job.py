@@ -91,6 +91,9 @@ class Job:
             plan.validate_stages(blocks)
         except PlanError as e:
             raise ExecutionError(f"{src}: {e}") from None
+        if lay.cp > 1 or lay.ep > 1 or lay.etp > 1:
+            raise ExecutionError(f"{src}: context and expert parallelism (cp {lay.cp}, ep {lay.ep}, etp {lay.etp}) "
+                                 "are not executed yet")
         if lay.dp_mode == "ps":
             self._check_parameter_servers()
         if lay.head_parallel > 1:

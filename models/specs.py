@@ -82,6 +82,11 @@ class TransformerSpec(ModelSpec):
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
+    def causal(self) -> bool:
+        """Decoder (causal) attention: gpt and llama; bert attends both ways."""
+        return self.family != "bert"
+
+    @property
     def tied(self) -> bool:
         if self.tied_embeddings is None:
             return self.family in ("gpt", "bert")

@@ -36,11 +36,14 @@ class Layout:
     ps_servers: int = 1
     ps_staleness: int = 0
     head_parallel: int = 1  # hybrid parallelism: the classifier sharded over this many data-parallel ranks
+    cp: int = 1  # context parallelism: each sequence split over this many ranks
+    ep: int = 1  # expert parallelism: experts spread over this many of a stage's dp x cp x tp ranks
+    etp: int = 1  # expert tensor parallelism: each expert's weights split over this many ranks
 
     @property
     def num_gpus(self) -> int:
         """GPUs that train (parameter servers, when used, come on top)."""
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def world_size(self) -> int:
@@ -61,7 +64,9 @@ class Layout:
 
     def short(self) -> str:
         """A compact human name: dp8 tp4 pp2 mb1 1f1b z1 sel sp."""
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"mb{self.micro_batch}"]
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"{name}{getattr(self, name)}" for name in ("cp", "ep", "etp") if getattr(self, name) > 1]
+        parts.append(f"mb{self.micro_batch}")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.zero:
@@ -78,7 +83,8 @@ class Layout:
 
     def validate(self, spec: ModelSpec, num_blocks: int, cluster_gpus: int | None = None) -> None:
         """Raise InvalidLayout with the reason if this layout cannot run this model."""
-        for name in ("dp", "tp", "pp", "micro_batch", "global_batch", "virtual_stages", "ps_servers"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "global_batch", "virtual_stages",
+                     "ps_servers"):
             if getattr(self, name) <= 0:
                 raise InvalidLayout(f"{name} must be positive, got {getattr(self, name)}", f"{name} not positive")
         if self.schedule not in SCHEDULES:
@@ -95,7 +101,7 @@ class Layout:
             raise InvalidLayout("ps staleness must be >= 0", "ps staleness")
         if cluster_gpus is not None and self.world_size > cluster_gpus:
             extra = f" + {self.ps_servers} parameter servers" if self.dp_mode == "ps" else ""
-            raise InvalidLayout(f"dp x tp x pp = {self.num_gpus}{extra} needs more GPUs than the cluster's "
+            raise InvalidLayout(f"dp x cp x tp x pp = {self.num_gpus}{extra} needs more GPUs than the cluster's "
                                 f"{cluster_gpus}", "more GPUs than the cluster")
         if self.global_batch % (self.dp * self.micro_batch):
             raise InvalidLayout(f"global batch {self.global_batch} is not divisible by dp x micro-batch = "
@@ -129,6 +135,7 @@ class Layout:
             if spec.num_classes % self.head_parallel:
                 raise InvalidLayout(f"head_parallel {self.head_parallel} does not divide the {spec.num_classes} "
                                     "classes", "head_parallel vs classes")
+        self._validate_cp_ep(spec)
         if self.sequence_parallel and self.tp == 1:
             raise InvalidLayout("sequence parallelism needs tp > 1", "sequence parallel without tp")
         if self.sequence_parallel and isinstance(spec, TransformerSpec) and spec.seq_length % self.tp:
@@ -168,3 +175,29 @@ class Layout:
         if self.dp_mode == "ps" and self.zero:
             raise InvalidLayout("parameter servers hold the optimizer themselves: use zero 0 with --dp-mode ps",
                                 "ps with zero")
+
+    def _validate_cp_ep(self, spec: ModelSpec) -> None:
+        """Context and expert parallelism: what the model and the other degrees must allow."""
+        if self.cp > 1:
+            if not isinstance(spec, TransformerSpec):
+                raise InvalidLayout(f"context parallelism splits sequences; {spec.family} models have none",
+                                    "cp on a non-transformer")
+            # causal attention: each rank holds two of 2·cp chunks (load balance), each split by tp under SP
+            chunks = (2 * self.cp if spec.causal else self.cp) * (self.tp if self.sequence_parallel else 1)
+            if spec.seq_length % chunks:
+                raise InvalidLayout(f"cp {self.cp} needs the sequence length {spec.seq_length} to split into {chunks} "
+                                    "equal chunks", "cp vs sequence")
+            if self.dp_mode == "ps" or self.head_parallel > 1:
+                raise InvalidLayout("context parallelism runs with all-reduce data parallelism", "cp with ps")
+        experts = getattr(spec, "num_experts", 0) or 0
+        if self.ep > 1 or self.etp > 1:
+            if not experts:
+                raise InvalidLayout(f"ep {self.ep} / etp {self.etp}: {spec.name} has no experts", "ep without experts")
+            if (self.dp * self.cp * self.tp) % (self.ep * self.etp):
+                raise InvalidLayout(f"ep x etp = {self.ep * self.etp} must divide a stage's dp x cp x tp = "
+                                    f"{self.dp * self.cp * self.tp} ranks (MoE parallel folding)", "ep vs dp x tp")
+            if experts % self.ep:
+                raise InvalidLayout(f"ep {self.ep} does not divide the {experts} experts", "ep vs experts")
+            ffn = getattr(spec, "moe_ffn_hidden_size", None) or spec.ffn_size
+            if ffn % self.etp:
+                raise InvalidLayout(f"etp {self.etp} does not divide the expert FFN size {ffn}", "etp vs ffn")

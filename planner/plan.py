@@ -20,7 +20,8 @@ from .layout import Layout
 PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp", "schedule",
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
 OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
-                 "ps_staleness", "stage_recompute", "attention")
+                 "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework")
+FRAMEWORKS = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Plan:
     stage_recompute: list[str] | None = None  # per stage, when the planner chose recomputation per stage
     layer_strategies: dict[str, dict[str, Any]] = field(default_factory=dict)
     attention: str = "flash"
+    framework: str = "paraplan"  # the software stack the prediction prices (paraplan = this executor)
     prediction: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -47,7 +49,8 @@ class Plan:
             "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel, "dtype": lay.dtype,
             "seed": self.seed, "stages": self.stages, "dp_mode": lay.dp_mode, "ps_servers": lay.ps_servers,
             "ps_staleness": lay.ps_staleness, "seq_length": self.seq_length, "nodes": self.nodes,
-            "attention": self.attention, "model_spec": self.model_spec,
+            "attention": self.attention, "model_spec": self.model_spec, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp,
+            "framework": self.framework,
         }
         if self.stage_recompute is not None:
             out["stage_recompute"] = self.stage_recompute
@@ -78,10 +81,13 @@ class Plan:
         unknown = [k for k in data if k not in PLAN_KEYS and k not in OPTIONAL_KEYS and k != "num_micro_batches"]
         if unknown:
             raise PlanError(f"{source}: unknown key '{unknown[0]}'")
-        ints = ("global_batch", "micro_batch", "dp", "tp", "pp", "virtual_stages", "zero", "seed")
+        ints = ("global_batch", "micro_batch", "dp", "tp", "pp", "virtual_stages", "zero", "seed", "cp", "ep", "etp")
         for k in ints:
-            if isinstance(data[k], bool) or not isinstance(data[k], int):
+            if k in data and (isinstance(data[k], bool) or not isinstance(data[k], int)):
                 raise PlanError(f"{source}: '{k}' must be a whole number, got {data[k]!r}")
+        framework = data.get("framework", "paraplan")
+        if framework not in FRAMEWORKS:
+            raise PlanError(f"{source}: unknown framework {framework!r} (one of {', '.join(FRAMEWORKS)})")
         stages = data["stages"]
         if (not isinstance(stages, list) or not stages
                 or not all(isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in stages)):
@@ -94,7 +100,8 @@ class Plan:
                             virtual_stages=data["virtual_stages"], zero=data["zero"], recompute=data["recompute"],
                             sequence_parallel=bool(data["sequence_parallel"]), dtype=data["dtype"],
                             dp_mode=data.get("dp_mode", "allreduce"), ps_servers=data.get("ps_servers", 1),
-                            ps_staleness=data.get("ps_staleness", 0), head_parallel=head_parallel)
+                            ps_staleness=data.get("ps_staleness", 0), head_parallel=head_parallel,
+                            cp=data.get("cp", 1), ep=data.get("ep", 1), etp=data.get("etp", 1))
         except TypeError as e:
             raise PlanError(f"{source}: {e}") from None
         if layout.global_batch % max(layout.dp * layout.micro_batch, 1) == 0 and \
@@ -105,7 +112,7 @@ class Plan:
                    seed=data["seed"], model_spec=data.get("model_spec"), seq_length=data.get("seq_length"),
                    nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
                    layer_strategies={k: v for k, v in strategies.items() if k != "head"},
-                   attention=data.get("attention", "flash"),
+                   attention=data.get("attention", "flash"), framework=framework,
                    prediction=data.get("prediction"))
 
     @classmethod
