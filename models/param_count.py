@@ -1,19 +1,73 @@
-"""Closed-form parameter counts per family, checked against the built modules in the tests."""
+"""Closed-form parameter counts per family (total and, for mixtures of experts, active per token),
+checked against the built modules and the published figures in the tests."""
 
 from __future__ import annotations
 
 from .specs import MLPSpec, ModelSpec, ResNetSpec, TransformerSpec, VGGSpec
 
 
-def transformer_layer_params(spec: TransformerSpec) -> int:
-    h, f = spec.hidden_size, spec.ffn_size
-    q_out = spec.num_attention_heads * spec.head_dim
-    kv_out = spec.kv_heads * spec.head_dim
-    if spec.family == "llama":  # no biases; SwiGLU has three matrices; RMSNorm has a weight only
-        return h * q_out + 2 * h * kv_out + q_out * h + 3 * h * f + 2 * h
-    attn = (h * q_out + q_out) + 2 * (h * kv_out + kv_out) + (q_out * h + h)
-    mlp = (h * f + f) + (f * h + h)
-    return attn + mlp + 2 * 2 * h  # two LayerNorms, weight and bias
+def attention_params(spec: TransformerSpec) -> int:
+    """Q, K, V and output projections (+ biases for gpt/bert, + Qwen3's per-head RMSNorms on Q and K).
+
+    Multi-head latent attention (DeepSeek-V2 paper, arXiv 2405.04434, Sec. 2.1.2-2.1.3; the layer names of
+    HF's modeling_deepseek.py): queries through a rank-q_lora_rank bottleneck with an RMSNorm (or one direct
+    projection), keys and values from one shared latent of kv_lora_rank (RMSNorm) plus a decoupled rotary
+    key of qk_rope_head_dim shared by all heads, and the output projection from heads x v_head_dim.
+    """
+    h, a = spec.hidden_size, spec.num_attention_heads
+    if spec.mla:
+        qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        if spec.q_lora_rank:
+            q = h * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * a * qk
+        else:
+            q = h * a * qk
+        kv = h * (spec.kv_lora_rank + spec.qk_rope_head_dim) + spec.kv_lora_rank
+        kv += spec.kv_lora_rank * a * (spec.qk_nope_head_dim + spec.v_head_dim)
+        return q + kv + a * spec.v_head_dim * h
+    q_out, kv_out = a * spec.head_dim, spec.kv_heads * spec.head_dim
+    n = h * q_out + 2 * h * kv_out + q_out * h
+    if spec.family != "llama":
+        n += q_out + 2 * kv_out + h  # biases
+    if spec.qk_norm:
+        n += 2 * spec.head_dim
+    return n
+
+
+def mlp_params(spec: TransformerSpec, ffn: int) -> int:
+    """One MLP of width ``ffn``: SwiGLU's three bias-free matrices (llama) or GELU's two with biases."""
+    h = spec.hidden_size
+    if spec.family == "llama":
+        return 3 * h * ffn
+    return 2 * h * ffn + ffn + h
+
+
+def expert_params(spec: TransformerSpec) -> int:
+    """One routed or shared expert: an MLP of moe_ffn_hidden_size without biases (Mixtral, Qwen3 and
+    DeepSeek experts have none; so do ours for gpt/bert, Megatron's --disable-bias-linear)."""
+    return (3 if spec.family == "llama" else 2) * spec.hidden_size * spec.moe_ffn_size
+
+
+def _norms(spec: TransformerSpec) -> int:
+    """The layer's two norms: RMSNorm keeps a weight (llama), LayerNorm a weight and a bias."""
+    return 2 * spec.hidden_size if spec.family == "llama" else 4 * spec.hidden_size
+
+
+def transformer_layer_params(spec: TransformerSpec, index: int = 0) -> int:
+    """Parameters of layer ``index``: a dense MLP, or (MoE layers) the router's E x h weight, every routed
+    expert and the shared experts."""
+    n = attention_params(spec) + _norms(spec)
+    if not spec.is_moe_layer(index):
+        return n + mlp_params(spec, spec.ffn_size)
+    return n + spec.hidden_size * spec.num_experts + (spec.num_experts + spec.num_shared_experts) * expert_params(spec)
+
+
+def transformer_layer_active_params(spec: TransformerSpec, index: int = 0) -> int:
+    """Parameters one token's forward pass uses in layer ``index``: all of a dense layer; in an MoE layer
+    everything but the num_experts - experts_per_token routed experts the token is not sent to."""
+    n = transformer_layer_params(spec, index)
+    if spec.is_moe_layer(index):
+        n -= (spec.num_experts - spec.top_k) * expert_params(spec)
+    return n
 
 
 def transformer_embedding_params(spec: TransformerSpec) -> int:
@@ -73,10 +127,11 @@ def _mlp_params(spec: MLPSpec) -> int:
 
 
 def count_parameters(spec: ModelSpec) -> int:
-    """Total parameters, tied weights counted once."""
+    """Total parameters, tied weights counted once. Multi-token-prediction modules (DeepSeek-V3's
+    ``mtp_layers``) are not built and not counted here: see :func:`mtp_params`."""
     if isinstance(spec, TransformerSpec):
-        return (transformer_embedding_params(spec) + spec.num_layers * transformer_layer_params(spec)
-                + transformer_head_params(spec))
+        return (transformer_embedding_params(spec) + transformer_head_params(spec)
+                + sum(transformer_layer_params(spec, i) for i in range(spec.num_layers)))
     if isinstance(spec, ResNetSpec):
         return _resnet_params(spec)
     if isinstance(spec, VGGSpec):
@@ -84,3 +139,24 @@ def count_parameters(spec: ModelSpec) -> int:
     if isinstance(spec, MLPSpec):
         return _mlp_params(spec)
     raise TypeError(f"no closed-form count for {type(spec).__name__}")
+
+
+def count_active_parameters(spec: ModelSpec) -> int:
+    """Parameters one token's forward pass uses: the total less, in every MoE layer, the routed experts it
+    is not sent to. The embedding table counts whole, as in the total (Mixtral's 12.9B and Qwen3's
+    published active counts include it; DeepSeek-V3's 36.6B leaves the input embedding out). Equal to
+    :func:`count_parameters` for dense models."""
+    if not isinstance(spec, TransformerSpec) or not spec.is_moe:
+        return count_parameters(spec)
+    return (transformer_embedding_params(spec) + transformer_head_params(spec)
+            + sum(transformer_layer_active_params(spec, i) for i in range(spec.num_layers)))
+
+
+def mtp_params(spec: TransformerSpec) -> int:
+    """Parameters of DeepSeek-V3's multi-token-prediction modules, not counting the embedding and output
+    head they share with the main model (DeepSeek-V3 report, arXiv 2412.19437, Sec. 2.2; README_WEIGHTS.md):
+    per module an RMSNorm on the hidden state and one on the embedding, the 2h -> h projection, one
+    transformer layer like the last main one, and the shared head's own final RMSNorm."""
+    h = spec.hidden_size
+    per_module = 3 * h + 2 * h * h + transformer_layer_params(spec, spec.num_layers - 1)
+    return spec.mtp_layers * per_module

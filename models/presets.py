@@ -8,6 +8,16 @@ Sources, per family:
 - LLaMA 3: Llama 3 Herd of Models (Dubey et al. 2024), Table 3, and the released config.json files.
 - BERT-large: Devlin et al. 2019 (24 layers, 1024 hidden, 16 heads, 512 positions, 30522 WordPieces).
 - ResNet-50: He et al. 2016; VGG-16: Simonyan & Zisserman 2015 (torchvision layouts).
+- Mixtral 8x7B / 8x22B: Jiang et al. 2024 (arXiv 2401.04088) and HF mistralai/Mixtral-8x7B-v0.1,
+  Mixtral-8x22B-v0.1 config.json (experts are `intermediate_size` wide; router_aux_loss_coef).
+- Qwen3-30B-A3B / 235B-A22B: Qwen3 technical report (arXiv 2505.09388, Table 2) and HF Qwen/* config.json
+  (head_dim 128, q/k RMSNorm, 128 experts of moe_intermediate_size, top-8, router_aux_loss_coef 0.001).
+- DeepSeek-V3: arXiv 2412.19437 (Sec. 4.2: MLA ranks, 1 shared + 256 routed experts, top-8, first 3 layers
+  dense, sigmoid routing with scaling 2.5, balance factor alpha = 0.0001, one MTP module) and HF
+  deepseek-ai/DeepSeek-V3 config.json.
+Sequence lengths are pre-training lengths (4096 for the MoE models: Qwen3's general stage, DeepSeek-V3's
+4K pre-training, and the length NVIDIA's NeMo/Megatron Mixtral recipes train at), not the context windows
+the HF configs list as max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -20,6 +30,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                      seq_length=128),
     "llama-tiny": dict(family="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                        ffn_hidden_size=352, vocab_size=1024, seq_length=128),
+    # Tiny mixtures of experts: Mixtral-style (softmax top-2 of 4) and DeepSeek-style (MLA, sigmoid routing,
+    # a shared expert, a dense first layer, fine-grained experts).
+    "mixtral-tiny": dict(family="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=352, vocab_size=1024, seq_length=128, num_experts=4, experts_per_token=2),
+    "deepseek-tiny": dict(family="llama", num_layers=3, hidden_size=128, num_attention_heads=4, q_lora_rank=64,
+                          kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                          ffn_hidden_size=256, moe_ffn_hidden_size=64, num_experts=8, experts_per_token=2,
+                          num_shared_experts=1, dense_layers=1, moe_score_function="sigmoid",
+                          moe_routed_scaling_factor=2.5, mtp_layers=1, vocab_size=1024, seq_length=128),
     "gpt2": dict(family="gpt", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
                  seq_length=1024),
     "gpt3-1.3b": dict(family="gpt", num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257,
@@ -44,6 +63,26 @@ PRESETS: dict[str, dict[str, Any]] = {
                        ffn_hidden_size=28672, vocab_size=128256, seq_length=8192),
     "llama3-405b": dict(family="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
                         num_kv_heads=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192),
+    "mixtral-8x7b": dict(family="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, num_experts=8,
+                         experts_per_token=2, moe_aux_loss_coeff=0.02),
+    "mixtral-8x22b": dict(family="llama", num_layers=56, hidden_size=6144, num_attention_heads=48, num_kv_heads=8,
+                          ffn_hidden_size=16384, vocab_size=32000, seq_length=4096, num_experts=8,
+                          experts_per_token=2, moe_aux_loss_coeff=0.001),
+    "qwen3-30b-a3b": dict(family="llama", num_layers=48, hidden_size=2048, num_attention_heads=32, num_kv_heads=4,
+                          head_dim=128, qk_norm=True, ffn_hidden_size=6144, moe_ffn_hidden_size=768,
+                          num_experts=128, experts_per_token=8, vocab_size=151936, seq_length=4096,
+                          moe_aux_loss_coeff=0.001),
+    "qwen3-235b-a22b": dict(family="llama", num_layers=94, hidden_size=4096, num_attention_heads=64, num_kv_heads=4,
+                            head_dim=128, qk_norm=True, ffn_hidden_size=12288, moe_ffn_hidden_size=1536,
+                            num_experts=128, experts_per_token=8, vocab_size=151936, seq_length=4096,
+                            moe_aux_loss_coeff=0.001),
+    "deepseek-v3": dict(family="llama", num_layers=61, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_experts=256, experts_per_token=8,
+                        num_shared_experts=1, dense_layers=3, moe_score_function="sigmoid",
+                        moe_routed_scaling_factor=2.5, moe_aux_loss_coeff=0.0001, mtp_layers=1, vocab_size=129280,
+                        seq_length=4096),
     "bert-large": dict(family="bert", num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=30522,
                        seq_length=512),
     "resnet50": dict(family="resnet", depth=50, num_classes=1000, image_size=224),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -31,7 +32,27 @@ _LIMITS = {
     "image_size": 8192,
     "input_size": 1 << 26,
     "hidden_sizes": 1 << 24,
+    "head_dim": 1 << 16,
+    "num_experts": 1 << 16,
+    "experts_per_token": 1 << 16,
+    "moe_ffn_hidden_size": 1 << 23,
+    "num_shared_experts": 1 << 10,
+    "dense_layers": 4096,
+    "mtp_layers": 64,
+    "q_lora_rank": 1 << 20,
+    "kv_lora_rank": 1 << 20,
+    "qk_nope_head_dim": 1 << 16,
+    "qk_rope_head_dim": 1 << 16,
+    "v_head_dim": 1 << 16,
 }
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# Transformer fields added with mixture-of-experts support: left out of to_dict() at their defaults.
+_OPTIONAL_FIELDS = frozenset({
+    "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
+    "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
+    "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff"})
+_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk"})
+_ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
 
 @dataclass(frozen=True)
@@ -64,14 +85,51 @@ class TransformerSpec(ModelSpec):
     num_kv_heads: int | None = None  # default: num_attention_heads (plain multi-head attention)
     ffn_hidden_size: int | None = None  # default: 4 * hidden (llama: give its SwiGLU size)
     tied_embeddings: bool | None = None  # default: true for gpt and bert, false for llama
+    # Attention variants. head_dim: default hidden / heads (Qwen3 gives its own); with MLA, the Q/K head
+    # size qk_nope_head_dim + qk_rope_head_dim. qk_norm: RMSNorm on each head's query and key (Qwen3).
+    head_dim: int | None = None
+    qk_norm: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 Sec. 2.1): on when kv_lora_rank is set.
+    q_lora_rank: int | None = None  # None: queries projected directly (V2-Lite), else through this rank
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules (counted, not built: models/moe.py)
+    # Mixture of experts (Megatron-Core names; see models/moe.py). num_experts 0 = dense.
+    num_experts: int = 0
+    experts_per_token: int | None = None  # top-k routed experts per token
+    moe_ffn_hidden_size: int | None = None  # one routed expert's FFN size (default: ffn_hidden_size)
+    num_shared_experts: int = 0  # experts every token goes through (DeepSeek), each moe_ffn_hidden_size wide
+    dense_layers: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3's first_k_dense_replace)
+    moe_score_function: str = "softmax"  # router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
+    moe_norm_topk: bool = True  # renormalise the k selected scores to sum to 1
+    moe_routed_scaling_factor: float = 1.0  # DeepSeek-V3 multiplies the routed output by 2.5
+    moe_aux_loss_coeff: float = 0.01  # sequence-wise load-balancing loss weight (alpha); 0 turns it off
 
     is_transformer: ClassVar[bool] = True
     required: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                                            "seq_length")
 
-    @property
-    def head_dim(self) -> int:
+    def __post_init__(self) -> None:
+        if self.head_dim is None and self.num_attention_heads > 0:  # the effective head size, always an int
+            object.__setattr__(self, "head_dim", self._default_head_dim())
+
+    def _default_head_dim(self) -> int:
+        if self.mla:
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
         return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, leaving out the attention and MoE ones at their defaults: a dense model's dict (its
+        profile-cache key, a plan's ``model_spec``, saved measurements) reads as it did before they existed."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in _OPTIONAL_FIELDS and d[f.name] == f.default:
+                del d[f.name]
+        if d.get("head_dim") == self._default_head_dim():
+            del d["head_dim"]
+        return d
 
     @property
     def kv_heads(self) -> int:
@@ -80,6 +138,28 @@ class TransformerSpec(ModelSpec):
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """One routed (or shared) expert's FFN size; Megatron's default is the dense ffn_hidden_size."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def top_k(self) -> int:
+        return self.experts_per_token or 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has routed experts instead of a dense MLP."""
+        return self.is_moe and index >= self.dense_layers
 
     @property
     def causal(self) -> bool:
@@ -94,12 +174,56 @@ class TransformerSpec(ModelSpec):
 
     def validate(self, source: str) -> None:
         h, a = self.hidden_size, self.num_attention_heads
-        if h % a:
+        if h % a and self.head_dim == h // a and not self.mla:  # an explicit head_dim need not divide h
             raise ModelSpecError(f"{source}: num_attention_heads ({a}) must divide hidden_size ({h})")
         if a % self.kv_heads:
             raise ModelSpecError(f"{source}: num_kv_heads ({self.kv_heads}) must divide num_attention_heads ({a})")
-        if self.family == "llama" and self.head_dim % 2:
-            raise ModelSpecError(f"{source}: llama's rotary embedding needs an even head size, got {self.head_dim}")
+        self._validate_mla(source)
+        rotary = self.qk_rope_head_dim if self.mla else self.head_dim
+        if self.family == "llama" and rotary % 2:
+            raise ModelSpecError(f"{source}: llama's rotary embedding needs an even head size, got {rotary}")
+        self._validate_moe(source)
+
+    def _validate_mla(self, source: str) -> None:
+        mla_fields = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.mla:
+            given = [k for k in mla_fields if getattr(self, k) is not None]
+            if given:
+                raise ModelSpecError(f"{source}: field '{given[0]}' belongs to multi-head latent attention, "
+                                     "which needs kv_lora_rank")
+            return
+        if self.family != "llama":
+            raise ModelSpecError(f"{source}: multi-head latent attention (kv_lora_rank) needs family llama "
+                                 f"(its decoupled rotary embedding), got {self.family}")
+        for k in mla_fields[1:]:
+            if getattr(self, k) is None:
+                raise ModelSpecError(f"{source}: multi-head latent attention (kv_lora_rank) needs field '{k}'")
+        if self.num_kv_heads not in (None, self.num_attention_heads):
+            raise ModelSpecError(f"{source}: field 'num_kv_heads' does not apply to multi-head latent attention "
+                                 "(every head reads the shared latent)")
+        if self.head_dim != self._default_head_dim():
+            raise ModelSpecError(f"{source}: field 'head_dim' must be qk_nope_head_dim + qk_rope_head_dim "
+                                 f"({self._default_head_dim()}) with multi-head latent attention, got {self.head_dim}")
+
+    def _validate_moe(self, source: str) -> None:
+        moe_only = {"experts_per_token": None, "moe_ffn_hidden_size": None, "num_shared_experts": 0,
+                    "dense_layers": 0}
+        if not self.is_moe:
+            given = [k for k, default in moe_only.items() if getattr(self, k) != default]
+            if given:
+                raise ModelSpecError(f"{source}: field '{given[0]}' needs num_experts > 0 (a mixture of experts)")
+            return
+        k, e = self.experts_per_token, self.num_experts
+        if k is None:
+            raise ModelSpecError(f"{source}: a mixture of experts (num_experts {e}) needs field 'experts_per_token'")
+        if k > e:
+            raise ModelSpecError(f"{source}: field 'experts_per_token' ({k}) exceeds num_experts ({e})")
+        if self.dense_layers >= self.num_layers:
+            raise ModelSpecError(f"{source}: field 'dense_layers' ({self.dense_layers}) must be less than "
+                                 f"num_layers ({self.num_layers}): at least one layer has experts")
+        if self.moe_score_function not in SCORE_FUNCTIONS:
+            raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
+                                 f"{', '.join(SCORE_FUNCTIONS)}, got {self.moe_score_function!r}")
 
 
 @dataclass(frozen=True)
@@ -186,6 +310,15 @@ def _check_int(source: str, key: str, value: Any) -> int:
     return value
 
 
+def _check_float(source: str, key: str, value: Any, zero_ok: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ModelSpecError(f"{source}: field '{key}' must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ModelSpecError(f"{source}: field '{key}' must be {'non-negative' if zero_ok else 'positive'}, "
+                             f"got {value}")
+    return float(value)
+
+
 def spec_from_mapping(data: Any, source: str) -> ModelSpec:
     """Validate a mapping (parsed YAML/JSON or a preset) into the family's spec dataclass."""
     if not isinstance(data, dict):
@@ -213,6 +346,17 @@ def spec_from_mapping(data: Any, source: str) -> ModelSpec:
         if f.name == "tied_embeddings":
             if v is not None and not isinstance(v, bool):
                 raise ModelSpecError(f"{source}: field 'tied_embeddings' must be true or false, got {v!r}")
+        elif f.name in _BOOL_FIELDS:
+            if not isinstance(v, bool):
+                raise ModelSpecError(f"{source}: field '{f.name}' must be true or false, got {v!r}")
+        elif f.name == "moe_score_function":
+            if v not in SCORE_FUNCTIONS:
+                raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
+                                     f"{', '.join(SCORE_FUNCTIONS)}, got {v!r}")
+        elif f.name in ("moe_aux_loss_coeff", "moe_routed_scaling_factor"):
+            v = _check_float(source, f.name, v, zero_ok=f.name == "moe_aux_loss_coeff")
+        elif f.name in _ZERO_OK_FIELDS:
+            v = 0 if v == 0 and not isinstance(v, bool) else _check_int(source, f.name, v)
         elif f.name == "hidden_sizes":
             if not isinstance(v, list | tuple):
                 raise ModelSpecError(f"{source}: field 'hidden_sizes' must be a list of widths, got {v!r}")

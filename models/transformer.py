@@ -5,6 +5,10 @@ linears (not one fused QKV) so that column-parallel sharding splits whole heads.
 head count from the tensor it gets (``view(b, s, -1, head_dim)``), so the same code runs with the
 local heads of a tensor-parallel rank. There is no dropout: training runs stay deterministic and
 independent of the layout (modern LLM pre-training uses none either).
+
+Variants the spec switches on: Qwen3's per-head RMSNorm on queries and keys (``qk_norm``), DeepSeek's
+multi-head latent attention (:class:`LatentAttention`), and mixture-of-experts layers, whose MLP is an
+:class:`~.moe.MoE` held as ``layers.N.moe`` (dense layers keep ``layers.N.mlp``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .moe import MoE
 from .specs import TransformerSpec
 from .staged import StagedModel
 
@@ -71,7 +76,8 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head (or grouped-query) self-attention with separate Q/K/V projections."""
+    """Multi-head (or grouped-query) self-attention with separate Q/K/V projections; with ``qk_norm`` an
+    RMSNorm over each head's query and key before the rotary embedding (Qwen3)."""
 
     def __init__(self, spec: TransformerSpec):
         super().__init__()
@@ -84,11 +90,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, spec.kv_heads * d, bias=bias)
         self.wv = nn.Linear(h, spec.kv_heads * d, bias=bias)
         self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=bias)
+        self.q_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, h)
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, a_local, s, d)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_local, s, d)
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, a_local, d)
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, kv_local, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, a_local, s, d), (b, kv_local, s, d)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.rotary:
             q, k = _rotate(q), _rotate(k)
@@ -99,22 +110,66 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
 
 
-class MLP(nn.Module):
-    """GELU MLP (gpt, bert): fc2(gelu(fc1 x)); SwiGLU (llama): w2(silu(w1 x) * w3 x)."""
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, Sec. 2.1; DeepSeek-V3 Sec. 2.1.1).
+
+    Queries: ``wq_a`` (h -> q_lora_rank), RMSNorm, ``wq_b`` (-> heads x (nope + rope)); or one ``wq`` when
+    q_lora_rank is unset. Keys and values: ``wkv_a`` (h -> kv_lora_rank + rope), the latent part RMSNormed
+    and expanded by ``wkv_b`` (-> heads x (nope + v)); the rope part is one rotary key shared by all heads.
+    Head count is read from the tensors (tensor parallelism shards wq_b/wq, wkv_b and wo by heads).
+    """
 
     def __init__(self, spec: TransformerSpec):
         super().__init__()
-        h, f = spec.hidden_size, spec.ffn_size
+        h, a = spec.hidden_size, spec.num_attention_heads
+        self.nope, self.rope, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.kv_rank = spec.kv_lora_rank
+        qk = self.nope + self.rope
+        if spec.q_lora_rank:
+            self.wq_a = nn.Linear(h, spec.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(spec.q_lora_rank, eps=1e-6)
+            self.wq_b = nn.Linear(spec.q_lora_rank, a * qk, bias=False)
+        else:
+            self.wq = nn.Linear(h, a * qk, bias=False)
+        self.wkv_a = nn.Linear(h, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_rank, eps=1e-6)
+        self.wkv_b = nn.Linear(self.kv_rank, a * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(a * self.v_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # (b, s, h)
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_b") else self.wq(x)  # (b, s, a·(nope+rope))
+        q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)  # (b, a_local, s, nope+rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)  # (b, s, kv_rank), (b, s, rope)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (b, a_local, s, nope), (b, a_local, s, v)
+        k_pe = _rotate(k_pe.unsqueeze(1))  # (b, 1, s, rope): one rotary key for every head
+        q = torch.cat([q_nope, _rotate(q_pe)], dim=-1)  # (b, a_local, s, nope+rope)
+        k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        y = _attention_core(q, k, v, causal=True)  # (b, a_local, s, v)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt, bert): fc2(gelu(fc1 x)); SwiGLU (llama): w2(silu(w1 x) * w3 x).
+
+    ``ffn`` overrides the width and ``bias`` the family's biases (shared experts: moe width, no biases)."""
+
+    def __init__(self, spec: TransformerSpec, ffn: int | None = None, bias: bool | None = None):
+        super().__init__()
+        h, f = spec.hidden_size, ffn or spec.ffn_size
         self.gated = spec.family == "llama"
         if self.gated:
             self.w1 = nn.Linear(h, f, bias=False)
             self.w3 = nn.Linear(h, f, bias=False)
             self.w2 = nn.Linear(f, h, bias=False)
         else:
-            self.fc1 = nn.Linear(h, f)
-            self.fc2 = nn.Linear(f, h)
+            bias = True if bias is None else bias
+            self.fc1 = nn.Linear(h, f, bias=bias)
+            self.fc2 = nn.Linear(f, h, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., h) -> (..., h)
         if self.gated:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
@@ -127,22 +182,31 @@ def _norm(spec: TransformerSpec) -> nn.Module:
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm (gpt, llama) or post-norm (bert) transformer layer."""
+    """Pre-norm (gpt, llama) or post-norm (bert) transformer layer; layer ``index`` of a mixture of experts
+    past its dense_layers holds an MoE block (``moe``) instead of the dense MLP (``mlp``)."""
 
-    def __init__(self, spec: TransformerSpec):
+    def __init__(self, spec: TransformerSpec, index: int = 0):
         super().__init__()
         self.post_norm = spec.family == "bert"
         self.attn_norm = _norm(spec)
-        self.attn = Attention(spec)
+        self.attn = LatentAttention(spec) if spec.mla else Attention(spec)
         self.mlp_norm = _norm(spec)
-        self.mlp = MLP(spec)
+        if spec.is_moe_layer(index):
+            shared = MLP(spec, ffn=spec.num_shared_experts * spec.moe_ffn_size, bias=False) \
+                if spec.num_shared_experts else None
+            self.moe = MoE(spec, shared)
+            self.ffn_name = "moe"
+        else:
+            self.mlp = MLP(spec)
+            self.ffn_name = "mlp"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+        ffn = getattr(self, self.ffn_name)
         if self.post_norm:
             x = self.attn_norm(x + self.attn(x))
-            return self.mlp_norm(x + self.mlp(x))
+            return self.mlp_norm(x + ffn(x))
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        return x + ffn(self.mlp_norm(x))
 
 
 class Embedding(nn.Module):
@@ -191,11 +255,13 @@ class Transformer(StagedModel):
         super().__init__()
         self.spec = spec
         self.embed = Embedding(spec)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(spec) for i in range(spec.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(spec, i) for i in range(spec.num_layers)})
         self.head = LMHead(spec)
         if spec.tied:
             self.head.proj.weight = self.embed.tok.weight
         self.block_names = ["embed", *[f"layers.{i}" for i in range(spec.num_layers)], "head"]
+        # MoE layers are "transformer_layer" too: the planner prices every layer of that kind alike (FSDP unit,
+        # dropout of unfused attention); a layer's experts show in its profile (LayerProfile.expert_params).
         self.block_kinds = {n: "transformer_layer" for n in self.block_names}
         self.block_kinds.update(embed="embedding", head="lm_head")
 
@@ -208,9 +274,20 @@ def transformer_tp_plan(spec: TransformerSpec) -> dict[str, str]:
     vocabulary); ``vocab_head`` (output projection sharded over the vocabulary); ``norm`` (replicated,
     or sequence-parallel when the plan turns sequence parallelism on, Korthikanti et al. 2022);
     ``region`` marks a module whose input is all-gathered over the sequence under sequence parallelism.
+
+    Multi-head latent attention shards by heads: ``wq_b`` (or ``wq``) and ``wkv_b`` colwise, ``wo`` rowwise;
+    its low-rank down-projections ``wq_a``/``wkv_a`` and their norms are replicated (Megatron-Core's MLA
+    does the same), though inside the attention region. Qwen3's q_norm/k_norm act per head (on each
+    rank's own heads) with one weight shared by all heads.
+
+    MoE blocks (``layers.N.moe``: router, experts, shared experts) have no style: they stay replicated
+    under tensor parallelism. The block is token-wise, so with sequence parallelism each rank routes its
+    own sequence shard (Megatron-Core with etp = 1 and sequence parallelism); without it every rank
+    computes the whole block. Expert tensor parallelism (etp) and expert parallelism are the executor's
+    to add, through ``MoE.dispatch`` and the stacked (E, in, out) expert weights.
     """
     plan = {"embed.tok": "vocab_embedding", "head.norm": "norm", "head.proj": "vocab_head"}
-    attn_in = ("wq", "wk", "wv")
+    attn_in = ("wq_b", "wq", "wkv_b") if spec.mla else ("wq", "wk", "wv")
     mlp_in, mlp_out = (("w1", "w3"), "w2") if spec.family == "llama" else (("fc1",), "fc2")
     plan.update({"layers.*.attn_norm": "norm", "layers.*.mlp_norm": "norm", "layers.*.attn": "region",
                  "layers.*.mlp": "region", "layers.*.attn.wo": "rowwise", f"layers.*.mlp.{mlp_out}": "rowwise"})

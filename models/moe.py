@@ -1,0 +1,249 @@
+"""The mixture-of-experts block: router, dropless experts, shared experts, load-balancing loss.
+
+What it computes, per token (Mixtral, arXiv 2401.04088 Sec. 2.1; Qwen3-MoE; DeepSeek-V3, arXiv 2412.19437
+Sec. 2.1.2): router scores s = softmax(x W_r) (Mixtral, Qwen3) or sigmoid(x W_r) (DeepSeek-V3), the top-k
+experts by score, their scores renormalised to sum to 1 (``moe_norm_topk``) and multiplied by
+``moe_routed_scaling_factor``; the output is the weighted sum of those k experts' MLPs plus the shared
+experts' MLP. Token-choice and dropless: every expert takes every token routed to it (no capacity).
+Not modelled: DeepSeek's group-limited routing (n_group/topk_group) and its auxiliary-loss-free bias
+updates (a routing detail and an optimiser-side rule; neither changes parameters, FLOPs or traffic).
+
+Expert parallelism hooks (for the executor):
+
+- :func:`local_dispatch` is the one place tokens meet experts: tokens -> per-expert groups -> expert MLPs ->
+  weighted combine. Each :class:`MoE` calls it through its ``dispatch`` attribute, so an all-to-all version
+  over expert-parallel ranks can be swapped in per module without touching the rest (same signature).
+- :class:`GroupedExperts` holds the routed experts as stacked ``(E, in, out)`` tensors: sharding dim 0
+  over ep ranks gives each rank whole experts.
+
+Routing modes. Dropless routing is data-dependent: how many tokens an expert gets depends on values. On
+the meta device (profiling, planning) and on fake tensors (the dry run) there are no values, so routing is
+*balanced*: slot j of token t goes to expert (t·k + j) mod E, so each expert gets T·k/E tokens (the
+remainder spread over the first experts), deterministically. The gate still runs and the weights still
+come from the real scores, so FLOPs, saved activations and gradients flow as in training. Real devices
+route for real unless :func:`balanced_routing` is on.
+
+Load balancing: DeepSeek-V3's sequence-wise auxiliary loss (arXiv 2412.19437 Eqs. 17-20), alpha =
+``moe_aux_loss_coeff``, averaged over the sequences of the micro-batch (so its gradient does not depend
+on how a batch is split into micro-batches or data-parallel ranks). It is added to the backward pass by
+:class:`AuxLossAutoScaler` (Megatron-Core's MoEAuxLossAutoScaler idea): the model's output and the loss
+the trainer computes and reports stay the language-model loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .specs import TransformerSpec
+
+_BALANCED: ContextVar[bool] = ContextVar("balanced_routing", default=False)
+_COLLECTED: ContextVar[list | None] = ContextVar("collected_aux_losses", default=None)
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Route every token perfectly balanced (see the module docstring) even on a real device."""
+    token = _BALANCED.set(True)
+    try:
+        yield
+    finally:
+        _BALANCED.reset(token)
+
+
+def _has_no_values(x: torch.Tensor) -> bool:
+    if x.device.type == "meta":
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - torch without fake tensors
+        return False
+    return is_fake(x)
+
+
+def routes_balanced(x: torch.Tensor) -> bool:
+    """Whether tokens ``x`` are routed balanced: asked for, or on meta / fake tensors (no values)."""
+    return _BALANCED.get() or _has_no_values(x)
+
+
+@contextlib.contextmanager
+def collect_aux_losses():
+    """Collect every MoE layer's weighted auxiliary loss of the forward passes run inside (a list of scalar
+    tensors with their graphs), e.g. to check the autoscaler against an explicit ``loss + sum(aux)``."""
+    found: list[torch.Tensor] = []
+    token = _COLLECTED.set(found)
+    try:
+        yield found
+    finally:
+        _COLLECTED.reset(token)
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Forward returns ``output`` unchanged; backward passes its gradient through and gives ``aux_loss`` the
+    gradient ``scale``, so autograd adds scale · d(aux_loss)/d(inputs, router weights) to the backward pass
+    without the loss ever being added to the model's output.
+
+    ``scale`` is what the trainer multiplies its loss by before backward (1 by default; 1/m when each of m
+    micro-batches' losses is divided by m for gradient accumulation; the loss scale under fp16). It is a
+    process-wide setting, read when backward runs (autograd may run backward on another thread):
+    :func:`set_aux_loss_scale`.
+    """
+
+    scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.aux
+        return grad_output, torch.full(shape, AuxLossAutoScaler.scale, dtype=dtype, device=device)
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """Set the factor the auxiliary losses' gradients are multiplied by (see :class:`AuxLossAutoScaler`)."""
+    AuxLossAutoScaler.scale = float(scale)
+
+
+def sequence_aux_loss(scores: torch.Tensor, expert_idx: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss without alpha (arXiv 2412.19437, Eqs. 17-20), averaged over
+    sequences: sum_i f_i·P_i with f_i = E/(k·S) · #tokens routed to expert i, P_i = mean_t s'_{i,t} where
+    s' are the scores normalised over experts. 1 when routing is perfectly balanced and uniform.
+
+    scores: (b, S, E) fp32; expert_idx: (b, S, k) -> scalar.
+    """
+    b, s, e = scores.shape
+    k = expert_idx.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores  # (b, S, E), each row sums to 1
+    p = probs.mean(1)  # (b, E)
+    hits = torch.zeros_like(scores).scatter_(2, expert_idx, 1.0).sum(1)  # (b, E) tokens per expert
+    f = hits * (e / (k * s))  # (b, E)
+    return (f * p).sum(-1).mean()
+
+
+def balanced_assignment(tokens: int, num_experts: int, k: int, device) -> tuple[torch.Tensor, list[int]]:
+    """Balanced routing: slot j of token t -> expert (t·k + j) mod E. Returns (expert_idx (T, k), tokens per
+    expert), the counts computed without reading any tensor value."""
+    idx = (torch.arange(tokens * k, device=device) % num_experts).view(tokens, k)  # (T, k)
+    base, extra = divmod(tokens * k, num_experts)
+    return idx, [base + (1 if e < extra else 0) for e in range(num_experts)]
+
+
+class Router(nn.Module):
+    """Top-k token-choice router: a bias-free E x h gate, softmax or sigmoid scores."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score_function: str, norm_topk: bool,
+                 scaling: float):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.sigmoid = score_function == "sigmoid"
+        self.norm_topk, self.scaling = norm_topk, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """x: (T, h) -> scores (T, E) fp32, expert_idx (T, k) int64, weights (T, k) fp32, tokens per expert."""
+        logits = self.gate(x).float()  # (T, E)
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        if routes_balanced(x):
+            idx, counts = balanced_assignment(x.shape[0], self.num_experts, self.top_k, x.device)
+        else:
+            idx = torch.topk(scores, self.top_k, dim=-1).indices  # (T, k)
+            counts = torch.bincount(idx.flatten(), minlength=self.num_experts).tolist()
+        weights = scores.gather(1, idx)  # (T, k)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        return scores, idx, weights, counts
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs as stacked weights: SwiGLU w2(silu(x w1) * x w3) (gated) or GELU w2(gelu(x w1)).
+
+    w1, w3: (E, h, f); w2: (E, f, h). No biases. ``forward`` takes tokens already grouped by expert.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool):
+        super().__init__()
+        self.gated = gated
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, ffn)) if gated else None
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)  # the zoo's N(0, 0.02) (models.reference_init draws the same law)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (N, h), rows grouped by expert, counts[e] rows for expert e (sum N) -> (N, h)."""
+        outs = []
+        for e, xe in enumerate(torch.split(x, counts)):  # xe: (n_e, h)
+            hidden = xe @ self.w1[e]  # (n_e, f)
+            hidden = F.silu(hidden) * (xe @ self.w3[e]) if self.gated else F.gelu(hidden, approximate="tanh")
+            outs.append(hidden @ self.w2[e])  # (n_e, h)
+        return torch.cat(outs)
+
+
+Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], GroupedExperts], torch.Tensor]
+
+
+def local_dispatch(x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, counts: list[int],
+                   experts: GroupedExperts) -> torch.Tensor:
+    """Tokens -> per-expert groups -> expert MLPs -> weighted combine, all experts on this rank.
+
+    x: (T, h); expert_idx, weights: (T, k); counts: tokens per expert (len E, sum T·k) -> (T, h).
+    An expert-parallel version keeps this signature: permute the same way, all-to-all the groups (sizes
+    from ``counts``) to the ranks owning the experts, run the local experts, all-to-all back, combine.
+    """
+    k = expert_idx.shape[1]
+    order = torch.argsort(expert_idx.reshape(-1), stable=True)  # (T·k,) slots grouped by expert
+    token = order // k  # (T·k,) the token each slot belongs to
+    out = experts(x[token], counts)  # (T·k, h)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)  # (T·k, h) weighted
+    return torch.zeros_like(x).index_add_(0, token, out)  # (T, h) summed over each token's k slots
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts) in place of a layer's MLP: (b, s, h) -> (b, s, h)."""
+
+    def __init__(self, spec: TransformerSpec, shared_experts: nn.Module | None = None):
+        super().__init__()
+        self.router = Router(spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_score_function,
+                             spec.moe_norm_topk, spec.moe_routed_scaling_factor)
+        self.experts = GroupedExperts(spec.num_experts, spec.hidden_size, spec.moe_ffn_size, spec.family == "llama")
+        self.shared_experts = shared_experts
+        self.aux_loss_coeff = spec.moe_aux_loss_coeff
+        self.dispatch: Dispatch = local_dispatch  # replaceable: expert parallelism swaps in an all-to-all
+        self.last_aux_loss: torch.Tensor | None = None  # detached, for logging
+
+    def inactive_parameters(self) -> int:
+        """Routed-expert parameters one token does not use: (E - k) experts' worth."""
+        e, k = self.experts.num_experts, self.router.top_k
+        return sum(p.numel() for p in self.experts.parameters()) * (e - k) // e
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape  # (b, s, h)
+        flat = x.reshape(b * s, h)  # (T, h)
+        scores, idx, weights, counts = self.router(flat)
+        y = self.dispatch(flat, idx, weights, counts, self.experts)  # (T, h)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        y = y.view(b, s, h)
+        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(b, s, -1), idx.view(b, s, -1),
+                                                          self.router.sigmoid)
+            self.last_aux_loss = aux.detach()
+            collected = _COLLECTED.get()
+            if collected is not None:
+                collected.append(aux)
+            y = AuxLossAutoScaler.apply(y, aux)
+        return y
