@@ -25,8 +25,8 @@ class _Console(Console):
 
 
 class TrainingDisplay:
-    def __init__(self, job: Job, steps: int, enabled: bool, notes: list[str] | None = None):
-        self.job, self.steps, self.enabled, self.notes = job, steps, enabled, notes or []
+    def __init__(self, job: Job, steps: int, enabled: bool, notes: list[str] | None = None, start: int = 0):
+        self.job, self.steps, self.enabled, self.notes, self.start = job, steps, enabled, notes or [], start
         self.console = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
         self.progress: Progress | None = None
         self.task = None
@@ -43,8 +43,13 @@ class TrainingDisplay:
             self.progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console)
             self.progress.start()
-            self.task = self.progress.add_task("train", total=self.steps, info="")
+            self.task = self.progress.add_task("train", total=self.steps, completed=self.start, info="")
         return self
+
+    def note(self, text: str) -> None:
+        """A line between the steps (a checkpoint written)."""
+        if self.enabled:
+            self.console.print(text)
 
     def step(self, index: int, loss: float, time_s: float) -> None:
         if not self.enabled:

@@ -9,9 +9,10 @@ was aborted (state ``peer``). The launcher then names the rank that caused it.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
-FAULT_ENV = "PARAPLAN_FAULT"  # "exit:RANK:STEP", "hang:RANK:STEP" or "raise:RANK:STEP" (STEP counts from 1)
+FAULT_ENV = "PARAPLAN_FAULT"  # "KIND:RANK:STEP[:ATTEMPT]", KIND exit|kill|hang|raise (STEP counts from 1)
 PEER_MARKERS = ("connection closed", "connection reset", "connection refused", "broken pipe", "timed out",
                 "timeout", "peer", "communicator was aborted", "process group has been shut down")
 
@@ -43,16 +44,22 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def inject_fault(rank: int, step: int) -> None:
-    """Tests' fault injection (``PARAPLAN_FAULT``): make rank RANK exit (code 3), hang forever or raise
-    at the start of step STEP. ``step`` here is 0-based, STEP 1-based."""
+    """Tests' fault injection (``PARAPLAN_FAULT``): make rank RANK exit (code 3), die of SIGKILL, hang
+    forever or raise at the start of step STEP, in attempt ATTEMPT of the job (torchrun's restart count;
+    default 0, so a job restarted by ``--max-restarts`` does not fail again). ``step`` here is 0-based,
+    STEP 1-based."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    kind, r, s = spec.split(":")
+    kind, r, s, *attempt = spec.split(":")
     if int(r) != rank or int(s) != step + 1:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(attempt[0] if attempt else 0):
         return
     if kind == "exit":
         os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         while True:
             time.sleep(1)

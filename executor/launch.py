@@ -36,6 +36,28 @@ STOP_GRACE_S = 40.0  # torchrun gives its workers 30 s between SIGTERM and SIGKI
 
 
 @dataclass(frozen=True)
+class TrainingOptions:
+    """What the ranks train on and how they save and resume (execute's --data and checkpoint flags)."""
+
+    data: str | None = None  # --data PATH (token_data.py); None: the bundled corpus
+    data_dtype: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # save after every step this divides (0: never)
+    resume: str | None = None  # a step-N folder to start from
+    max_restarts: int = 0  # torchrun restarts the job this often after a failure
+
+    def worker_args(self) -> list[str]:
+        args = []
+        for flag, value in (("--data", self.data), ("--data-dtype", self.data_dtype),
+                            ("--checkpoint-dir", self.checkpoint_dir), ("--resume", self.resume)):
+            if value:
+                args += [flag, os.path.abspath(value) if flag != "--data-dtype" else value]
+        if self.checkpoint_every:
+            args += ["--checkpoint-every", str(self.checkpoint_every)]
+        return args
+
+
+@dataclass(frozen=True)
 class LaunchOptions:
     nproc_per_node: int
     nnodes: int = 1
@@ -49,12 +71,14 @@ class LaunchOptions:
     debug: bool = False
     quiet: bool = False  # ranks print nothing on stdout (the caller prints the record as JSON)
     threads_per_rank: int | None = None  # OMP threads of a CPU rank (None: leave the environment's)
+    training: TrainingOptions = TrainingOptions()
 
 
 def torchrun_command(plans: list[str], outs: list[str | None], opts: LaunchOptions) -> list[str]:
     """The exact torchrun command line for this node."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(opts.nnodes),
-           "--nproc-per-node", str(opts.nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.2"]
+           "--nproc-per-node", str(opts.nproc_per_node), "--max-restarts", str(opts.training.max_restarts),
+           "--monitor-interval", "0.2"]
     if opts.rdzv_endpoint:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint, "--rdzv-id", opts.run_id]
     else:
@@ -64,6 +88,7 @@ def torchrun_command(plans: list[str], outs: list[str | None], opts: LaunchOptio
             "--nnodes", str(opts.nnodes)]
     for plan, out in zip(plans, outs, strict=True):
         cmd += ["--plan", os.path.abspath(plan), "--out", os.path.abspath(out) if out else "-"]
+    cmd += opts.training.worker_args()
     if opts.quiet:
         cmd.append("--quiet")
     if opts.debug:
@@ -173,11 +198,14 @@ def _exit_text(code: int) -> str:
 PHASES = {"starting": "while starting", "rendezvous": "while joining the process group",
           "mesh": "while building the device mesh", "model": "while building its model chunks",
           "optimizer": "while building the optimizer", "pipeline": "while building the pipeline schedule",
+          "resume": "while loading its checkpoint",
           "finish": "after its last step (draining parameter-server replies)",
           "record": "while recording the run", "done": "after finishing"}
 
 
 def _where(st: RankStatus) -> str:
+    if st.phase == "checkpoint":
+        return f"while saving the checkpoint of step {st.step + 1}"
     return f"step {st.step + 1}" if st.phase == "train" else PHASES.get(st.phase, f"while {st.phase}")
 
 

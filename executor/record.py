@@ -1,9 +1,13 @@
 """The run record (DESIGN.md: ``execute --out DIR`` writes ``DIR/run.json``) and what it summarises.
 
 Contract keys: plan, world_size, steps, losses (global mean per step), step_time_s (per step),
-peak_memory_gib (per rank; null where the device cannot tell), backend, device. A few more keys help
+peak_memory_gib (per rank; null where the device cannot tell), backend, device, restarts (how often
+torchrun restarted the job after a failure) and resumed_from_step (the checkpoint step the last
+attempt started from; null when it started from step 0). ``losses`` and ``step_time_s`` cover every
+step of the run, those before a resume included (they travel in the checkpoint). A few more keys help
 calibration: the mean step time without the first (warm-up) step, the throughput it implies, the
-plan's prediction beside it, and each rank's optimizer state (what ZeRO shards).
+plan's prediction beside it, and each rank's optimizer state (what ZeRO shards); ``data`` names the
+token file (null: the bundled corpus).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class RunSummary:
     backend: str
     device: str
     nnodes: int
+    restarts: int = 0
+    resumed_from_step: int | None = None
+    data: dict | None = None
 
     @property
     def mean_step_time_s(self) -> float:
@@ -74,6 +81,9 @@ class RunSummary:
             "backend": self.backend,
             "device": self.device,
             "nnodes": self.nnodes,
+            "restarts": self.restarts,
+            "resumed_from_step": self.resumed_from_step,
+            "data": self.data,
             "mean_step_time_s": self.mean_step_time_s,
             "samples_per_s": self.samples_per_s,
             "tokens_per_s": self.tokens_per_s,

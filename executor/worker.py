@@ -10,6 +10,10 @@ exception of its own (``error``), a collective that failed because of another ra
 a SIGTERM from torchrun/the launcher (``terminated``). Output of ranks other than 0 (and rank 0's
 stderr) goes to per-rank log files beside the status files, so the console shows one clean run.
 Heavy imports (torch) come after the first status write, so the launcher sees a starting rank at once.
+
+With one plan, the run may read the user's tokens, save checkpoints, resume from one, and, when
+torchrun restarts the job after a failure, resume by itself from the latest complete one
+(training.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--quiet", action="store_true", help="no progress or summary on stdout (execute --json)")
     p.add_argument("--debug", action="store_true")
+    p.add_argument("--data", help="token file (execute --data)")
+    p.add_argument("--data-dtype")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", help="checkpoint folder to start from")
     return p.parse_args(argv)
+
+
+def training_options(args: argparse.Namespace):
+    from .launch import TrainingOptions
+
+    return TrainingOptions(data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 class Terminated(BaseException):
@@ -60,7 +76,7 @@ def _redirect_output(rank: int, folder: str | None) -> None:
 
 
 def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status, nnodes: int,
-             quiet: bool = False) -> None:
+             quiet: bool = False, training=None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -88,9 +104,9 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
             inject_fault(rank, k)
 
         server.serve(steps, on_step)
-        results, optimizer = [], server.optimizer
+        results, optimizer, resumed = [], server.optimizer, None
     else:
-        results, optimizer = _train(job, rank, device, steps, timeout, status, quiet)
+        results, optimizer, resumed = _train(job, rank, device, steps, timeout, status, quiet, training, out)
     status.update(phase="record")
     per_rank: list = [None] * dist.get_world_size()  # (peak memory GiB, optimizer state GiB) of every rank
     dist.all_gather_object(per_rank, (peak_memory_gib(device), optimizer_state_bytes(optimizer) / 2**30))
@@ -101,7 +117,8 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
         summary = RunSummary(job=job, losses=[r.loss for r in results],
                              step_time_s=[r.time_s for r in results], peak_memory_gib=[m for m, _ in per_rank],
                              optimizer_state_gib=[o for _, o in per_rank],
-                             backend=backend, device=name, nnodes=nnodes)
+                             backend=backend, device=name, nnodes=nnodes, restarts=_restarts(),
+                             resumed_from_step=resumed, data=_data_record(training, job))
         display = TrainingDisplay(job, steps, enabled=not quiet)
         display.summary(summary)
         if out:
@@ -111,28 +128,55 @@ def run_plan(job, steps: int, out: str | None, timeout: timedelta | None, status
     dist.barrier()
 
 
-def _train(job, rank: int, device, steps: int, timeout: timedelta | None, status, quiet: bool):
-    """Build this rank's model and train it; returns (step results, optimizer)."""
+def _train(job, rank: int, device, steps: int, timeout: timedelta | None, status, quiet: bool, training,
+           out: str | None):
+    """Build this rank's model and train it; returns (every step's result, optimizer, the step the run
+    resumed from or None)."""
     from .console import TrainingDisplay
     from .failures import inject_fault
+    from .launch import TrainingOptions
     from .parallelize import build_rank_model
-    from .trainer import Trainer
+    from .training import TrainingRun
 
     rm = build_rank_model(job, rank, device, timeout, on_phase=lambda ph: status.update(phase=ph))
-    trainer = Trainer.create(rm)
+    status.update(phase="resume")
+    run = TrainingRun.start(rm, training or TrainingOptions(), steps, out)
     notes = []
     if device.type == "cpu" and job.layout.dtype != "fp32":
         notes.append(f"the plan trains in {job.layout.dtype}; on CPU the executor trains in fp32")
-    notes += _layout_notes(job)
-    with TrainingDisplay(job, steps, enabled=rank == 0 and not quiet, notes=notes) as display:
-        for k in range(steps):
-            status.update(phase="train", step=k)
-            inject_fault(rank, k)
-            r = trainer.step(k)
-            display.step(k, r.loss, r.time_s)
-    status.update(phase="finish")
-    trainer.finish()
-    return trainer.results, rm.optimizer
+    notes += _layout_notes(job) + run.notes
+    try:
+        with TrainingDisplay(job, steps, enabled=rank == 0 and not quiet, notes=notes,
+                             start=run.start_step) as display:
+            for k in range(run.start_step, steps):
+                status.update(phase="train", step=k)
+                inject_fault(rank, k)
+                r = run.step(k)
+                display.step(k, r.loss, r.time_s)
+                if run.checkpoint_due(k):
+                    status.update(phase="checkpoint", step=k)
+                    path = run.save(k)
+                    display.note(f"checkpoint {path}")
+        status.update(phase="finish")
+        run.trainer.finish()
+    finally:
+        run.close()
+    return run.results(), rm.optimizer, run.resumed_from_step
+
+
+def _restarts() -> int:
+    from .training import restart_count
+
+    return restart_count()
+
+
+def _data_record(training, job) -> dict | None:
+    """What run.json says about the data: the token file, or None for the bundled corpus."""
+    if training is None or not training.data:
+        return None
+    from .token_data import open_tokens
+
+    return open_tokens(training.data, training.data_dtype, job.spec.vocab_size).describe()
 
 
 def _ranks(lo: int, hi: int) -> str:
@@ -163,11 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch.distributed as dist
 
+        from .errors import ExecutionError
         from .job import Job
         from .machine import rank_device
 
         jobs = [Job.load(p) for p in args.plan]
         outs = [None if o == "-" else o for o in args.out] + [None] * (len(jobs) - len(args.out))
+        training = training_options(args)
+        if len(jobs) > 1 and training != type(training)():
+            raise ExecutionError("--data, checkpoints and --resume apply to one plan per launch")
         timeout = timedelta(seconds=args.timeout) if args.timeout > 0 else None
         _, backend = rank_device(jobs[0].plan)
         status.update(phase="rendezvous")
@@ -175,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             job.check_world(dist.get_world_size())
         for job, out in zip(jobs, outs, strict=True):
-            run_plan(job, args.steps, out, timeout, status, args.nnodes, quiet=args.quiet)
+            run_plan(job, args.steps, out, timeout, status, args.nnodes, quiet=args.quiet, training=training)
         status.update(state="done", phase="done")
         dist.destroy_process_group()
         return 0

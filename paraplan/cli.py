@@ -158,6 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous (instead of master addr/port)")
     p.add_argument("--timeout", type=_non_negative_float, default=300.0,
                    help="seconds a rank may hang before the job is ended")
+    # training on your data, checkpoints, resume, restarts (executor/training.py)
+    p.add_argument("--data", metavar="PATH", help="token file: flat uint16/uint32 ids (nanoGPT's train.bin) or "
+                   "Megatron's indexed dataset PATH.bin + PATH.idx")
+    p.add_argument("--data-dtype", choices=("uint16", "uint32"),
+                   help="id width of a flat token file (default: uint16 when the vocabulary fits, else uint32)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints to DIR/step-N/")
+    p.add_argument("--checkpoint-every", type=_positive_int, metavar="K", help="save after every K-th step")
+    p.add_argument("--resume", metavar="DIR[/step-N]", help="start from a checkpoint (DIR: its latest complete one)")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
+                   help="restart the job from the latest checkpoint up to R times when a rank dies or hangs")
+    _add_common(p)
+
+    p = sub.add_parser("export", help="write a plan as Megatron-LM arguments, a torchtitan TOML, a DeepSpeed "
+                                      "config or a Slurm script")
+    p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by plan or simulate")
+    p.add_argument("--to", required=True, choices=("megatron", "torchtitan", "deepspeed", "slurm"))
+    p.add_argument("--out", metavar="FILE", help="file to write (default: print it)")
     _add_common(p)
 
     p = sub.add_parser("calibrate", help="measure this machine (or, under torchrun, the cluster)")

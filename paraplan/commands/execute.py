@@ -1,8 +1,8 @@
 """``paraplan execute``: train a plan with torch.distributed, on this machine or across nodes.
 
 Everything that can be refused is refused before a process starts (the plan, the slots or GPUs, the
-node options, the port); then torchrun runs this node's ranks and a failure comes back as one line
-naming the rank.
+node options, the port, the data file, the checkpoint to resume and whether it holds the plan's
+model); then torchrun runs this node's ranks and a failure comes back as one line naming the rank.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zlib
 
 from paraplan.executor.errors import ExecutionError, JobFailed
 from paraplan.executor.job import Job
-from paraplan.executor.launch import LaunchOptions, launch, quote
+from paraplan.executor.launch import LaunchOptions, TrainingOptions, launch, quote
 from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_device_type
 
 from .output import print_json
@@ -33,16 +33,61 @@ def node_command(args, node_rank: int, port: int) -> list[str]:
         cmd += ["--master-addr", args.master_addr, "--master-port", str(port)]
     if args.out:
         cmd += ["--out", args.out]
+    for flag in ("data", "data_dtype", "checkpoint_dir", "checkpoint_every", "resume", "max_restarts"):
+        value = getattr(args, flag, None)
+        if value:
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
     return cmd
 
 
-def _check_out(path: str) -> None:
+def training_options(args, job: Job) -> TrainingOptions:
+    """Check --data, the checkpoint flags and --resume before any rank starts (one line, exit 2)."""
+    lay, spec = job.layout, job.spec
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ExecutionError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
+    if args.checkpoint_dir or args.resume:
+        if lay.dp_mode == "ps" or lay.head_parallel > 1:
+            what = "parameter servers" if lay.dp_mode == "ps" else "a class-sharded classifier (head_parallel)"
+            raise ExecutionError(f"checkpoints are written and resumed for all-reduce data, tensor and pipeline "
+                                 f"parallelism; the plan uses {what}")
+    if args.checkpoint_dir:
+        _check_folder("--checkpoint-dir", args.checkpoint_dir)
+    resume = None
+    if args.resume:
+        from paraplan.executor import checkpoint_io
+
+        resume = checkpoint_io.resolve(args.resume)
+        state = checkpoint_io.read_state(resume)
+        checkpoint_io.check_model(state, job, resume)  # before anything else of the checkpoint is read
+        if state.step >= args.steps:
+            raise ExecutionError(f"--resume {args.resume}: the checkpoint is at step {state.step} and --steps is "
+                                 f"{args.steps}; --steps is the run's total, so give more than {state.step}")
+    if args.data:
+        from paraplan.executor.token_data import check_tokens, open_tokens
+
+        if not hasattr(spec, "vocab_size"):
+            raise ExecutionError(f"--data feeds language models (gpt, llama, bert); {spec.name} is a {spec.family} "
+                                 "model, trained on synthetic samples")
+        tokens = open_tokens(args.data, args.data_dtype, spec.vocab_size)
+        check_tokens(tokens, spec.vocab_size, job.seq_length + 1, f"--data {args.data}")
+    elif args.data_dtype:
+        raise ExecutionError("--data-dtype applies to --data")
+    return TrainingOptions(data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every or 0, resume=resume,
+                           max_restarts=args.max_restarts)
+
+
+def _check_folder(flag: str, path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ExecutionError(f"--out {path}: {e.strerror}") from None
+        raise ExecutionError(f"{flag} {path}: {e.strerror}") from None
     if not os.access(path, os.W_OK):
-        raise ExecutionError(f"--out {path}: not writable")
+        raise ExecutionError(f"{flag} {path}: not writable")
+
+
+def _check_out(path: str) -> None:
+    _check_folder("--out", path)
 
 
 def _rendezvous_port(args) -> int:
@@ -70,6 +115,7 @@ def run(args) -> int:
         raise ExecutionError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     job = Job.load(args.plan)
     nproc = check_slots(job.plan, job.world_size, args.nnodes)
+    training = training_options(args, job)
     out = args.out
     if args.json and not out and args.node_rank == 0:  # the record is printed, so it is written somewhere first
         out = tempfile.mkdtemp(prefix="paraplan-record-")
@@ -82,7 +128,7 @@ def run(args) -> int:
     opts = LaunchOptions(nproc_per_node=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                          master_addr=args.master_addr, master_port=port, rdzv_endpoint=args.rdzv_endpoint,
                          run_id=run_id, timeout_s=args.timeout, steps=args.steps, debug=args.debug,
-                         quiet=args.json, threads_per_rank=threads)
+                         quiet=args.json, threads_per_rank=threads, training=training)
     if args.nnodes > 1:
         sys.stderr.write(f"{args.nnodes} nodes x {nproc} ranks; run on each node:\n")
         for r in range(args.nnodes):
