@@ -9,7 +9,7 @@ import importlib
 from .custom import CallableSpec, load_callable_model
 from .errors import ModelSpecError
 from .loading import load_model_spec, parse_data_file
-from .param_count import count_parameters
+from .param_count import count_active_parameters, count_parameters, mtp_params
 from .presets import PRESETS
 from .specs import (
     FAMILIES,
@@ -28,6 +28,8 @@ _LAZY = {
                      "reference_init", "sample_batch", "tied_aliases", "tp_plan", "tp_style"), "registry"),
     "CustomModel": "custom", "StagedModel": "staged",
     "in_attention_core": "transformer", "unfused_attention": "transformer",
+    **dict.fromkeys(("MoE", "balanced_routing", "collect_aux_losses", "local_dispatch", "routes_balanced",
+                     "set_aux_loss_scale"), "moe"),
 }
 
 
@@ -38,8 +40,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CallableSpec", "CustomModel", "FAMILIES", "MLPSpec", "ModelSpec", "ModelSpecError", "PRESETS", "ResNetSpec",
-    "StagedModel", "TransformerSpec", "VGGSpec", "block_names", "build_model", "count_parameters",
+    "CallableSpec", "CustomModel", "FAMILIES", "MLPSpec", "MoE", "ModelSpec", "ModelSpecError", "PRESETS",
+    "ResNetSpec", "StagedModel", "TransformerSpec", "VGGSpec", "balanced_routing", "block_names", "build_model",
+    "collect_aux_losses", "count_active_parameters", "count_parameters", "local_dispatch", "mtp_params",
+    "routes_balanced", "set_aux_loss_scale",
     "initialize", "parameter_generator", "tied_aliases",
     "load_callable_model", "load_model_spec", "loss_function", "parse_data_file", "reference_init", "sample_batch",
     "spec_from_mapping", "tokens_per_sample", "tp_plan", "tp_style", "unfused_attention", "in_attention_core",

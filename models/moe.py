@@ -117,7 +117,7 @@ def sequence_aux_loss(scores: torch.Tensor, expert_idx: torch.Tensor, sigmoid: b
     sequences: sum_i f_i·P_i with f_i = E/(k·S) · #tokens routed to expert i, P_i = mean_t s'_{i,t} where
     s' are the scores normalised over experts. 1 when routing is perfectly balanced and uniform.
 
-    scores: (b, S, E) fp32; expert_idx: (b, S, k) -> scalar.
+    scores: (b, S, E) in fp32 or wider; expert_idx: (b, S, k) -> scalar.
     """
     b, s, e = scores.shape
     k = expert_idx.shape[-1]
@@ -148,8 +148,10 @@ class Router(nn.Module):
         self.norm_topk, self.scaling = norm_topk, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """x: (T, h) -> scores (T, E) fp32, expert_idx (T, k) int64, weights (T, k) fp32, tokens per expert."""
-        logits = self.gate(x).float()  # (T, E)
+        """x: (T, h) -> scores (T, E) and weights (T, k) in fp32 (or wider), expert_idx (T, k) int64, and the
+        tokens per expert (a Python list: the dispatch sizes groups with it)."""
+        logits = self.gate(x)  # (T, E), scored in fp32 (or the model's wider dtype)
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
         if routes_balanced(x):
             idx, counts = balanced_assignment(x.shape[0], self.num_experts, self.top_k, x.device)

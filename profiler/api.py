@@ -26,6 +26,8 @@ def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int
 
     A transformer's layers are identical, so a two-layer copy of the model is traced (and timed) and
     its second layer's record stands for every layer: a 126-layer model costs what a 2-layer one does.
+    A mixture of experts with dense first layers is traced as one dense and two MoE layers, the dense
+    layer's record standing for the dense layers and the last for the MoE layers.
     """
     spec = load_model_spec(model) if isinstance(model, str) else model
     key = None
@@ -35,18 +37,26 @@ def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int
         hit = cache.load(key)
         if hit is not None:
             return hit
-    if isinstance(spec, TransformerSpec) and spec.num_layers > 2:
-        short = profile_model(spec.replace(num_layers=2), device, micro_batch, seq_length, dtype, tp_degrees,
+    dense = getattr(spec, "dense_layers", 0) if getattr(spec, "is_moe", False) else 0
+    if isinstance(spec, TransformerSpec) and spec.num_layers > 2 + min(dense, 1):
+        changes = {"num_layers": 3, "dense_layers": 1} if dense else {"num_layers": 2}
+        short = profile_model(spec.replace(**changes), device, micro_batch, seq_length, dtype, tp_degrees,
                               warmup, repeats)
-        embed, _, layer, head = short.layers
+        embed, *traced, head = short.layers
+        first, layer = traced[0], traced[-1]  # a dense first layer (when there are dense layers), an MoE/any layer
         layers = [embed]
         for i in range(spec.num_layers):
-            copy_ = copy.deepcopy(layer)
+            copy_ = copy.deepcopy(first if i < dense else layer)
             copy_.name = f"layers.{i}"
             layers.append(copy_)
         layers.append(head)
+        # the layers beyond those the short model has: dense ones like `first`, the others like `layer`
+        more_first, more_layer = dense - min(dense, 1), spec.num_layers - dense - (len(traced) - min(dense, 1))
+        short.num_parameters += more_first * first.params + more_layer * layer.params
+        if short.num_active_parameters is not None:
+            short.num_active_parameters += (more_first * (first.params - first.inactive_params)
+                                            + more_layer * (layer.params - layer.inactive_params))
         short.layers = layers
-        short.num_parameters += (spec.num_layers - 2) * layer.params
         short.model, short.spec = spec.name, spec.replace(seq_length=short.seq_length).to_dict()
         result = short
     else:

@@ -22,6 +22,7 @@ from paraplan.models import (
     CallableSpec,
     ModelSpec,
     ModelSpecError,
+    balanced_routing,
     build_model,
     load_callable_model,
     loss_function,
@@ -91,6 +92,13 @@ def _param_bytes(block: nn.Module, fqn: str, style_of: Callable[[str], str | Non
     return n, total, sharded
 
 
+def _expert_params(module: nn.Module) -> tuple[int, int]:
+    """(routed-expert parameters, those a token does not use) of the MoE blocks in ``module``."""
+    moes = [m for m in module.modules() if hasattr(m, "inactive_parameters") and hasattr(m, "experts")]
+    return (sum(p.numel() for m in moes for p in m.experts.parameters()),
+            sum(m.inactive_parameters() for m in moes))
+
+
 def _free_host_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -154,6 +162,7 @@ class _Workload:
             loss, meta_targets = loss_function(spec), targets.to("meta")
             self.loss = lambda out: loss(out, meta_targets)
         self.num_parameters = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+        self.num_active_parameters = self.num_parameters - _expert_params(self.model)[1]
 
     def captured_inputs(self) -> dict[str, tuple]:
         """Each block's meta inputs, from one forward pass over the whole model with pre-hooks."""
@@ -178,13 +187,15 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
     trace = trace_block(block, name, inputs, work.style_of, loss_fn=work.loss if last else None)
     params, pbytes, psharded = _param_bytes(block, name, work.style_of)
     tied = sum(p.numel() for p in block.parameters() if id(p) in seen_params)
+    experts, inactive = _expert_params(block)
     layer = LayerProfile(
         name=name, kind=work.kinds.get(name, type(block).__name__), params=params, param_bytes=pbytes,
         fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, activation_bytes=trace.saved_bytes,
         output_bytes=trace.output_bytes, input_bytes=trace.input_bytes, signature=_signature(block, inputs),
         tied_params=tied, fwd_ops=trace.fwd_ops, bwd_ops=trace.bwd_ops, param_bytes_sharded=psharded,
         activation_bytes_sharded=trace.saved_bytes_sharded, activation_bytes_selective=trace.saved_bytes_selective,
-        activation_bytes_selective_sharded=trace.saved_bytes_selective_sharded, region_io=trace.region_io)
+        activation_bytes_selective_sharded=trace.saved_bytes_selective_sharded, region_io=trace.region_io,
+        expert_params=experts, inactive_params=inactive)
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,
@@ -212,15 +223,32 @@ def _profile_model(spec: ModelSpec, device: str, micro_batch: int, seq_length: i
     if any(t <= 0 for t in tp_degrees):
         raise ProfileError("--tp degrees must be positive")
     torch_dtype = TORCH_DTYPES[dtype]
-    try:
-        work = _Workload(spec, micro_batch, torch_dtype)
-        captured = work.captured_inputs()
-    except (ProfileError, ModelSpecError):
-        raise
-    except Exception as e:  # the model itself failed to run: the user's to fix, one line
-        raise ProfileError(f"{spec.name}: the model's forward pass failed on the meta device "
-                           f"({type(e).__name__}: {e})") from None
+    # Counting runs on meta, with mixture-of-experts routing perfectly balanced (models/moe.py): each expert
+    # gets tokens·k/E, so FLOPs count the active experts only and every run counts the same.
+    with balanced_routing():
+        try:
+            work = _Workload(spec, micro_batch, torch_dtype)
+            captured = work.captured_inputs()
+        except (ProfileError, ModelSpecError):
+            raise
+        except Exception as e:  # the model itself failed to run: the user's to fix, one line
+            raise ProfileError(f"{spec.name}: the model's forward pass failed on the meta device "
+                               f"({type(e).__name__}: {e})") from None
+        layers = _trace_layers(work, captured, tp_degrees, spec.name)
 
+    if device != "meta":
+        _time_layers(work, layers, captured, torch.device(device), torch_dtype, warmup, repeats)
+    return ModelProfile(
+        model=spec.name, family=spec.family, spec=spec.to_dict(), micro_batch=micro_batch,
+        seq_length=getattr(spec, "seq_length", None) if spec.is_transformer else None, dtype=dtype, device=device,
+        device_name=_device_name(device), num_parameters=work.num_parameters,
+        vocab_size=getattr(spec, "vocab_size", None), layers=layers,
+        num_active_parameters=work.num_active_parameters)
+
+
+def _trace_layers(work: _Workload, captured: dict[str, tuple], tp_degrees: list[int],
+                  model_name: str) -> list[LayerProfile]:
+    """Each block's record; a block identical to one already traced (same signature) reuses its record."""
     layers: list[LayerProfile] = []
     traced: dict[str, LayerProfile] = {}
     seen_params: set[int] = set()
@@ -236,18 +264,11 @@ def _profile_model(spec: ModelSpec, device: str, micro_batch: int, seq_length: i
             try:
                 layer, _ = _trace_layer(work, name, inputs, last, seen_params, tp_degrees)
             except Exception as e:
-                raise ProfileError(f"{spec.name}: tracing block {name!r} failed ({type(e).__name__}: {e})") from None
+                raise ProfileError(f"{model_name}: tracing block {name!r} failed ({type(e).__name__}: {e})") from None
             traced.setdefault(sig, layer)
         seen_params.update(id(p) for p in block.parameters())
         layers.append(layer)
-
-    if device != "meta":
-        _time_layers(work, layers, captured, torch.device(device), torch_dtype, warmup, repeats)
-    return ModelProfile(
-        model=spec.name, family=spec.family, spec=spec.to_dict(), micro_batch=micro_batch,
-        seq_length=getattr(spec, "seq_length", None) if spec.is_transformer else None, dtype=dtype, device=device,
-        device_name=_device_name(device), num_parameters=work.num_parameters,
-        vocab_size=getattr(spec, "vocab_size", None), layers=layers)
+    return layers
 
 
 def _runner(block: nn.Module, inputs: tuple, loss: Callable | None = None, targets=None) -> Callable[[], Any]:

@@ -75,6 +75,10 @@ class LayerProfile:
     activation_bytes_selective: int = 0  # saved when the attention core is recomputed (Korthikanti Sec. 5)
     activation_bytes_selective_sharded: int = 0
     region_io: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # Mixture of experts: the block's routed-expert parameters (what expert parallelism shards), and those a
+    # token does not use ((E - k)/E of them); both 0 for dense blocks. Active parameters = params - inactive.
+    expert_params: int = 0
+    inactive_params: int = 0
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)
@@ -100,6 +104,12 @@ class ModelProfile:
     num_parameters: int
     vocab_size: int | None
     layers: list[LayerProfile]
+    num_active_parameters: int | None = None  # per token, for mixtures of experts (None: = num_parameters)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward pass uses (all of them for dense models)."""
+        return self.num_parameters if self.num_active_parameters is None else self.num_active_parameters
 
     @property
     def total_fwd_flops(self) -> int:
@@ -113,7 +123,8 @@ class ModelProfile:
         out: dict[str, Any] = {
             "model": self.model, "family": self.family, "micro_batch": self.micro_batch,
             "seq_length": self.seq_length, "dtype": self.dtype, "device": self.device,
-            "device_name": self.device_name, "num_parameters": self.num_parameters, "vocab_size": self.vocab_size,
+            "device_name": self.device_name, "num_parameters": self.num_parameters,
+            "num_active_parameters": self.active_parameters, "vocab_size": self.vocab_size,
             "total_fwd_flops": self.total_fwd_flops, "total_bwd_flops": self.total_bwd_flops,
             "layers": [x.public_dict() for x in self.layers],
         }

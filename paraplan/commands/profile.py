@@ -56,6 +56,9 @@ def run(args) -> int:
              + f", {profile.dtype}, device {profile.device} ({profile.device_name})")
     stdout.print(table(title, ["block", "kind", "params", "fwd FLOPs", "bwd FLOPs", "saved act.", "output", "fwd ms",
                                "bwd ms"], rows, justify_right_from=2))
-    stdout.print(f"parameters {human(profile.num_parameters)}   forward {human(profile.total_fwd_flops)}FLOP   "
+    active = profile.active_parameters
+    active_note = f" ({human(active)} active per token)" if active != profile.num_parameters else ""
+    stdout.print(f"parameters {human(profile.num_parameters)}{active_note}   "
+                 f"forward {human(profile.total_fwd_flops)}FLOP   "
                  f"backward {human(profile.total_bwd_flops)}FLOP per micro-batch")
     return 0
