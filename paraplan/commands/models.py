@@ -10,8 +10,10 @@ from .output import human, print_json, stdout, table
 def _describe(spec) -> str:
     if spec.is_transformer:
         kv = f", kv {spec.kv_heads}" if spec.kv_heads != spec.num_attention_heads else ""
+        moe = (f" experts={spec.num_experts}x{spec.moe_ffn_size} top-{spec.top_k}"
+               + (f" +{spec.num_shared_experts} shared" if spec.num_shared_experts else "")) if spec.is_moe else ""
         return (f"L={spec.num_layers} h={spec.hidden_size} a={spec.num_attention_heads}{kv} "
-                f"ffn={spec.ffn_size} V={spec.vocab_size} s={spec.seq_length}")
+                f"ffn={spec.ffn_size}{moe} V={spec.vocab_size} s={spec.seq_length}")
     if spec.family == "mlp":
         return f"in={spec.input_size} hidden={list(spec.hidden_sizes)} classes={spec.num_classes}"
     return f"depth={spec.depth} classes={spec.num_classes} image={spec.image_size}"
