@@ -1,0 +1,50 @@
+"""Exports: a plan as the launch files of the stacks people already run (DESIGN.md, the flow).
+
+``export_plan(plan, target)`` returns an :class:`Export` (the file's text, a suggested name, the launch
+command and notes on what the target runs differently), or raises :class:`ExportRefused` naming the
+feature the target cannot express. One module per target: megatron, torchtitan, deepspeed, slurm.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from paraplan.models import ModelSpec
+
+from ..errors import PlanError
+from ..plan import Plan
+from .common import Export, ExportRefused, plan_spec
+
+TARGETS = ("megatron", "torchtitan", "deepspeed", "slurm")
+
+
+def export_plan(plan: Plan, target: str, plan_path: str = "plan.json", spec: ModelSpec | None = None,
+                **options) -> Export:
+    """The plan as ``target``'s file. ``spec`` defaults to the plan's model; ``options`` go to the target
+    (slurm: ``execute_flags``, the option strings ``paraplan execute`` accepts)."""
+    if target not in TARGETS:
+        raise PlanError(f"unknown export target {target!r} (one of {', '.join(TARGETS)})")
+    module = importlib.import_module(f".{target}", __name__)
+    return module.export(plan, plan_path, spec if spec is not None else plan_spec(plan), **options)
+
+
+def report_lines(plan_path: str, name: str = "plan.json") -> list[str]:
+    """The report's closing section: the export command per target, or why the target cannot take the plan."""
+    lines = ["## Run it with another stack", ""]
+    try:
+        plan = Plan.read(plan_path)
+        spec = plan_spec(plan)
+    except PlanError as e:
+        return lines + [f"(export unavailable: {e})", ""]
+    for target in TARGETS:
+        try:
+            result = export_plan(plan, target, name, spec)
+        except PlanError as e:
+            lines.append(f"- {target}: not exported — {e}")
+            continue
+        lines.append(f"- {target}: `paraplan export --plan {name} --to {target} --out {result.filename}`, then "
+                     f"`{result.launch}`")
+    return lines + [""]
+
+
+__all__ = ["TARGETS", "Export", "ExportRefused", "export_plan", "report_lines"]

@@ -1,0 +1,140 @@
+"""What every export shares: the result type, the refusal error, and facts read off a plan.
+
+An exporter turns a Plan into another stack's launch file. It either says everything the plan decided
+(degrees, batch sizes, schedule, stage boundaries, ZeRO, recomputation, dtype) in that stack's own
+terms, or refuses with one line naming the feature the stack cannot express. Where the stack can run
+the layout but not exactly as planned (e.g. one recomputation mode for every stage), the export goes
+ahead and says what changed in a note.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from paraplan.hardware_specs import HardwareSpecError, load_cluster
+from paraplan.models import ModelSpec, ModelSpecError, TransformerSpec, load_model_spec, spec_from_mapping
+
+from ..errors import PlanError
+from ..plan import Plan
+
+RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "full": 2}
+
+
+class ExportRefused(PlanError):
+    """The target cannot express a feature of the plan (one line naming it; exit 2)."""
+
+    def __init__(self, target: str, feature: str, why: str):
+        super().__init__(f"{target} cannot express {feature}: {why}")
+        self.target, self.feature = target, feature
+
+
+@dataclass
+class Export:
+    """One exported file: its text, a suggested file name, the launch command, and what changed."""
+
+    target: str
+    text: str
+    filename: str
+    launch: str
+    notes: list[str] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)  # the plan's figures as the file states them
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One (virtual) pipeline stage as the frameworks count it: embedding, transformer layers, head."""
+
+    embed: bool
+    layers: int
+    head: bool
+
+
+def plan_spec(plan: Plan) -> ModelSpec:
+    """The model the plan trains: its recorded ``model_spec`` or, failing that, the named model."""
+    try:
+        if plan.model_spec:
+            return spec_from_mapping(plan.model_spec, source=f"plan model_spec ({plan.model})")
+        return load_model_spec(plan.model)
+    except ModelSpecError as e:
+        raise PlanError(str(e)) from None
+
+
+def require_transformer(spec: ModelSpec, target: str, what: str) -> TransformerSpec:
+    if not isinstance(spec, TransformerSpec):
+        raise ExportRefused(target, f"a {spec.family} model", f"{what} trains transformer language models")
+    return spec
+
+
+def stage_shapes(plan: Plan) -> list[StageShape]:
+    """Per (virtual) stage in model order: does it hold the embedding, how many layers, the head?"""
+    shapes = []
+    for names in plan.stages:
+        unknown = [n for n in names if n not in ("embed", "head") and not n.startswith("layers.")]
+        if unknown:
+            raise PlanError(f"plan stage lists {unknown[0]!r}; exports know embed, layers.N and head")
+        shapes.append(StageShape(embed="embed" in names, layers=sum(n.startswith("layers.") for n in names),
+                                 head="head" in names))
+    return shapes
+
+
+def uniform_recompute(plan: Plan, target: str) -> tuple[str, str | None]:
+    """One recomputation mode for the whole model, and a note when the plan chose one per stage.
+
+    Frameworks apply one setting to every stage; the strongest mode any stage uses keeps every stage
+    within the memory the plan allowed (it recomputes more than planned, so it runs slower).
+    """
+    modes = plan.stage_recompute or [plan.layout.recompute]
+    if len(set(modes)) <= 1:
+        return modes[0], None
+    strongest = max(modes, key=RECOMPUTE_STRENGTH.__getitem__)
+    return strongest, (f"the plan recomputes per stage ({', '.join(modes)}); {target} applies one mode to every "
+                       f"stage, so '{strongest}' is used throughout (fits, but slower than predicted)")
+
+
+def refuse_parameter_servers(plan: Plan, target: str) -> None:
+    lay = plan.layout
+    if lay.dp_mode == "ps":
+        raise ExportRefused(target, "parameter servers (dp_mode ps)",
+                            "it synchronises gradients with collectives only; re-plan with --dp-mode allreduce")
+    if lay.head_parallel > 1:
+        raise ExportRefused(target, f"a class-sharded classifier (head_parallel {lay.head_parallel})",
+                            "it has no per-layer hybrid parallelism; re-plan without --head-parallel")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the plan's ranks go: nodes and processes per node (None when the cluster is unknown)."""
+
+    world_size: int
+    nodes: int | None
+    per_node: int | None
+    gpus: bool  # False for the CPU ('local') cluster
+
+
+def placement(plan: Plan) -> Placement:
+    """Fewest nodes of the plan's cluster that hold its ranks, with the same count on every node."""
+    world = plan.layout.world_size
+    try:
+        cluster = load_cluster(plan.cluster, nodes=plan.nodes)
+    except HardwareSpecError:
+        return Placement(world, None, None, True)
+    gpn = cluster.gpus_per_node
+    for nodes in range(math.ceil(world / gpn), world + 1):
+        if world % nodes == 0 and world // nodes <= gpn:
+            return Placement(world, nodes, world // nodes, not cluster.gpu.is_cpu)
+    raise PlanError(f"the plan's {world} ranks cannot be spread evenly over nodes of {gpn} GPUs")  # pragma: no cover
+
+
+def header_lines(plan: Plan, plan_path: str, what: str) -> list[str]:
+    """The comment lines that open every exported file: what it is and which plan it came from."""
+    pred = plan.prediction or {}
+    predicted = ""
+    if pred.get("iteration_time_s"):
+        predicted = f"; predicted {pred['iteration_time_s']:.4g} s/iteration"
+        if pred.get("peak_memory_gib"):
+            predicted += f", {pred['peak_memory_gib']:.1f} GiB/GPU"
+    return [f"{what}, exported by paraplan from {plan_path}",
+            f"{plan.model} on {plan.layout.world_size} GPUs of {plan.cluster}: {plan.layout.short()}{predicted} "
+            f"(priced for framework {plan.framework})"]

@@ -1,0 +1,234 @@
+"""Megatron-LM: the plan as ``pretrain_gpt.py`` arguments, in a bash fragment that can be sourced or run.
+
+Every flag name was checked against Megatron-LM's own parser (``add_megatron_arguments`` in
+megatron/training/arguments.py, many of its flags generated from the config dataclasses) at the commit
+in MEGATRON_SOURCE; tests/data/megatron_args.txt is that parser's list and the tests hold every flag
+written here to it.
+
+Mapping (plan -> Megatron-LM):
+- tp, pp, cp, ep, etp -> --tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size,
+  --expert-model-parallel-size, --expert-tensor-parallel-size (always given for MoE: Megatron's default is tp);
+  data parallelism is what the world size leaves, as in the plan.
+- stages -> nothing when they are Megatron's even split; --num-virtual-stages-per-pipeline-rank v when
+  interleaved and even; --decoder-first/last-pipeline-num-layers when only the end stages differ;
+  otherwise --pipeline-model-parallel-layout, which states every (virtual) stage exactly.
+- ZeRO 1 -> --use-distributed-optimizer; ZeRO 2 / 3 -> Megatron-FSDP (--use-megatron-fsdp
+  --data-parallel-sharding-strategy optim_grads / optim_grads_params, which needs --ckpt-format fsdp_dtensor).
+- recompute selective -> --recompute-granularity selective; full -> full, uniform, one layer per checkpoint.
+- dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid; fp32 -> Megatron's default.
+Refused: the zb-v schedule, parameter servers, class-sharded heads, non-decoder models (bert, CNNs).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from paraplan.models import ModelSpec
+
+from ..plan import Plan
+from .common import (
+    Export,
+    ExportRefused,
+    StageShape,
+    header_lines,
+    placement,
+    refuse_parameter_servers,
+    require_transformer,
+    stage_shapes,
+    uniform_recompute,
+)
+
+TARGET = "megatron"
+MEGATRON_SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py at d98e8a64ddf3 (2026-08-22)"
+ZERO_FLAGS = {
+    0: [],
+    1: [("--use-distributed-optimizer", None)],
+    2: [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads"),
+        ("--ckpt-format", "fsdp_dtensor")],
+    3: [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
+        ("--ckpt-format", "fsdp_dtensor")],
+}
+DTYPE_FLAGS = {"bf16": [("--bf16", None)], "fp16": [("--fp16", None)], "fp32": [],
+               "fp8": [("--bf16", None), ("--fp8-format", "hybrid")]}
+
+Args = list[tuple[str, object]]  # (flag, value or None for a switch)
+
+
+def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
+    refuse_parameter_servers(plan, TARGET)
+    spec = require_transformer(spec, TARGET, "pretrain_gpt.py")
+    if spec.family == "bert":
+        raise ExportRefused(TARGET, "a bert model", "pretrain_gpt.py trains decoder-only (causal) models")
+    lay = plan.layout
+    if lay.pp > 1 and lay.schedule == "zb-v":
+        raise ExportRefused(TARGET, "the zb-v schedule", "Megatron-LM pipelines with 1F1B or interleaved 1F1B; "
+                            "re-plan or simulate with --schedule interleaved-1f1b")
+    if lay.dtype not in DTYPE_FLAGS:
+        raise ExportRefused(TARGET, f"dtype {lay.dtype}", f"known: {', '.join(DTYPE_FLAGS)}")
+    notes: list[str] = []
+    if lay.pp > 1 and lay.schedule == "gpipe":
+        notes.append("Megatron-LM has no GPipe schedule: it runs 1F1B (the same bubble, less activation memory)")
+    groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length),
+              "PARALLEL_ARGS": parallel_args(plan, spec),
+              "TRAINING_ARGS": training_args(plan, notes)}
+    env = []
+    if lay.zero >= 2:
+        env = ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP needs more than one connection"]
+    elif lay.tp > 1 or lay.cp > 1:
+        env = ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron requires it with tensor or context parallelism"]
+    place = placement(plan)
+    text = _render(plan, plan_path, spec, groups, env, place)
+    flags = [flag for args in groups.values() for flag, _ in args] + ["--train-iters", "--lr", "--save", "--load",
+                                                                        "--save-interval", "--mock-data",
+                                                                        "--tokenizer-type", "--vocab-size"]
+    return Export(target=TARGET, text=text, filename="megatron.sh", launch=_launch_hint(place), notes=notes,
+                  values={"flags": flags, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp,
+                          "micro_batch": lay.micro_batch, "global_batch": lay.global_batch})
+
+
+def model_args(spec, seq_length: int) -> Args:
+    """The model's shape in Megatron's words (spec fields added with MoE are read when present)."""
+    a: Args = [("--num-layers", spec.num_layers), ("--hidden-size", spec.hidden_size),
+               ("--num-attention-heads", spec.num_attention_heads), ("--ffn-hidden-size", spec.ffn_size),
+               ("--seq-length", seq_length), ("--max-position-embeddings", max(seq_length, spec.seq_length))]
+    if spec.kv_heads < spec.num_attention_heads:
+        a += [("--group-query-attention", None), ("--num-query-groups", spec.kv_heads)]
+    if spec.family == "llama":
+        a += [("--normalization", "RMSNorm"), ("--swiglu", None), ("--position-embedding-type", "rope"),
+              ("--disable-bias-linear", None)]
+    if not spec.tied:
+        a.append(("--untie-embeddings-and-output-weights", None))
+    if getattr(spec, "kv_lora_rank", None):
+        a += [("--multi-latent-attention", None), ("--kv-lora-rank", spec.kv_lora_rank),
+              ("--qk-head-dim", spec.qk_nope_head_dim), ("--qk-pos-emb-head-dim", spec.qk_rope_head_dim),
+              ("--v-head-dim", spec.v_head_dim)]
+        if getattr(spec, "q_lora_rank", None):
+            a.append(("--q-lora-rank", spec.q_lora_rank))
+    elif getattr(spec, "head_dim", None) and spec.head_dim != spec.hidden_size // spec.num_attention_heads:
+        a.append(("--kv-channels", spec.head_dim))
+    if getattr(spec, "qk_norm", False):
+        a.append(("--qk-layernorm", None))
+    if getattr(spec, "mtp_layers", 0):
+        a.append(("--mtp-num-layers", spec.mtp_layers))
+    a += _moe_args(spec)
+    return a
+
+
+def _moe_args(spec) -> Args:
+    experts = getattr(spec, "num_experts", 0) or 0
+    if not experts:
+        return []
+    ffn = getattr(spec, "moe_ffn_hidden_size", None) or spec.ffn_size
+    a: Args = [("--num-experts", experts), ("--moe-router-topk", spec.experts_per_token),
+               ("--moe-ffn-hidden-size", ffn)]
+    shared = getattr(spec, "num_shared_experts", 0) or 0
+    if shared:
+        a.append(("--moe-shared-expert-intermediate-size", shared * ffn))
+    dense = getattr(spec, "dense_layers", 0) or 0
+    if dense:
+        a.append(("--moe-layer-freq", f"([0]*{dense}+[1]*{spec.num_layers - dense})"))
+    if getattr(spec, "moe_score_function", "softmax") != "softmax":
+        a.append(("--moe-router-score-function", spec.moe_score_function))
+    if getattr(spec, "moe_routed_scaling_factor", 1.0) != 1.0:
+        a.append(("--moe-router-topk-scaling-factor", spec.moe_routed_scaling_factor))
+    if hasattr(spec, "moe_aux_loss_coeff"):
+        a.append(("--moe-aux-loss-coeff", spec.moe_aux_loss_coeff))
+    return a
+
+
+def parallel_args(plan: Plan, spec) -> Args:
+    lay = plan.layout
+    a: Args = [("--tensor-model-parallel-size", lay.tp), ("--pipeline-model-parallel-size", lay.pp)]
+    if lay.cp > 1:
+        a.append(("--context-parallel-size", lay.cp))
+    if getattr(spec, "num_experts", 0):
+        a += [("--expert-model-parallel-size", lay.ep), ("--expert-tensor-parallel-size", lay.etp)]
+    if lay.sequence_parallel:
+        a.append(("--sequence-parallel", None))
+    if lay.pp > 1:
+        a += stage_args(stage_shapes(plan), spec.num_layers, lay.pp, lay.virtual_stages,
+                        getattr(spec, "mtp_layers", 0) or 0)
+    return a
+
+
+def stage_args(shapes: list[StageShape], num_layers: int, pp: int, v: int, mtp_layers: int = 0) -> Args:
+    """The plan's stage boundaries with the simplest Megatron flags that state them exactly."""
+    counts = [s.layers for s in shapes]
+    n = len(shapes)
+    if num_layers % n == 0 and all(c == num_layers // n for c in counts) and not mtp_layers:
+        return [("--num-virtual-stages-per-pipeline-rank", v)] if v > 1 else []
+    if v == 1 and not mtp_layers:
+        first, last, middle = counts[0], counts[-1], counts[1:-1]
+        if len(set(middle)) <= 1 and all(m > 0 for m in middle) and first > 0 and last > 0:
+            return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
+    return [("--pipeline-model-parallel-layout", layout_string(shapes, mtp_layers))]
+
+
+def layout_string(shapes: list[StageShape], mtp_layers: int = 0) -> str:
+    """Megatron's --pipeline-model-parallel-layout: stages split by '|', E embedding, t a layer, m an MTP
+    layer, L the loss (output layer); stages listed in model order, virtual stage k on pipeline rank k % pp."""
+    stages = []
+    for i, s in enumerate(shapes):
+        parts = (["E"] if s.embed else []) + ([f"t*{s.layers}" if s.layers > 1 else "t"] if s.layers else [])
+        if s.head:
+            parts += (["m" * mtp_layers] if mtp_layers and i == len(shapes) - 1 else []) + ["L"]
+        stages.append(",".join(parts))
+    return "|".join(stages)
+
+
+def training_args(plan: Plan, notes: list[str]) -> Args:
+    lay = plan.layout
+    a: Args = [("--micro-batch-size", lay.micro_batch), ("--global-batch-size", lay.global_batch)]
+    a += DTYPE_FLAGS[lay.dtype] + ZERO_FLAGS[lay.zero]
+    if lay.zero == 2:
+        notes.append("ZeRO-2 runs as Megatron-FSDP's optim_grads sharding (optimizer state and gradients "
+                     "sharded, parameters replicated)")
+    mode, note = uniform_recompute(plan, TARGET)
+    if note:
+        notes.append(note)
+    if mode == "selective":
+        a.append(("--recompute-granularity", "selective"))
+    elif mode == "full":
+        a += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
+    return a
+
+
+def _render(plan: Plan, plan_path: str, spec, groups: dict[str, Args], env: list[str], place) -> str:
+    lines = ["#!/usr/bin/env bash"]
+    lines += [f"# {x}" for x in header_lines(plan, plan_path, "Megatron-LM pretrain_gpt.py arguments")]
+    lines += [f"# Flag names checked against {MEGATRON_SOURCE}.",
+              "# Source this file and pass \"${MEGATRON_ARGS[@]}\" to pretrain_gpt.py, or run it: it starts this",
+              "# node's ranks with torchrun (MEGATRON_LM: your Megatron-LM checkout; on several nodes run it on",
+              "# each with NNODES and RDZV_ENDPOINT=host:port of the first node).", ""]
+    lines += env + ([""] if env else [])
+    for name, args in groups.items():
+        lines.append(f"{name}=(")
+        lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(str(value))}") for flag, value in args]
+        lines += [")", ""]
+    lines += ["# Not decided by the plan: iterations, learning rate, checkpoints (--load resumes from the latest).",
+              "RUN_ARGS=(",
+              "    --train-iters \"${TRAIN_ITERS:-1000}\"",
+              "    --lr \"${LR:-3e-4}\"",
+              "    --save \"${CKPT_DIR:-checkpoints}\"",
+              "    --load \"${CKPT_DIR:-checkpoints}\"",
+              "    --save-interval \"${SAVE_INTERVAL:-500}\"",
+              ")",
+              "# Mock data with the plan's vocabulary; for a real run: --data-path ... --tokenizer-type ...",
+              f"DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size {spec.vocab_size})", "",
+              "MEGATRON_ARGS=(\"${" + "[@]}\" \"${".join([*groups, "RUN_ARGS", "DATA_ARGS"]) + "[@]}\")", "",
+              'if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then',
+              f"    exec torchrun --nnodes \"${{NNODES:-{place.nodes or 1}}}\" "
+              f"--nproc-per-node {place.per_node or place.world_size} \\",
+              "        --rdzv-backend c10d --rdzv-endpoint \"${RDZV_ENDPOINT:-localhost:29500}\" "
+              "--rdzv-id \"${RDZV_ID:-paraplan}\" \\",
+              "        \"${MEGATRON_LM:?set MEGATRON_LM to your Megatron-LM checkout}/pretrain_gpt.py\" "
+              "\"${MEGATRON_ARGS[@]}\"",
+              "fi", ""]
+    return "\n".join(lines)
+
+
+def _launch_hint(place) -> str:
+    nodes = place.nodes or 1
+    where = "on each node, " if nodes > 1 else ""
+    return (f"{where}MEGATRON_LM=/path/to/Megatron-LM" + (" RDZV_ENDPOINT=<first-node>:29500" if nodes > 1 else "")
+            + " bash megatron.sh")

@@ -1,0 +1,515 @@
+"""`paraplan export`: each target's file, checked by that framework's own parser where one installs on CPU.
+
+- megatron: every flag is in Megatron-LM's parser (tests/data/megatron_args.txt, derived from its source at
+  the commit named there); the sourced fragment's argv carries the plan's degrees, batches and stages.
+- torchtitan: torchtitan 0.2's ConfigManager parses the TOML with warnings as errors, and its ParallelDims
+  accepts the degrees for the plan's world size.
+- deepspeed: DeepSpeedConfig reads the JSON, with the data-parallel size given through an mpu.
+- slurm: bash -n, shellcheck, and a dry run with stand-ins for srun/scontrol/paraplan.
+Expected values come from the plans themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, assert_one_line_error, run_cli
+from paraplan.cli import main
+from paraplan.models import TransformerSpec, load_model_spec
+from paraplan.planner.exports import ExportRefused, export_plan, report_lines
+from paraplan.planner.exports.common import StageShape
+from paraplan.planner.exports.megatron import layout_string, stage_args
+from paraplan.planner.plan import Plan
+
+# Every flag the Megatron exporter can write (model shape, MoE/MLA, parallelism, stages, batch, precision,
+# ZeRO, recomputation, run and data flags). Each must exist in Megatron-LM's parser.
+MEGATRON_FLAGS = {
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+    "--max-position-embeddings", "--group-query-attention", "--num-query-groups", "--normalization", "--swiglu",
+    "--position-embedding-type", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--multi-latent-attention", "--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+    "--v-head-dim", "--kv-channels", "--qk-layernorm", "--mtp-num-layers", "--num-experts", "--moe-router-topk",
+    "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+    "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
+    "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--micro-batch-size",
+    "--global-batch-size", "--bf16", "--fp16", "--fp8-format", "--use-distributed-optimizer", "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
+    "--recompute-num-layers", "--train-iters", "--lr", "--save", "--load", "--save-interval", "--mock-data",
+    "--tokenizer-type", "--vocab-size",
+}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """``paraplan ARGS`` in this process (the planner and torch are imported once); run_cli runs a subprocess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def megatron_parser_flags() -> set[str]:
+    lines = (ROOT / "tests" / "data" / "megatron_args.txt").read_text().splitlines()
+    return {x for x in lines if x and not x.startswith("#")}
+
+
+def _simulate(path: Path, *layout: str) -> Plan:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["simulate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch",
+                     "64", *layout, "--write-plan", str(path), "--json"])
+    assert code == 0
+    return Plan.read(str(path))
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, tuple[Plan, Path]]:
+    """The two plans of the issue, written by the planner: a 3D one and a ZeRO-3 one."""
+    d = tmp_path_factory.mktemp("plans")
+    p3d = _simulate(d / "3d.json", "--dp", "2", "--tp", "2", "--pp", "4", "--micro-batch", "1", "--schedule",
+                    "interleaved-1f1b", "--virtual-stages", "2", "--zero", "1", "--recompute", "selective",
+                    "--sequence-parallel")
+    pz3 = _simulate(d / "z3.json", "--dp", "16", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--zero", "3",
+                    "--recompute", "full")
+    return {"3d": (p3d, d / "3d.json"), "z3": (pz3, d / "z3.json")}
+
+
+def variant(plan: Plan, path: Path, **layout) -> tuple[Plan, Path]:
+    """The plan with some layout fields changed (stages kept: same pp x virtual stages), written next to it."""
+    new = plan.replace(layout=plan.layout.replace(**layout))
+    out = path.with_name(f"{path.stem}-{'-'.join(f'{k}{v}' for k, v in layout.items())}.json")
+    new.write(str(out))
+    return new, out
+
+
+def flag_values(argv: list[str]) -> dict[str, str | None]:
+    """--flag value / --switch pairs of an argv."""
+    out: dict[str, str | None] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[a] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def megatron_argv(script: Path, **env: str) -> list[str]:
+    p = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\n" "${MEGATRON_ARGS[@]}"', "_", str(script)],
+                       capture_output=True, text=True, env={**os.environ, **env})
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+def megatron_export(plan: Plan, tmp_path: Path, spec=None) -> tuple[dict[str, str | None], list[str]]:
+    result = export_plan(plan, "megatron", "plan.json", spec)
+    script = tmp_path / "megatron.sh"
+    script.write_text(result.text)
+    argv = megatron_argv(script)
+    flags = flag_values(argv)
+    assert not set(flags) - MEGATRON_FLAGS, sorted(set(flags) - MEGATRON_FLAGS)  # every flag written is listed
+    return flags, result.notes
+
+
+def unrolled_layout(text: str) -> list[str]:
+    """Megatron's reading of --pipeline-model-parallel-layout: commas dropped, x*n unrolled, '|' splits."""
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text.replace(",", ""))
+    return text.split("|")
+
+
+def plan_layout(plan: Plan) -> list[str]:
+    return [("E" if "embed" in s else "") + "t" * sum(n.startswith("layers.") for n in s) + ("L" if "head" in s else "")
+            for s in plan.stages]
+
+
+# ---------------------------------------------------------------- megatron
+
+
+def test_megatron_3d_plan_as_pretrain_gpt_arguments(plans, tmp_path):
+    plan, path = plans["3d"]
+    lay = plan.layout
+    out = tmp_path / "megatron.sh"
+    p = cli("export", "--plan", str(path), "--to", "megatron", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert os.access(out, os.X_OK) and "bash" in p.stdout and str(out) in p.stdout
+    argv = megatron_argv(out)
+    f = flag_values(argv)
+    assert not set(f) - MEGATRON_FLAGS, sorted(set(f) - MEGATRON_FLAGS)
+    assert f["--tensor-model-parallel-size"] == str(lay.tp) and f["--pipeline-model-parallel-size"] == str(lay.pp)
+    assert f["--micro-batch-size"] == str(lay.micro_batch) and f["--global-batch-size"] == str(lay.global_batch)
+    assert "--sequence-parallel" in f and "--use-distributed-optimizer" in f and "--bf16" in f
+    assert f["--recompute-granularity"] == "selective"
+    layout = unrolled_layout(f["--pipeline-model-parallel-layout"])
+    assert len(layout) == lay.pp * lay.virtual_stages and layout == plan_layout(plan)
+    spec = load_model_spec("llama3-8b")
+    assert f["--num-layers"] == str(spec.num_layers) and f["--num-query-groups"] == str(spec.kv_heads)
+    assert f["--vocab-size"] == str(spec.vocab_size) and f["--seq-length"] == str(plan.seq_length)
+    # the data-parallel size Megatron derives: world size / (tp x pp x cp) = the plan's dp
+    model_parallel = int(f["--tensor-model-parallel-size"]) * int(f["--pipeline-model-parallel-size"])
+    assert lay.world_size // model_parallel == lay.dp
+    text = out.read_text()
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "--nproc-per-node 8" in text and "NNODES:-2" in text
+    check_shell(out)
+
+
+def test_megatron_flags_exist_in_megatron_lm():
+    known = megatron_parser_flags()
+    assert len(known) > 500  # the whole parser, not a hand-picked list
+    assert not MEGATRON_FLAGS - known, sorted(MEGATRON_FLAGS - known)
+
+
+@pytest.mark.parametrize("split,expected", [
+    ([(True, 8, False), (False, 8, False), (False, 8, False), (False, 8, True)], []),
+    ([(True, 4, False)] + [(False, 4, False)] * 6 + [(False, 4, True)],
+     [("--num-virtual-stages-per-pipeline-rank", 2)]),
+    ([(True, 6, False), (False, 10, False), (False, 10, False), (False, 6, True)],
+     [("--decoder-first-pipeline-num-layers", 6), ("--decoder-last-pipeline-num-layers", 6)]),
+    ([(True, 0, False), (False, 12, False), (False, 12, False), (False, 8, True)],
+     [("--pipeline-model-parallel-layout", "E|t*12|t*12|t*8,L")]),
+])
+def test_megatron_stage_flags_state_the_boundaries_exactly(split, expected):
+    shapes = [StageShape(*s) for s in split]
+    pp = 4
+    args = stage_args(shapes, 32, pp, len(shapes) // pp)
+    assert args == expected
+    assert unrolled_layout(layout_string(shapes)) == [("E" if e else "") + "t" * n + ("L" if h else "")
+                                                      for e, n, h in split]
+
+
+def test_megatron_zero3_full_recompute_and_uneven_pipeline(plans, tmp_path):
+    plan, _ = plans["z3"]
+    f, _ = megatron_export(plan, tmp_path)
+    assert "--use-megatron-fsdp" in f and f["--data-parallel-sharding-strategy"] == "optim_grads_params"
+    assert f["--ckpt-format"] == "fsdp_dtensor" and f["--pipeline-model-parallel-size"] == "1"
+    assert (f["--recompute-granularity"], f["--recompute-method"], f["--recompute-num-layers"]) == ("full", "uniform",
+                                                                                                    "1")
+    zero2, _ = variant(plan, Path(tmp_path / "z3.json"), zero=2)
+    f, notes = megatron_export(zero2, tmp_path)
+    assert f["--data-parallel-sharding-strategy"] == "optim_grads" and any("ZeRO-2" in n for n in notes)
+    # per-stage recomputation: one mode for all (the strongest), said in a note
+    p3d, _ = plans["3d"]
+    mixed = p3d.replace(stage_recompute=["full"] + ["none"] * (len(p3d.stages) - 1))
+    f, notes = megatron_export(mixed, tmp_path)
+    assert f["--recompute-granularity"] == "full" and any("per stage" in n for n in notes)
+    # fp8, context parallelism, 1F1B with the planner's uneven split
+    one = p3d.replace(layout=p3d.layout.replace(schedule="1f1b", virtual_stages=1, dtype="fp8", cp=2, dp=1),
+                      stages=[p3d.stages[0] + p3d.stages[1], p3d.stages[2] + p3d.stages[3],
+                              p3d.stages[4] + p3d.stages[5], p3d.stages[6] + p3d.stages[7]])
+    f, _ = megatron_export(one, tmp_path)
+    assert f["--fp8-format"] == "hybrid" and "--bf16" in f and f["--context-parallel-size"] == "2"
+    counts = [sum(n.startswith("layers.") for n in s) for s in one.stages]
+    assert (f["--decoder-first-pipeline-num-layers"], f["--decoder-last-pipeline-num-layers"]) == (str(counts[0]),
+                                                                                                   str(counts[-1]))
+
+
+def test_megatron_moe_model_flags(plans, tmp_path):
+    @dataclasses.dataclass(frozen=True)
+    class MoESpec(TransformerSpec):  # the MoE fields of DESIGN.md's model spec
+        num_experts: int = 0
+        experts_per_token: int | None = None
+        moe_ffn_hidden_size: int | None = None
+        num_shared_experts: int = 0
+        dense_layers: int = 0
+        moe_score_function: str = "softmax"
+        moe_routed_scaling_factor: float = 1.0
+        moe_aux_loss_coeff: float = 0.01
+
+    spec = MoESpec(name="moe", family="llama", num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1000,
+                   seq_length=1024, num_kv_heads=4, ffn_hidden_size=1024, num_experts=16, experts_per_token=2,
+                   moe_ffn_hidden_size=256, num_shared_experts=1, dense_layers=1, moe_score_function="sigmoid")
+    plan, _ = plans["z3"]
+    moe = plan.replace(model="moe", model_spec=None, layout=plan.layout.replace(ep=4, etp=1, zero=1))
+    f, _ = megatron_export(moe, tmp_path, spec)
+    assert (f["--num-experts"], f["--moe-router-topk"], f["--moe-ffn-hidden-size"]) == ("16", "2", "256")
+    assert f["--expert-model-parallel-size"] == "4" and f["--expert-tensor-parallel-size"] == "1"
+    assert f["--moe-layer-freq"] == "([0]*1+[1]*7)" and f["--moe-shared-expert-intermediate-size"] == "256"
+    assert f["--moe-router-score-function"] == "sigmoid"
+
+
+def test_megatron_refuses_what_it_cannot_express(plans, tmp_path):
+    plan, path = plans["3d"]
+    _, zbv = variant(plan, path, schedule="zb-v")
+    p = cli("export", "--plan", str(zbv), "--to", "megatron")
+    assert_one_line_error(p, "megatron cannot express the zb-v schedule")
+    assert p.returncode == 2 and not p.stdout
+    bert = plan.replace(model="bert-large", model_spec=load_model_spec("bert-large").to_dict())
+    with pytest.raises(ExportRefused, match="bert"):
+        export_plan(bert, "megatron")
+    ps = plan.replace(layout=plan.layout.replace(dp_mode="ps", ps_servers=2, zero=0))
+    with pytest.raises(ExportRefused, match="parameter servers"):
+        export_plan(ps, "megatron")
+
+
+# ---------------------------------------------------------------- torchtitan
+
+
+@pytest.fixture(scope="module")
+def torchtitan_config():
+    """torchtitan 0.2's ConfigManager, imported without the package __init__ (which needs its training deps)."""
+    found = importlib.util.find_spec("torchtitan")
+    if found is None:
+        pytest.fail("torchtitan is not installed: make setup installs it (pip install --no-deps torchtitan==0.2.2 "
+                    "tyro docstring-parser typeguard)")
+    if "torchtitan" not in sys.modules:
+        package = types.ModuleType("torchtitan")
+        package.__path__ = list(found.submodule_search_locations)
+        sys.modules["torchtitan"] = package
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.tools.logging import logger
+
+    return ConfigManager, ParallelDims, logger
+
+
+def parse_torchtitan(tools, toml_text: str, tmp_path: Path, world_size: int):
+    """ConfigManager.parse_args on the file, warnings (Python's and torchtitan's log) as errors, then
+    ParallelDims for the world size, as torchtitan's trainer builds it."""
+    config_manager, parallel_dims, logger = tools
+    path = tmp_path / "torchtitan.toml"
+    path.write_text(toml_text)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)  # the flavor's HF assets folder is relative; torchtitan warns when it is missing
+        (tmp_path / "assets" / "hf" / "Llama-3.1-8B").mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = config_manager().parse_args(["--job.config_file", str(path)])
+    finally:
+        os.chdir(cwd)
+        logger.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
+    p = cfg.parallelism
+    dims = parallel_dims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                         cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                         ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world_size)
+    return cfg, dims
+
+
+def test_torchtitan_reads_the_3d_and_zero3_plans(plans, tmp_path, torchtitan_config):
+    plan, path = plans["3d"]
+    lay = plan.layout
+    out = tmp_path / "3d.toml"
+    p = cli("export", "--plan", str(path), "--to", "torchtitan", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "note: ZeRO-1 runs as FSDP2" in p.stderr  # torchtitan has no ZeRO-1: said, not hidden
+    cfg, dims = parse_torchtitan(torchtitan_config, out.read_text(), tmp_path, lay.world_size)
+    par, tr = cfg.parallelism, cfg.training
+    assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp) == (lay.dp, lay.tp, lay.pp, lay.cp)
+    assert par.pipeline_parallel_schedule == "Interleaved1F1B"
+    assert par.pipeline_parallel_microbatch_size == lay.micro_batch
+    assert tr.global_batch_size == lay.global_batch
+    assert tr.local_batch_size // par.pipeline_parallel_microbatch_size == lay.num_micro_batches
+    assert tr.seq_len == plan.seq_length and cfg.model.flavor == "8B"
+    parts = par.module_fqns_per_model_part
+    assert len(parts) == lay.pp * lay.virtual_stages
+    assert [sum(n.startswith("layers.") for n in part) for part in parts] == \
+        [sum(n.startswith("layers.") for n in s) for s in plan.stages]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    assert cfg.activation_checkpoint.mode == "selective"
+
+    z3, _ = plans["z3"]
+    cfg, dims = parse_torchtitan(torchtitan_config, export_plan(z3, "torchtitan").text, tmp_path,
+                                 z3.layout.world_size)
+    assert (dims.dp_shard, dims.dp_replicate, dims.tp, dims.pp) == (z3.layout.dp, 1, 1, 1)
+    assert cfg.parallelism.fsdp_reshard_after_forward == "default"  # ZeRO-3: reshard after forward
+    assert cfg.training.local_batch_size == z3.layout.micro_batch and cfg.training.global_batch_size == 64
+    assert cfg.activation_checkpoint.mode == "full"
+
+
+def test_torchtitan_zbv_fp8_and_pure_data_parallel(plans, tmp_path, torchtitan_config):
+    plan, path = plans["3d"]
+    zbv = plan.replace(layout=plan.layout.replace(schedule="zb-v", dtype="fp8"))
+    cfg, _ = parse_torchtitan(torchtitan_config, export_plan(zbv, "torchtitan").text, tmp_path, plan.layout.world_size)
+    assert cfg.parallelism.pipeline_parallel_schedule == "ZBVZeroBubble"
+    assert cfg.model.converters == ["quantize.linear.float8"]
+    z3, _ = plans["z3"]
+    ddp = z3.replace(layout=z3.layout.replace(zero=0, recompute="none"))
+    result = export_plan(ddp, "torchtitan")
+    cfg, dims = parse_torchtitan(torchtitan_config, result.text, tmp_path, z3.layout.world_size)
+    assert (dims.dp_replicate, dims.dp_shard) == (z3.layout.dp, 1) and not result.notes  # plain DDP, as planned
+    assert cfg.activation_checkpoint.mode == "none"
+
+
+def test_torchtitan_refuses_models_without_a_flavor_and_fp16(plans):
+    plan, _ = plans["z3"]
+    llama2 = plan.replace(model="llama2-7b", model_spec=load_model_spec("llama2-7b").to_dict())
+    with pytest.raises(ExportRefused, match=r"torchtitan cannot express model llama2-7b .*no llama3 flavor"):
+        export_plan(llama2, "torchtitan")
+    with pytest.raises(ExportRefused, match="dtype fp16"):
+        export_plan(plan.replace(layout=plan.layout.replace(dtype="fp16")), "torchtitan")
+
+
+# ---------------------------------------------------------------- deepspeed
+
+
+@pytest.fixture(scope="module")
+def deepspeed_config():
+    from deepspeed.runtime import config
+
+    return config
+
+
+class DataParallelMpu:
+    """What DeepSpeedConfig asks an mpu: the data-parallel world size."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size
+
+
+def read_deepspeed(config_module, path: Path, dp: int, monkeypatch):
+    monkeypatch.setattr(config_module.dist, "get_rank", lambda *a, **k: 0)  # no process group in a unit test
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", ResourceWarning)  # DeepSpeed leaves the config file open
+        return config_module.DeepSpeedConfig(str(path), mpu=DataParallelMpu(dp))
+
+
+def test_deepspeed_reads_the_zero3_and_3d_plans(plans, tmp_path, deepspeed_config, monkeypatch):
+    plan, path = plans["z3"]
+    lay = plan.layout
+    out = tmp_path / "ds.json"
+    p = cli("export", "--plan", str(path), "--to", "deepspeed", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    ds = read_deepspeed(deepspeed_config, out, lay.dp, monkeypatch)
+    assert ds.world_size == lay.dp and ds.zero_optimization_stage == lay.zero == 3
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == \
+        (lay.global_batch, lay.micro_batch, lay.num_micro_batches)
+    assert ds.bfloat16_config.enabled and ds.activation_checkpointing_config is not None
+
+    p3d, path3d = plans["3d"]
+    one, path1 = variant(p3d, path3d, schedule="1f1b", virtual_stages=1)
+    one = one.replace(stages=[a + b for a, b in zip(p3d.stages[::2], p3d.stages[1::2], strict=True)])
+    one.write(str(path1))
+    p = cli("export", "--plan", str(path1), "--to", "deepspeed", "--out", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["target"] == "deepspeed" and r["out"] == str(out) and "PipelineModule" in " ".join(r["notes"])
+    ds = read_deepspeed(deepspeed_config, out, one.layout.dp, monkeypatch)
+    assert ds.world_size == one.layout.dp and ds.zero_optimization_stage == 1
+    assert ds.tensor_parallel_config.autotp_size == one.layout.tp and ds.pipeline["stages"] == one.layout.pp
+    assert ds.gradient_accumulation_steps == one.layout.num_micro_batches  # the pipeline engine's micro-batches
+    assert ds.train_batch_size == ds.train_micro_batch_size_per_gpu * ds.gradient_accumulation_steps * ds.world_size
+
+
+def test_deepspeed_refuses_interleaving_context_parallelism_and_zero3_pipelines(plans, tmp_path):
+    plan, path = plans["3d"]
+    p = cli("export", "--plan", str(path), "--to", "deepspeed")
+    assert_one_line_error(p, "deepspeed cannot express the interleaved-1f1b schedule", "--schedule 1f1b")
+    one = plan.replace(layout=plan.layout.replace(schedule="1f1b", virtual_stages=1))
+    with pytest.raises(ExportRefused, match="ZeRO-3 with pipeline"):
+        export_plan(one.replace(layout=one.layout.replace(zero=3)), "deepspeed")
+    with pytest.raises(ExportRefused, match="context parallelism"):
+        export_plan(one.replace(layout=one.layout.replace(cp=2, dp=1)), "deepspeed")
+
+
+# ---------------------------------------------------------------- slurm
+
+
+def check_shell(path: Path) -> None:
+    """bash -n, then shellcheck (the Debian package; .ci/run installs it)."""
+    p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not found (apt-get install shellcheck); bash -n passed")
+    p = subprocess.run([shellcheck, str(path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_slurm_script_for_the_3d_plan(plans, tmp_path):
+    plan, path = plans["3d"]
+    out = tmp_path / "job.sbatch"
+    p = cli("export", "--plan", str(path), "--to", "slurm", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "sbatch " + str(out) in p.stdout
+    text = out.read_text()
+    nodes = plan.layout.world_size // 8  # dgx-h100: 8 GPUs per node
+    assert f"#SBATCH --nodes={nodes}\n" in text and "#SBATCH --gpus-per-node=8\n" in text
+    assert "--rdzv-endpoint" in text and f"--nnodes {nodes}" in text
+    check_shell(out)
+
+
+@pytest.mark.parametrize("flags", [frozenset(), frozenset({"--checkpoint-dir", "--resume", "--max-restarts"})])
+def test_slurm_script_runs_execute_on_every_node(plans, tmp_path, flags):
+    """A dry run with stand-ins for scontrol, srun (each node in turn) and paraplan (records its argv)."""
+    plan, path = plans["3d"]
+    script = tmp_path / "job.sbatch"
+    script.write_text(export_plan(plan, "slurm", str(path), execute_flags=flags).text)
+    check_shell(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {"scontrol": "printf 'gpu-a\\ngpu-b\\n'",
+             "srun": 'while [[ $1 == --* ]]; do shift; done\nfor n in 0 1; do SLURM_NODEID=$n "$@"; done',
+             "fake-paraplan": 'printf "%s\\n" "$@" > "$RECORD.$SLURM_NODEID"'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "ckpt" / "step-20").mkdir(parents=True)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PARAPLAN": str(bin_dir / "fake-paraplan"),
+           "RECORD": str(tmp_path / "argv"), "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_JOB_NAME": "t",
+           "SLURM_JOB_ID": "7", "CKPT_DIR": str(tmp_path / "ckpt"), "MAX_RESTARTS": "2"}
+    p = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    for node in (0, 1):
+        f = flag_values((tmp_path / f"argv.{node}").read_text().splitlines())
+        assert f["--plan"] == str(path.resolve()) and f["--nnodes"] == "2" and f["--node-rank"] == str(node)
+        assert f["--rdzv-endpoint"] == "gpu-a:29500"
+        assert (f.get("--resume") == str(tmp_path / "ckpt")) == ("--resume" in flags)
+        assert (f.get("--max-restarts") == "2") == ("--max-restarts" in flags)
+
+
+def test_slurm_refuses_what_execute_refuses(plans, tmp_path):
+    plan, path = plans["3d"]
+    _, fp16 = variant(plan, path, dtype="fp16")
+    assert_one_line_error(cli("export", "--plan", str(fp16), "--to", "slurm"), "fp16")
+
+
+# ---------------------------------------------------------------- command and report
+
+
+def test_export_command_output_and_errors(plans, tmp_path):
+    plan, path = plans["z3"]
+    p = run_cli("export", "--plan", str(path), "--to", "torchtitan")  # as users run it: the console command
+    assert p.returncode == 0 and p.stdout.startswith("# torchtitan job config") and "[parallelism]" in p.stdout
+    p = cli("export", "--plan", str(path), "--to", "megatron", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["values"]["dp"] == plan.layout.dp and r["text"].startswith("#!/usr/bin/env bash")
+    assert_one_line_error(cli("export", "--plan", str(tmp_path / "none.json"), "--to", "megatron"), "none.json")
+    assert_one_line_error(cli("export", "--plan", str(path), "--to", "horovod"), "invalid choice")
+    assert_one_line_error(cli("export", "--plan", str(path), "--to", "megatron", "--out", str(tmp_path)),
+                          "is a folder")
+
+
+def test_report_lists_the_export_commands(plans):
+    _, path = plans["3d"]
+    lines = "\n".join(report_lines(str(path)))
+    assert "paraplan export --plan plan.json --to megatron --out megatron.sh" in lines
+    assert "paraplan export --plan plan.json --to torchtitan --out torchtitan.toml" in lines
+    assert "sbatch paraplan.sbatch" in lines
+    assert "deepspeed: not exported — deepspeed cannot express the interleaved-1f1b schedule" in lines
