@@ -120,6 +120,29 @@ def test_deepseek_v3_breakdown_matches_readme_weights():
     assert abs(checkpoint - 685 * B) < 1 * B
 
 
+DEEPSEEK_V2 = {  # deepseek-ai/DeepSeek-V2 config.json (architecture fields)
+    "model_type": "deepseek_v2", "first_k_dense_replace": 1, "hidden_size": 5120, "intermediate_size": 12288,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1536, "moe_layer_freq": 1,
+    "n_routed_experts": 160, "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 128,
+    "num_experts_per_tok": 6, "num_hidden_layers": 60, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "routed_scaling_factor": 16.0, "scoring_func": "softmax",
+    "aux_loss_alpha": 0.001, "tie_word_embeddings": False, "v_head_dim": 128, "vocab_size": 102400}
+DEEPSEEK_V2_LITE = {**DEEPSEEK_V2, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                    "n_routed_experts": 64, "num_attention_heads": 16, "num_key_value_heads": 16,
+                    "num_hidden_layers": 27, "q_lora_rank": None}  # deepseek-ai/DeepSeek-V2-Lite: no query rank
+
+
+@pytest.mark.parametrize("config,total,active,unit", [(DEEPSEEK_V2, 236 * B, 21 * B, 1 * B),
+                                                      (DEEPSEEK_V2_LITE, 15.7 * B, 2.4 * B, 0.1 * B)])
+def test_deepseek_v2_counts_match_paper(write, config, total, active, unit):
+    """arXiv 2405.04434: DeepSeek-V2 236B total / 21B activated per token; V2-Lite 15.7B / 2.4B. DeepSeek's
+    activated counts leave the input embedding out (as README_WEIGHTS.md's 36.6B for V3 does)."""
+    spec = _hf(write, config)
+    assert spec.mla and spec.moe_score_function == "softmax" and not spec.moe_norm_topk
+    assert abs(count_parameters(spec) - total) < unit
+    assert abs(count_active_parameters(spec) - transformer_embedding_params(spec) - active) < unit
+
+
 def test_dense_models_have_all_parameters_active():
     for name in ("gpt2", "llama2-7b", "bert-large", "resnet50"):
         spec = load_model_spec(name)
@@ -253,6 +276,17 @@ def test_tiny_moe_models_train_on_cpu(name):
     moe = [m for m in model.modules() if hasattr(m, "last_aux_loss")]
     assert len(moe) == spec.num_layers - spec.dense_layers
     assert all(m.last_aux_loss is not None and m.last_aux_loss > 0 for m in moe)
+
+
+def test_latent_attention_without_query_rank_and_gpt_experts_run():
+    """MLA with queries projected directly (DeepSeek-V2-Lite), and a GELU-expert MoE on the gpt family."""
+    for spec in (load_model_spec("deepseek-tiny").replace(q_lora_rank=None),
+                 spec_from_mapping({**MOE, "family": "gpt", "num_shared_experts": 1}, "gpt-moe")):
+        model = build_model(spec, "cpu")
+        assert sum(p.numel() for p in model.parameters()) == count_parameters(spec)
+        x, y = sample_batch(spec, 2, torch.Generator().manual_seed(0))
+        loss_function(spec)(model(x), y).backward()
+        assert all(p.grad is not None for p in model.parameters())
 
 
 def _naive_moe(moe, x):
