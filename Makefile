@@ -1,9 +1,14 @@
 # The two set-up commands of the README. Both create .venv/ when missing and install the project
-# (editable) with torch 2.13.0 first, so pip never pulls a CUDA build of torch.
+# (editable) with torch 2.13.0 first, so pip never pulls a CUDA build of torch: torch==2.13.0 is named
+# again beside every later install, so nothing (deepspeed included) can replace it.
+# The `validate` extra and torchtitan are test-only: the frameworks' own parsers check `paraplan export`.
+# torchtitan goes in without its dependencies (they would bring a CUDA torch); its config parser needs
+# only tyro, docstring-parser and typeguard, which the extra installs. DS_BUILD_OPS=0: no DeepSpeed kernels.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.paraplan-installed
 TORCH  := torch==2.13.0
+TORCHTITAN := torchtitan==0.2.2
 
 .PHONY: demo test setup lint
 
@@ -12,7 +17,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[dev,validate]' $(TORCH)
+	$(PY) -m pip install --quiet --no-deps $(TORCHTITAN)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from .api import plan_for
 from .costmodel import CostModel, Prediction
+from .exports import report_lines
 from .scaling import ScalingPoint
 from .search import Candidate, SearchResult
 
@@ -190,6 +191,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
                 md += [f"### {title}", "", f"![{title}]({os.path.basename(files[key])})", ""]
     md += ["", "Files: `plan.json` (run it with `paraplan execute --plan plan.json`), `candidates.csv` (every "
            "candidate with its status).", ""]
+    md += report_lines(files["plan"])  # the export command per framework, or why it cannot take the plan
     with open(files["report"], "w") as f:
         f.write("\n".join(md))
     return files

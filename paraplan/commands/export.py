@@ -44,9 +44,10 @@ def run(args) -> int:
         _write(args.out, result.text, executable=result.filename.endswith((".sh", ".sbatch")))
     if args.json:
         print_json({"target": result.target, "plan": args.plan, "out": args.out, "launch": launch,
-                    "notes": result.notes, "values": result.values, "text": result.text})
+                    "where": result.where, "notes": result.notes, "values": result.values, "text": result.text})
     elif args.out:
-        sys.stdout.write(f"wrote {args.out} ({args.to}); launch: {launch}\n")
+        sys.stdout.write(f"wrote {args.out} ({args.to}); launch" + (f" {result.where}" if result.where else "")
+                         + f": {launch}\n")
     else:
         sys.stdout.write(result.text)
     return 0

@@ -43,7 +43,7 @@ def report_lines(plan_path: str, name: str = "plan.json") -> list[str]:
             lines.append(f"- {target}: not exported — {e}")
             continue
         lines.append(f"- {target}: `paraplan export --plan {name} --to {target} --out {result.filename}`, then "
-                     f"`{result.launch}`")
+                     f"`{result.launch}`" + (f" {result.where}" if result.where else ""))
     return lines + [""]
 
 

@@ -39,6 +39,7 @@ class Export:
     filename: str
     launch: str
     notes: list[str] = field(default_factory=list)
+    where: str = ""  # where the launch command runs, e.g. "on each of the 2 nodes" ("" = once)
     values: dict[str, Any] = field(default_factory=dict)  # the plan's figures as the file states them
 
 

@@ -37,7 +37,8 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
     about = (" / ".join(header_lines(plan, plan_path, "DeepSpeed config")) + f"; the data-parallel size "
              f"({plan.layout.dp}) comes from the launch (world size / (tp x pp)) or the model code's mpu")
     return Export(target=TARGET, text=json.dumps(config, indent=2) + "\n", filename="ds_config.json", launch=launch,
-                  notes=notes, values={"dp": plan.layout.dp, "tp": plan.layout.tp, "pp": plan.layout.pp,
+                  notes=notes, where="on the first node (the launcher reaches the others through the hostfile)"
+                  if nodes > 1 else "", values={"dp": plan.layout.dp, "tp": plan.layout.tp, "pp": plan.layout.pp,
                                        "zero": plan.layout.zero, "about": about})
 
 

@@ -81,7 +81,11 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
     flags = [flag for args in groups.values() for flag, _ in args] + ["--train-iters", "--lr", "--save", "--load",
                                                                         "--save-interval", "--mock-data",
                                                                         "--tokenizer-type", "--vocab-size"]
-    return Export(target=TARGET, text=text, filename="megatron.sh", launch=_launch_hint(place), notes=notes,
+    nodes = place.nodes or 1
+    launch = ("MEGATRON_LM=/path/to/Megatron-LM" + (" RDZV_ENDPOINT=<first-node>:29500" if nodes > 1 else "")
+              + " bash megatron.sh")
+    return Export(target=TARGET, text=text, filename="megatron.sh", launch=launch, notes=notes,
+                  where=f"on each of the {nodes} nodes" if nodes > 1 else "",
                   values={"flags": flags, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp,
                           "micro_batch": lay.micro_batch, "global_batch": lay.global_batch})
 
@@ -226,9 +230,3 @@ def _render(plan: Plan, plan_path: str, spec, groups: dict[str, Args], env: list
               "fi", ""]
     return "\n".join(lines)
 
-
-def _launch_hint(place) -> str:
-    nodes = place.nodes or 1
-    where = "on each node, " if nodes > 1 else ""
-    return (f"{where}MEGATRON_LM=/path/to/Megatron-LM" + (" RDZV_ENDPOINT=<first-node>:29500" if nodes > 1 else "")
-            + " bash megatron.sh")

@@ -63,6 +63,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
               + "-m torchtitan.train --job.config_file torchtitan.toml")
     par, tr = config["parallelism"], config["training"]
     return Export(target=TARGET, text=text, filename="torchtitan.toml", launch=launch, notes=notes,
+                  where=f"on each of the {nodes} nodes" if nodes > 1 else "",
                   values={"tp": par["tensor_parallel_degree"], "pp": par["pipeline_parallel_degree"],
                           "dp": par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"],
                           "local_batch_size": tr["local_batch_size"], "global_batch_size": tr["global_batch_size"]})
