@@ -133,6 +133,12 @@ def _real_inputs(meta_inputs: tuple, first_inputs: tuple | None, device: torch.d
     return tuple(out)
 
 
+def _as_model_dtype(inputs: tuple, dtype: torch.dtype) -> tuple:
+    """Floating-point inputs in the model's dtype (images and features are sampled in fp32; a bf16 model's
+    first convolution or linear refuses them), integer inputs (token ids, labels) as they are."""
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
+
+
 class _Workload:
     """A model made ready for block-by-block profiling: blocks, their meta inputs, the loss."""
 
@@ -144,7 +150,7 @@ class _Workload:
             self.model = copy.deepcopy(custom.module).to("meta").to(dtype)
             self.block_names = custom.block_names
             example = custom.example_input if isinstance(custom.example_input, tuple) else (custom.example_input,)
-            self.first_inputs = example
+            self.first_inputs = _as_model_dtype(example, dtype)
             self.targets = None
             self.style_of: Callable[[str], str | None] = lambda fqn: None
             self.kinds = {n: type(self.model.get_submodule(n)).__name__ for n in self.block_names}
@@ -154,7 +160,7 @@ class _Workload:
             self.model = build_model(spec, "meta").to(dtype)
             self.block_names = self.model.block_names
             inputs, targets = sample_batch(spec, micro_batch, torch.Generator().manual_seed(0))
-            self.first_inputs = (inputs,)
+            self.first_inputs = _as_model_dtype((inputs,), dtype)
             self.targets = targets
             plan = tp_plan(spec)
             self.style_of = lambda fqn: tp_style(plan, fqn)
