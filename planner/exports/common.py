@@ -94,7 +94,7 @@ def uniform_recompute(plan: Plan, target: str) -> tuple[str, str | None]:
                        f"stage, so '{strongest}' is used throughout (fits, but slower than predicted)")
 
 
-def refuse_parameter_servers(plan: Plan, target: str) -> None:
+def refuse_ps_and_sharded_heads(plan: Plan, target: str) -> None:
     lay = plan.layout
     if lay.dp_mode == "ps":
         raise ExportRefused(target, "parameter servers (dp_mode ps)",

@@ -22,13 +22,13 @@ import json
 from paraplan.models import ModelSpec
 
 from ..plan import Plan
-from .common import Export, ExportRefused, header_lines, placement, refuse_parameter_servers, uniform_recompute
+from .common import Export, ExportRefused, header_lines, placement, refuse_ps_and_sharded_heads, uniform_recompute
 
 TARGET = "deepspeed"
 
 
 def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
-    refuse_parameter_servers(plan, TARGET)
+    refuse_ps_and_sharded_heads(plan, TARGET)
     config, notes = ds_config(plan)
     place = placement(plan)
     nodes = place.nodes or 1

@@ -32,7 +32,7 @@ from .common import (
     StageShape,
     header_lines,
     placement,
-    refuse_parameter_servers,
+    refuse_ps_and_sharded_heads,
     require_transformer,
     stage_shapes,
     uniform_recompute,
@@ -55,7 +55,7 @@ Args = list[tuple[str, object]]  # (flag, value or None for a switch)
 
 
 def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
-    refuse_parameter_servers(plan, TARGET)
+    refuse_ps_and_sharded_heads(plan, TARGET)
     spec = require_transformer(spec, TARGET, "pretrain_gpt.py")
     if spec.family == "bert":
         raise ExportRefused(TARGET, "a bert model", "pretrain_gpt.py trains decoder-only (causal) models")

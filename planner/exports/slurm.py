@@ -63,8 +63,9 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset
             lines.append(f"{var}=${{{var}:-}}")
     lines[lines.index("KNOBS")] = "# Settable in the environment: " + ", ".join(
         [e for e in exports if e not in ("RDZV_ENDPOINT", "RESUME_DIR")] + ["RDZV_PORT"]) + "."
-    lines += ["", 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              'RDZV_ENDPOINT="$head_node:$RDZV_PORT"',
+    lines += ["", "# the first node hosts the rendezvous (read without '| head', whose SIGPIPE ends a pipefail job)",
+              'mapfile -t job_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+              'RDZV_ENDPOINT="${job_nodes[0]}:$RDZV_PORT"',
               f"export {' '.join(exports)}", "",
               "# One task per node; $SLURM_NODEID is expanded on each node (hence the single quotes).",
               "# shellcheck disable=SC2016",

@@ -32,7 +32,7 @@ from .common import (
     ExportRefused,
     header_lines,
     placement,
-    refuse_parameter_servers,
+    refuse_ps_and_sharded_heads,
     require_transformer,
     uniform_recompute,
 )
@@ -51,7 +51,7 @@ PRECISION = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}
 
 
 def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
-    refuse_parameter_servers(plan, TARGET)
+    refuse_ps_and_sharded_heads(plan, TARGET)
     config, notes = job_config(plan, spec)
     lines = [f"# {x}" for x in header_lines(plan, plan_path, f"torchtitan job config ({TORCHTITAN_SOURCE})")]
     lines += ["# Run: torchrun ... -m torchtitan.train --job.config_file <this file>", ""]
