@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a plan as Megatron-LM arguments, a torchtitan TOML, a DeepSpeed "
                                       "config or a Slurm script")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by plan or simulate")
-    p.add_argument("--to", required=True, choices=("megatron", "torchtitan", "deepspeed", "slurm"))
+    p.add_argument("--to", required=True, choices=("megatron", "torchtitan", "torchtitan-cli", "deepspeed", "slurm"),
+                   help="torchtitan: a TOML job file; torchtitan-cli: the same as command-line overrides")
     p.add_argument("--out", metavar="FILE", help="file to write (default: print it)")
     _add_common(p)
 

@@ -2,8 +2,8 @@
 
 - megatron: every flag is in Megatron-LM's parser (tests/data/megatron_args.txt, derived from its source at
   the commit named there); the sourced fragment's argv carries the plan's degrees, batches and stages.
-- torchtitan: torchtitan 0.2's ConfigManager parses the TOML with warnings as errors, and its ParallelDims
-  accepts the degrees for the plan's world size.
+- torchtitan: torchtitan 0.2's ConfigManager parses the TOML (and the command-line form, to the same config)
+  with warnings as errors, and its ParallelDims accepts the degrees for the plan's world size.
 - deepspeed: DeepSpeedConfig reads the JSON, with the data-parallel size given through an mpu.
 - slurm: bash -n, shellcheck, and a dry run with stand-ins for srun/scontrol/paraplan.
 Expected values come from the plans themselves.
@@ -279,12 +279,14 @@ def torchtitan_config():
     return ConfigManager, ParallelDims, logger
 
 
-def parse_torchtitan(tools, toml_text: str, tmp_path: Path, world_size: int):
-    """ConfigManager.parse_args on the file, warnings (Python's and torchtitan's log) as errors, then
-    ParallelDims for the world size, as torchtitan's trainer builds it."""
+def parse_torchtitan(tools, toml_text: str | None, tmp_path: Path, world_size: int, args: list[str] = ()):
+    """ConfigManager.parse_args on the TOML (or on command-line ``args``), warnings (Python's and torchtitan's
+    log) as errors, then ParallelDims for the world size, as torchtitan's trainer builds it."""
     config_manager, parallel_dims, logger = tools
-    path = tmp_path / "torchtitan.toml"
-    path.write_text(toml_text)
+    if toml_text is not None:
+        path = tmp_path / "torchtitan.toml"
+        path.write_text(toml_text)
+        args = ["--job.config_file", str(path)]
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
@@ -295,7 +297,7 @@ def parse_torchtitan(tools, toml_text: str, tmp_path: Path, world_size: int):
         (tmp_path / "assets" / "hf" / "Llama-3.1-8B").mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            cfg = config_manager().parse_args(["--job.config_file", str(path)])
+            cfg = config_manager().parse_args(list(args))
     finally:
         os.chdir(cwd)
         logger.removeHandler(handler)
@@ -350,6 +352,22 @@ def test_torchtitan_zbv_fp8_and_pure_data_parallel(plans, tmp_path, torchtitan_c
     cfg, dims = parse_torchtitan(torchtitan_config, result.text, tmp_path, z3.layout.world_size)
     assert (dims.dp_replicate, dims.dp_shard) == (z3.layout.dp, 1) and not result.notes  # plain DDP, as planned
     assert cfg.activation_checkpoint.mode == "none"
+
+
+def test_torchtitan_command_line_form_is_the_same_config(plans, tmp_path, torchtitan_config):
+    plan, path = plans["3d"]
+    out = tmp_path / "torchtitan.sh"
+    p = cli("export", "--plan", str(path), "--to", "torchtitan-cli", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    check_shell(out)
+    got = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\n" "${TORCHTITAN_ARGS[@]}"', "_", str(out)],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    from_cli, _ = parse_torchtitan(torchtitan_config, None, tmp_path, plan.layout.world_size, got)
+    from_toml, _ = parse_torchtitan(torchtitan_config, export_plan(plan, "torchtitan").text, tmp_path,
+                                    plan.layout.world_size)
+    from_toml.job.config_file = None
+    assert from_cli.to_dict() == from_toml.to_dict()
+    assert from_cli.parallelism.tensor_parallel_degree == plan.layout.tp
 
 
 def test_torchtitan_refuses_models_without_a_flavor_and_fp16(plans):
@@ -511,5 +529,6 @@ def test_report_lists_the_export_commands(plans):
     lines = "\n".join(report_lines(str(path)))
     assert "paraplan export --plan plan.json --to megatron --out megatron.sh" in lines
     assert "paraplan export --plan plan.json --to torchtitan --out torchtitan.toml" in lines
+    assert "paraplan export --plan plan.json --to torchtitan-cli --out torchtitan.sh" in lines
     assert "sbatch paraplan.sbatch" in lines
     assert "deepspeed: not exported — deepspeed cannot express the interleaved-1f1b schedule" in lines

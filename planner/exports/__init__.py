@@ -2,7 +2,8 @@
 
 ``export_plan(plan, target)`` returns an :class:`Export` (the file's text, a suggested name, the launch
 command and notes on what the target runs differently), or raises :class:`ExportRefused` naming the
-feature the target cannot express. One module per target: megatron, torchtitan, deepspeed, slurm.
+feature the target cannot express. One module per target: megatron, torchtitan (a TOML), torchtitan_cli
+(the same as command-line overrides), deepspeed, slurm.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..errors import PlanError
 from ..plan import Plan
 from .common import Export, ExportRefused, plan_spec
 
-TARGETS = ("megatron", "torchtitan", "deepspeed", "slurm")
+TARGETS = ("megatron", "torchtitan", "torchtitan-cli", "deepspeed", "slurm")
 
 
 def export_plan(plan: Plan, target: str, plan_path: str = "plan.json", spec: ModelSpec | None = None,
@@ -24,7 +25,7 @@ def export_plan(plan: Plan, target: str, plan_path: str = "plan.json", spec: Mod
     (slurm: ``execute_flags``, the option strings ``paraplan execute`` accepts)."""
     if target not in TARGETS:
         raise PlanError(f"unknown export target {target!r} (one of {', '.join(TARGETS)})")
-    module = importlib.import_module(f".{target}", __name__)
+    module = importlib.import_module(f".{target.replace('-', '_')}", __name__)
     return module.export(plan, plan_path, spec if spec is not None else plan_spec(plan), **options)
 
 
