@@ -127,8 +127,19 @@ def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) 
         reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
         reader.start()
     why = None
+    restarts = [0]
+
+    def on_restart(before: dict[int, RankStatus]) -> None:
+        restarts[0] += 1
+        t = opts.training
+        where = ("the latest complete checkpoint" if t.checkpoint_dir else
+                 "the checkpoint it resumed from" if t.resume else "step 1")
+        sys.stderr.write(f"paraplan execute: {restart_cause(before)}; torchrun restarts the job from {where} "
+                         f"(restart {restarts[0]} of {t.max_restarts})\n")
+        sys.stderr.flush()
+
     try:
-        why = _watch(proc, status_dir, opts.timeout_s)
+        why = _watch(proc, status_dir, opts.timeout_s, on_restart if opts.training.max_restarts else None)
     except KeyboardInterrupt:
         _stop(proc, status_dir)
         raise
@@ -139,15 +150,29 @@ def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) 
                    status_dir=status_dir)
 
 
-def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | None:
-    """Wait for torchrun; end it when no local rank has made progress for --timeout (+ a margin)."""
+def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float, on_restart=None) -> str | None:
+    """Wait for torchrun; end it when no local rank has made progress for --timeout (+ a margin). When
+    torchrun restarts the workers (--max-restarts), call ``on_restart`` with the statuses just before."""
     started = time.time()
     limit = timeout_s + min(15.0, WATCHDOG_MARGIN * timeout_s) if timeout_s > 0 else None
+    seen: dict[int, int] = {}  # rank -> the pid it last reported
+    attempt: set[int] = set()  # pids of the current attempt's ranks
+    before: dict[int, RankStatus] = {}
     while proc.poll() is None:
         time.sleep(0.2)
+        statuses = read_statuses(status_dir)
+        for r, st in statuses.items():
+            old = seen.get(r)
+            if old is not None and st.pid != old and old in attempt:  # a new process for a rank: a restart
+                if on_restart is not None:
+                    on_restart(before)
+                attempt = set()
+            if old is None or st.pid != old:
+                attempt.add(st.pid)
+            seen[r] = st.pid
+        before = statuses
         if limit is None:
             continue
-        statuses = read_statuses(status_dir)
         live = [s for s in statuses.values() if s.state == "running"]
         last = max((s.time for s in live), default=None)
         startup = max(limit, STARTUP_ALLOWANCE_S)
@@ -159,6 +184,34 @@ def _watch(proc: subprocess.Popen, status_dir: str, timeout_s: float) -> str | N
             _stop(proc, status_dir)
             return f"rank {stalled.rank} hung {_where(stalled)}: no progress for {timeout_s:g} s"
     return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def restart_cause(before: dict[int, RankStatus]) -> str:
+    """Why the attempt that just ended failed, from its last statuses on this node (one phrase)."""
+    errors = sorted((s for s in before.values() if s.state == "error"), key=lambda s: s.time)
+    if errors:
+        return f"rank {errors[0].rank} failed {_where(errors[0])}: {errors[0].message}"
+    dead = sorted((s for s in before.values() if s.state == "running" and s.pid and not _alive(s.pid)),
+                  key=lambda s: s.rank)
+    if dead:
+        return f"rank {dead[0].rank} died {_where(dead[0])}"
+    peers = [s for s in before.values() if s.state == "peer"]
+    stuck = sorted((s for s in before.values() if s.state in ("running", "terminated")), key=lambda s: s.rank)
+    if peers and stuck:
+        return f"rank {stuck[0].rank} hung {_where(stuck[0])}"
+    if peers:
+        return f"a rank on another node failed (rank {peers[0].rank} here saw: {peers[0].message})"
+    return "a rank failed"
 
 
 def _stop(proc: subprocess.Popen, status_dir: str) -> None:

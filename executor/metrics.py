@@ -27,7 +27,12 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def model_flops_per_step(job: Job) -> float | None:
-    """Model FLOPs of one training step (forward + backward of the global batch), or None if unknown."""
+    """Model FLOPs of one training step (forward + backward of the global batch), or None if unknown:
+    from the plan's prediction when it has one (the planner's own count), else from a meta profile."""
+    pred = job.plan.prediction or {}
+    tflops, seconds = pred.get("model_tflops_per_gpu"), pred.get("iteration_time_s")
+    if isinstance(tflops, int | float) and isinstance(seconds, int | float) and tflops > 0:
+        return tflops * 1e12 * seconds * job.layout.num_gpus
     try:
         from paraplan.profiler import profile_model
 

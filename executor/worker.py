@@ -179,6 +179,24 @@ def _data_record(training, job) -> dict | None:
     return open_tokens(training.data, training.data_dtype, job.spec.vocab_size).describe()
 
 
+def _init_process_group(backend: str, timeout: timedelta | None) -> None:
+    """Join the job's process group. Under torchrun the workers share the agent's store, which a static
+    rendezvous keeps for the whole job: a restarted attempt would read the dead attempt's addresses
+    (gloo then waits on ports nobody listens on). Each attempt gets a namespace of its own in it."""
+    import torch.distributed as dist
+
+    from .training import restart_count
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout or timedelta(minutes=30))
+    store = dist.PrefixStore(f"/paraplan/attempt_{restart_count()}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def _ranks(lo: int, hi: int) -> str:
     return f"rank {lo}" if hi == lo + 1 else f"ranks {lo}-{hi - 1}"
 
@@ -219,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = timedelta(seconds=args.timeout) if args.timeout > 0 else None
         _, backend = rank_device(jobs[0].plan)
         status.update(phase="rendezvous")
-        dist.init_process_group(backend=backend, timeout=timeout)
+        _init_process_group(backend, timeout)
         for job in jobs:
             job.check_world(dist.get_world_size())
         for job, out in zip(jobs, outs, strict=True):

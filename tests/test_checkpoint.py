@@ -1,0 +1,123 @@
+"""Checkpoints (``--checkpoint-dir/--checkpoint-every``), ``--resume`` under the same or another plan
+(resharding), and ``--max-restarts``: a killed rank restarts the job from the latest checkpoint by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from executor_cases import Case, assert_losses_match, read_run
+
+from conftest import run_cli
+from paraplan.executor import checkpoint_io
+from paraplan.executor.errors import ExecutionError, JobFailed
+from paraplan.executor.launch import LaunchOptions, TrainingOptions, launch
+from paraplan.executor.machine import free_port
+
+REF = Case("dp2", "gpt-tiny", dp=2, micro_batch=2)
+STEPS, EVERY = 6, 3
+
+
+def _launch(case: Case, folder: str, training: TrainingOptions, steps: int = STEPS) -> dict:
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "run")
+    try:
+        launch([case.write(folder)], [out], LaunchOptions(nproc_per_node=case.world_size, steps=steps,
+                                                          master_port=free_port("127.0.0.1"), timeout_s=120,
+                                                          threads_per_rank=1, training=training))
+    except JobFailed as e:
+        pytest.fail(f"{case.name}: {e}")
+    return read_run(out)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[str, dict]:
+    """(checkpoint folder, run record) of an uninterrupted dp2 run saving after steps 3 and 6."""
+    folder = str(tmp_path_factory.mktemp("checkpoint-reference"))
+    ck = os.path.join(folder, "ck")
+    run = _launch(REF, folder, TrainingOptions(checkpoint_dir=ck, checkpoint_every=EVERY))
+    return ck, run
+
+
+def test_checkpoints_are_complete_step_folders(reference):
+    ck, run = reference
+    assert sorted(os.listdir(ck)) == ["step-3", "step-6"]  # every 3rd step and the last; no partial folder left
+    assert {".metadata", "trainer.json"} <= set(os.listdir(os.path.join(ck, "step-3")))
+    state = checkpoint_io.read_state(os.path.join(ck, "step-3"))
+    assert state.step == 3 and state.samples == 3 * REF.global_batch and state.losses == run["losses"][:3]
+    assert state.plan["dp"] == 2 and state.parameters["embed.tok.weight"] == [1024, 128]
+    assert run["restarts"] == 0 and run["resumed_from_step"] is None
+    assert_losses_match(REF, run)  # checkpointing does not change training (single-process reference)
+
+
+@pytest.mark.parametrize("case", [Case("tp2", "gpt-tiny", tp=2, micro_batch=2),
+                                  Case("pp2", "gpt-tiny", pp=2, micro_batch=2)], ids=lambda c: c.name)
+def test_a_dp2_checkpoint_resumes_under_another_plan(reference, case, tmp_path):
+    ck, ref = reference
+    run = _launch(case, str(tmp_path), TrainingOptions(resume=os.path.join(ck, "step-3")))
+    assert run["resumed_from_step"] == 3 and run["steps"] == STEPS and run["plan"]["dp"] == 1
+    assert run["losses"][:3] == ref["losses"][:3]  # carried in the checkpoint
+    for k in range(3, STEPS):
+        got, want = run["losses"][k], ref["losses"][k]
+        assert abs(got - want) <= 1e-4 * abs(want), f"{case.name} step {k + 1}: {got} vs uninterrupted {want}"
+
+
+def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint(reference, tmp_path):
+    _, ref = reference
+    plan = REF.write(str(tmp_path))
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    p = run_cli("execute", "--plan", plan, "--steps", str(STEPS), "--checkpoint-dir", ck, "--checkpoint-every", "2",
+                "--max-restarts", "1", "--timeout", "120", "--out", out,
+                env={"PARAPLAN_FAULT": "kill:1:5", "TMPDIR": str(tmp_path)}, timeout=400)  # SIGKILL at step 5
+    assert p.returncode == 0, p.stderr
+    run = read_run(out)
+    assert run["restarts"] == 1 and run["resumed_from_step"] == 4 and run["steps"] == STEPS
+    for k, (got, want) in enumerate(zip(run["losses"], ref["losses"], strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {k + 1}: {got} vs uninterrupted {want}"
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one line per step, the replayed ones once
+    assert [r["restart"] for r in rows] == [0] * 4 + [1] * 2
+    assert all(r["tokens_per_s"] > 0 and r["loss"] == run["losses"][i] for i, r in enumerate(rows))
+
+
+@pytest.mark.parametrize("name,fragment", [
+    ("other-model", "holds model gpt-tiny, the plan trains llama-tiny"),
+    ("no-checkpoint", "no complete checkpoint (step-N/ folder) in it"),
+    ("missing", "no such folder"),
+    ("steps", "--steps is the run's total, so give more than 3"),
+    ("every-alone", "--checkpoint-every needs --checkpoint-dir"),
+    ("parameter-servers", "the plan uses parameter servers"),
+])
+def test_bad_resume_and_checkpoint_options_are_one_line(reference, name, fragment, tmp_path, capsys, monkeypatch):
+    from paraplan import cli
+
+    def no_launch(*a, **k):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr("paraplan.commands.execute.launch", no_launch)
+    ck, _ = reference
+    (tmp_path / "empty").mkdir()
+    plan = {"other-model": Case("llama", "llama-tiny", dp=2, micro_batch=2),
+            "parameter-servers": Case("ps", "gpt-tiny", dp=2, micro_batch=2, dp_mode="ps")}.get(name, REF)
+    args = {"other-model": ["--resume", os.path.join(ck, "step-3")],
+            "no-checkpoint": ["--resume", str(tmp_path / "empty")],
+            "missing": ["--resume", str(tmp_path / "nowhere")],
+            "steps": ["--resume", os.path.join(ck, "step-3"), "--steps", "3"],
+            "every-alone": ["--checkpoint-every", "2"],
+            "parameter-servers": ["--checkpoint-dir", str(tmp_path / "ck")]}[name]
+    code = cli.main(["execute", "--plan", plan.write(str(tmp_path)), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and fragment in err, err
+
+
+def test_only_complete_checkpoints_are_found(tmp_path):
+    for name in ("step-2", "step-5", ".step-7.partial", "step-x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-2" / "trainer.json").write_text("{}")
+    (tmp_path / ".step-7.partial" / "trainer.json").write_text("{}")  # renamed only once complete
+    assert checkpoint_io.complete_steps(str(tmp_path)) == [2]
+    assert checkpoint_io.resolve(str(tmp_path)) == str(tmp_path / "step-2")
+    with pytest.raises(ExecutionError, match="incomplete checkpoint"):
+        checkpoint_io.resolve(str(tmp_path / "step-5"))
