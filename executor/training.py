@@ -41,7 +41,10 @@ def restart_count() -> int:
 
 
 def resume_folder(opts: TrainingOptions, rank: int, restarts: int) -> str | None:
-    """Collective: the checkpoint folder this attempt starts from (None: step 0), decided by rank 0."""
+    """Collective when checkpoints are in play (every rank has the same options): the checkpoint folder
+    this attempt starts from (None: step 0), decided by rank 0."""
+    if not opts.resume and not opts.checkpoint_dir:
+        return None  # no collective: parameter servers, which never get here, would not join it
     choice = [None]
     if rank == 0:
         found = checkpoint_io.latest(opts.checkpoint_dir) if restarts and opts.checkpoint_dir else None
