@@ -57,7 +57,7 @@ def materialize(module: nn.Module, spec: ModelSpec, seed: int, device: torch.dev
     with torch.no_grad():
         for mod_name, mod in module.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                fqn = canonical_fqn(f"{mod_name}.{pname}" if mod_name else pname)
                 full = reference_init(mod, pname, p.shape, parameter_generator(seed, aliases.get(fqn, fqn)))
                 if isinstance(p, DTensor):  # keep this rank's shard of the full value, no communication
                     shard = distribute_tensor(full.to(device), p.device_mesh, p.placements, src_data_rank=None)
@@ -66,6 +66,14 @@ def materialize(module: nn.Module, spec: ModelSpec, seed: int, device: torch.dev
                     p.copy_(full)
             if isinstance(mod, nn.BatchNorm2d):
                 mod.reset_running_stats()
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The whole model's name of a parameter, without the wrappers' levels (activation checkpointing
+    wraps modules before they are materialised)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return fqn.replace(_CHECKPOINT_PREFIX, "")
 
 
 def retie(module: nn.Module, spec: ModelSpec) -> None:

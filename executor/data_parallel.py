@@ -1,17 +1,27 @@
 """Data parallelism by ZeRO stage (Rajbhandari et al. 2020), applied to each chunk after TP and AC.
 
-- ZeRO 0 and 1: parameters and gradients replicated, gradients all-reduced in backward. Without
-  pipeline or tensor parallelism that is DistributedDataParallel (bucketed, overlapped with
-  backward); otherwise the FSDP2-based ``replicate``, which composes with DTensor parameters and
-  with every pipeline schedule (DDP's reducer breaks when a rank runs several chunks, as in
-  interleaved 1F1B). ZeRO 1 adds the sharded optimizer of :mod:`.optim` on top.
-- ZeRO 2: FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: gradients and optimizer states
-  sharded, parameters gathered once per step and kept until backward is done.
-- ZeRO 3: FSDP2 ``fully_shard``: parameters resharded after forward and gathered again in backward.
+What each stage allocates, per parameter of the chunk, when training in bf16 (FSDP2's mixed precision:
+fp32 master weights, a bf16 copy for compute, gradients reduced and kept in fp32) — the cost model's
+``paraplan`` framework prices exactly this (planner/memory.py, ``executor_state_bytes``):
 
-FSDP2 shards each transformer layer as its own unit (its all-gather overlaps the previous layer's
-compute), then the chunk's remaining parameters (embedding, head) as the root unit, so a tied
-embedding/head pair inside one chunk is one parameter of one unit.
+- ZeRO 0 and 1: FSDP2's ``replicate`` (each transformer layer its own unit, so its gradient
+  all-reduce overlaps the backward of the layers before it, then the rest of the chunk): fp32
+  weights (4 B), the bf16 compute copy (2 B, from the forward until the end of the step's backward),
+  fp32 gradients (4 B), accumulated over the micro-batches and all-reduced once, after the last one.
+  ZeRO 1 adds the sharded optimizer of :mod:`.optim` (Adam's moments over dp). Training in fp32
+  without tensor or pipeline parallelism uses DistributedDataParallel instead (bucketed, overlapped;
+  the gradients are views of its buckets, so they are not held twice).
+- ZeRO 2: ``fully_shard`` with ``reshard_after_forward=False``: fp32 weights sharded (4/dp B); the
+  bf16 copy gathered once per step and kept until the last micro-batch's backward (2 B); gradients
+  reduce-scattered after *every* micro-batch's backward into fp32 shards (4/dp B) — the choice that
+  makes gradient memory shrink with dp under gradient accumulation (FSDP2's no-sync accumulation
+  would keep unsharded fp32 gradients, 4 B per parameter, on every rank).
+- ZeRO 3: ``fully_shard``: as ZeRO 2, but the bf16 copy is gathered for every micro-batch's forward
+  and again for its backward, and freed after each, layer by layer (FSDP2 prefetches one layer ahead).
+
+Sharding happens on the meta device (torchtitan's order): no rank ever allocates a whole chunk
+before it is sharded; :func:`paraplan.executor.chunks.materialize` then allocates each shard and
+draws its values.
 """
 
 from __future__ import annotations
@@ -19,23 +29,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 
-def has_dtensor_params(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
+def uses_ddp(zero: int, dp: int, mp_dtype: torch.dtype | None, pipelined: bool, tensor_parallel: bool) -> bool:
+    """DistributedDataParallel (applied after materialising) rather than an FSDP2 wrapper (applied on meta)."""
+    return dp > 1 and zero <= 1 and mp_dtype is None and not pipelined and not tensor_parallel
 
 
-def apply_dp(module: nn.Module, zero: int, dp_mesh: DeviceMesh, device: torch.device,
-             mp_dtype: torch.dtype | None, pipelined: bool) -> nn.Module:
-    """Wrap ``module`` for data parallelism over ``dp_mesh``; returns the module to train."""
-    if dp_mesh.size() == 1:
+def shard_dp(module: nn.Module, zero: int, dp_mesh: DeviceMesh, mp_dtype: torch.dtype | None,
+             pipelined: bool, tensor_parallel: bool) -> nn.Module:
+    """Wrap ``module`` (still on meta) for data parallelism with FSDP2; DDP's case is left for :func:`apply_ddp`.
+
+    A single data-parallel rank training in bf16 is wrapped too (``replicate`` over one rank): FSDP2's
+    mixed precision is what gives every layout the same weights, gradients and activations in memory.
+    """
+    dp = dp_mesh.size()
+    if uses_ddp(zero, dp, mp_dtype, pipelined, tensor_parallel) or (dp == 1 and mp_dtype is None):
         return module
-    if zero <= 1:
-        if pipelined or has_dtensor_params(module):
-            return _replicate(module, dp_mesh, mp_dtype)
-        return _ddp(module, dp_mesh, device)
-    return _fully_shard(module, dp_mesh, reshard_after_forward=zero == 3, mp_dtype=mp_dtype)
+    if zero <= 1 or dp == 1:
+        return _per_layer(module, lambda m: _replicate(m, dp_mesh, mp_dtype))
+    return _per_layer(module, lambda m: _fully_shard(m, dp_mesh, zero == 3, mp_dtype))
+
+
+def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """DistributedDataParallel over ``dp_mesh`` (a materialised module)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=dp_mesh.get_group(),
+                                   gradient_as_bucket_view=True)
+
+
+def _per_layer(module: nn.Module, wrap) -> nn.Module:
+    """Each transformer layer its own unit (its collective overlaps its neighbours' compute), then the
+    chunk's remaining parameters (embedding, head: one unit, so a tied pair inside it is one parameter)."""
+    layers = getattr(module, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        for layer in layers.values():
+            wrap(layer)
+    return wrap(module)
 
 
 def _mp_policy(mp_dtype: torch.dtype | None):
@@ -52,21 +84,15 @@ def _replicate(module: nn.Module, dp_mesh: DeviceMesh, mp_dtype: torch.dtype | N
     return replicate(module, mesh=dp_mesh, mp_policy=_mp_policy(mp_dtype))
 
 
-def _ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, process_group=dp_mesh.get_group())
-
-
 def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool,
                  mp_dtype: torch.dtype | None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    policy = _mp_policy(mp_dtype)
-    layers = getattr(module, "layers", None)
-    if isinstance(layers, nn.ModuleDict):
-        for layer in layers.values():
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                       mp_policy=_mp_policy(mp_dtype))
 
+
+def syncs_every_micro_batch(zero: int) -> bool:
+    """ZeRO 2 and 3 reduce-scatter each micro-batch's gradients (sharded fp32 accumulation); ZeRO 0 and 1
+    accumulate full gradients and reduce once per step."""
+    return zero >= 2

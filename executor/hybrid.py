@@ -36,7 +36,7 @@ from paraplan.models import ModelSpec, parameter_generator, reference_init
 
 from .chunks import build_chunks, materialize
 from .class_sharded import ShardedClassifier, sharded_cross_entropy
-from .data_parallel import apply_dp
+from .data_parallel import apply_ddp
 from .job import Job
 from .optim import adamw
 from .parallel_dims import set_group_timeout
@@ -122,12 +122,12 @@ def build_hybrid_rank_model(job: Job, rank: int, device: torch.device, timeout: 
     mesh = job.dims.build_mesh(device.type, timeout)
     hmesh = head_mesh(lay.dp, k, device.type, timeout)
     shard_group, replica_group = hmesh["shard"].get_group(), hmesh["replica"].get_group()
-    mp_dtype = mixed_precision_dtype(job, device)
+    mp_dtype = mixed_precision_dtype(job, device.type)
 
     on_phase("model")
     chunk, in_features, pool = split_head(spec, job.plan.stages)
     materialize(chunk.module, spec, job.plan.seed, device)
-    trunk = apply_dp(chunk.module, lay.zero, mesh["dp"], device, mp_dtype, pipelined=False)
+    trunk = apply_ddp(chunk.module, mesh["dp"], device)  # head_parallel divides dp, so dp > 1
     with torch.device(device):
         head = ShardedClassifier(in_features, spec.num_classes, k, rank % k, pool, shard_group)
     init_head_shard(head.fc, job.plan.seed, head.classes, spec.num_classes)

@@ -7,6 +7,16 @@ Schedules: ``gpipe`` -> ScheduleGPipe, ``1f1b`` -> Schedule1F1B (one stage per r
 gradients). The loss function returns each micro-batch's mean loss and the schedule divides the
 accumulated gradients by the number of micro-batches (``scale_grads=True``), so a step's gradient is
 that of the mean loss over the replica's whole batch, as without a pipeline.
+
+Every stage is given the shapes it receives and sends (``input_args`` / ``output_args``), so the
+schedule needs no run-time shape exchange: the boundary is the (b, s, h) residual stream in the
+compute dtype, sequence-sharded (b, s/t, h) under sequence parallelism.
+
+Data parallelism inside the pipeline follows data_parallel.py's rules: ZeRO 2/3 stages reduce-scatter
+every micro-batch's gradients (torch's stages would defer them all to the end of the step, keeping
+unsharded fp32 gradients meanwhile) — except under ZB-V, whose separate weight-gradient pass runs after
+FSDP's post-backward hook, so there the gradients are accumulated and reduced once, after the last
+micro-batch, as torch does.
 """
 
 from __future__ import annotations
@@ -24,16 +34,91 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from .data_parallel import syncs_every_micro_batch
+from .job import Job
+
 SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}
 
 
-def build_schedule(modules: list[tuple[int, nn.Module]], num_stages: int, schedule: str, num_micro_batches: int,
-                   pp_mesh: DeviceMesh, device: torch.device, loss_fn: Callable):
+class ShardedGradStage(PipelineStage):
+    """A stage whose FSDP2 module reduce-scatters gradients after every micro-batch's full backward
+    (ZeRO 2 keeps its gathered weights until the step's last backward; ZeRO 3 reshards after each)."""
+
+    def __init__(self, *args, reshard_after_backward: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reshard_each = reshard_after_backward
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        from torch.distributed.fsdp import FSDPModule
+
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(last_backward)
+        self.submod.set_reshard_after_backward(self._reshard_each or last_backward)
+        self.submod.set_requires_gradient_sync(True)
+        from torch.distributed.pipelining.stage import stage_backward
+
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
+def stage_io(job: Job, stage: int, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors of what stage ``stage`` receives and sends, per micro-batch (requiring gradients where
+    a gradient flows back)."""
+    lay, spec = job.layout, job.spec
+    first, last = stage == 0, stage == job.num_stages - 1
+    if not spec.is_transformer:  # resnet / vgg / mlp: the blocks' own output shapes, found on meta
+        shapes, input_meta = _block_outputs(job)
+        blocks = job.plan.stages[stage]
+        prev = job.plan.stages[stage - 1][-1] if not first else None
+        inputs = input_meta if first else _meta(shapes[prev], compute_dtype)
+        return inputs, _meta(shapes[blocks[-1]], compute_dtype)
+    b, s = lay.micro_batch, job.seq_length
+    s_local = s // lay.tp if lay.sequence_parallel else s
+    hidden = _meta((b, s_local, spec.hidden_size), compute_dtype)  # (b, s or s/t, h)
+    inputs = torch.empty(b, s, dtype=torch.long, device="meta") if first else hidden  # (b, s) token ids
+    outputs = _meta((b, s, spec.vocab_size // lay.tp), compute_dtype) if last else hidden  # (b, s, V/t) logits
+    return inputs, outputs
+
+
+def _meta(shape, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)
+
+
+def _block_outputs(job: Job) -> tuple[dict[str, tuple[int, ...]], torch.Tensor]:
+    """Each block's output shape for one micro-batch (a forward of the whole model on meta), and the
+    model's input as a meta tensor."""
+    from paraplan.models import build_model, sample_batch
+
+    model = build_model(job.spec, "meta")
+    x, _ = sample_batch(job.spec, job.layout.micro_batch, torch.Generator().manual_seed(0), job.seq_length)
+    x = x.to("meta")
+    inputs, shapes = x, {}
+    with torch.no_grad():
+        for name in model.block_names:
+            x = model.get_submodule(name)(x)
+            shapes[name] = tuple(x.shape)
+    return shapes, inputs
+
+
+def build_schedule(modules: list[tuple[int, nn.Module]], job: Job, pp_mesh: DeviceMesh, device: torch.device,
+                   loss_fn: Callable, compute_dtype: torch.dtype):
     """The schedule that runs this rank's ``(stage index, module)`` pairs (ascending stage order)."""
+    lay = job.layout
     group = pp_mesh.get_group()
-    stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in modules]
-    if schedule in SINGLE:
-        assert len(stages) == 1, f"{schedule} runs one stage per rank"
-        return SINGLE[schedule](stages[0], n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=True)
-    return MULTI[schedule](stages, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+    sharded = syncs_every_micro_batch(lay.zero) and lay.dp > 1 and lay.schedule != "zb-v"
+    stages = []
+    for index, module in modules:
+        inputs, outputs = stage_io(job, index, compute_dtype)
+        kwargs = dict(input_args=(inputs,), output_args=(outputs,), group=group)
+        if sharded:
+            stages.append(ShardedGradStage(module, index, job.num_stages, device, reshard_after_backward=lay.zero == 3,
+                                           **kwargs))
+        else:
+            stages.append(PipelineStage(module, index, job.num_stages, device, **kwargs))
+    m = lay.num_micro_batches
+    if lay.schedule in SINGLE:
+        assert len(stages) == 1, f"{lay.schedule} runs one stage per rank"
+        return SINGLE[lay.schedule](stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=True)
+    return MULTI[lay.schedule](stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=True)

@@ -39,7 +39,7 @@ def build_ps_worker(job: Job, rank: int, device: torch.device, timeout: timedelt
     materialize(chunk.module, job.spec, job.plan.seed, device)
     on_phase("optimizer")
     client = PSClient(list(chunk.module.parameters()), roles)
-    autocast = mixed_precision_dtype(job, device)
+    autocast = mixed_precision_dtype(job, device.type)
     return RankModel(job=job, rank=rank, device=device, mesh=None, chunks=chunks, trained=[chunk.module],
                      optimizer=client, schedule=None, autocast_dtype=autocast, loss_group=group,
                      deferred_loss=roles.staleness > 0)

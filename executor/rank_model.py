@@ -51,8 +51,11 @@ class RankModel:
         return any(c.stage == self.job.num_stages - 1 for c in self.chunks)
 
 
-def mixed_precision_dtype(job: Job, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast/FSDP mixed precision on GPUs when the plan trains in bf16; fp32 on CPU."""
-    if device.type == "cuda" and job.layout.dtype == "bf16":
+def mixed_precision_dtype(job: Job, device_type: str) -> torch.dtype | None:
+    """bf16 mixed precision (FSDP2's policy, or autocast) on GPUs when the plan trains in bf16; fp32 on CPU.
+
+    ``device_type`` is the kind of device the plan runs on: the dry run passes "cuda" while its fake
+    tensors live on the CPU, so that it traces what a GPU run allocates."""
+    if device_type == "cuda" and job.layout.dtype == "bf16":
         return torch.bfloat16
     return None

@@ -4,7 +4,9 @@ Megatron-LM's layout (Shoeybi et al. 2019): Q/K/V and the first MLP linears colu
 heads per rank), the attention output and second MLP linear row-parallel (one all-reduce each in
 forward), the token embedding sharded over the vocabulary (RowwiseParallel on nn.Embedding: a
 masked lookup and an all-reduce) and the output projection column-parallel over the vocabulary,
-its logits gathered for the loss.
+its logits left sharded over the vocabulary: the cross-entropy runs vocab-parallel (torch's
+``loss_parallel``: each rank reduces its slice's max and sum of exponentials over the group, so the
+(b, s, V) logits are never gathered; Megatron's vocab-parallel cross-entropy).
 
 With sequence parallelism (Korthikanti et al. 2022) the residual stream between the parallel regions
 stays sharded over the sequence: norms run on their sequence shard (SequenceParallel), each region
@@ -15,9 +17,13 @@ tensors between modules, so the model code, residual adds and pipeline sends see
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -44,8 +50,9 @@ def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
         return RowwiseParallel(output_layouts=SEQ if sp else Replicate())
     if style == "vocab_embedding":  # lookup of the local vocabulary slice, then an all-reduce
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if style == "vocab_head":  # logits gathered over the vocabulary for an ordinary loss
-        return ColwiseParallel(input_layouts=SEQ if sp else Replicate(), output_layouts=Replicate())
+    if style == "vocab_head":  # logits stay sharded over the vocabulary: the loss runs under loss_parallel
+        return ColwiseParallel(input_layouts=SEQ if sp else Replicate(), output_layouts=Shard(-1),
+                               use_local_output=False)
     if style == "norm":
         return SequenceParallel(use_local_output=True) if sp else None
     if style == "region":
@@ -106,3 +113,26 @@ def apply_tp(module: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_p
                              f"(family {spec.family})")
     parallelize_module(module, tp_mesh, tp_module_plan(module, spec, sequence_parallel))
 
+
+
+def tp_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """``loss_fn`` on vocabulary-sharded logits (a DTensor), returning the micro-batch's mean loss as a
+    plain tensor. It runs, and its backward runs, under :func:`loss_parallel_context`, which the
+    trainer's step enters (torch's loss_parallel does not nest)."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (b, s, V/t) DTensor, (b, s)
+        if isinstance(logits, DTensor) and not isinstance(targets, DTensor):  # every rank holds all targets
+            targets = DTensor.from_local(targets, logits.device_mesh, [Replicate()], run_check=False)
+        loss = loss_fn(logits, targets)  # a replicated DTensor
+        return loss.to_local().clone() if isinstance(loss, DTensor) else loss  # not a view: schedules detach_ it
+
+    return loss
+
+
+def loss_parallel_context(tensor_parallel: bool):
+    """The context a step's forward and backward run in: torch's ``loss_parallel`` under tensor parallelism."""
+    if not tensor_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

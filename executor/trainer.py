@@ -26,7 +26,9 @@ from torch import nn
 from paraplan.models import loss_function
 
 from .batches import BatchSource
+from .data_parallel import syncs_every_micro_batch
 from .rank_model import RankModel
+from .tensor_parallel import loss_parallel_context
 
 
 @dataclass
@@ -55,19 +57,26 @@ class Trainer:
         """Train step ``k`` (0-based); every rank returns the same global mean loss."""
         rm = self.rm
         start = time.perf_counter()
-        inputs, targets = (t.to(rm.device) for t in self.source.batch(k))  # (B/dp, s) each
-        with self._autocast():
-            losses = self._pipeline(inputs, targets) if rm.schedule is not None else self._accumulate(inputs, targets)
-        for sync in rm.grad_syncs:
-            sync.sync_grads()
-        rm.optimizer.step()
-        rm.optimizer.zero_grad(set_to_none=True)
+        losses = self.train_step(k)
         share = self._share(losses)
         loss = self._local_mean(share) if rm.deferred_loss else self._global_mean([share])[0]
         result = StepResult(step=k, loss=loss, time_s=time.perf_counter() - start)
         self.results.append(result)
         self._shares.append(share)
         return result
+
+    def train_step(self, k: int) -> list[torch.Tensor]:
+        """Forward, backward, gradient syncs and the update of step ``k``; this rank's micro-batch losses
+        (read by nobody yet: the dry run stops here, its tensors being fake)."""
+        rm = self.rm
+        inputs, targets = (t.to(rm.device) for t in self.source.batch(k))  # (B/dp, s) each
+        with self._step_context():
+            losses = self._pipeline(inputs, targets) if rm.schedule is not None else self._accumulate(inputs, targets)
+        for sync in rm.grad_syncs:
+            sync.sync_grads()
+        rm.optimizer.step()
+        rm.optimizer.zero_grad(set_to_none=True)
+        return losses
 
     def finish(self) -> None:
         """After the last step: drain the optimizer's messages in flight (parameter servers), and turn
@@ -80,10 +89,14 @@ class Trainer:
             self.results = [StepResult(step=r.step, loss=m, time_s=r.time_s)
                             for r, m in zip(self.results, means, strict=True)]
 
-    def _autocast(self):
-        if self.rm.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.rm.device.type, dtype=self.rm.autocast_dtype)
+    def _step_context(self):
+        """What forward and backward run under: torch's loss_parallel with tensor parallelism (the
+        vocabulary-sharded cross-entropy's backward), and autocast where the rank model asks for it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(loss_parallel_context(self.rm.job.layout.tp > 1))
+        if self.rm.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.rm.device.type, dtype=self.rm.autocast_dtype))
+        return stack
 
     def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         rm, losses = self.rm, []
@@ -98,8 +111,10 @@ class Trainer:
         loss_fn = rm.loss_fn or loss_function(rm.job.spec)
         m = rm.job.layout.num_micro_batches
         losses = []
+        every = syncs_every_micro_batch(rm.job.layout.zero)  # ZeRO 2/3: sharded gradients (data_parallel.py)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):  # contiguous
-            with _gradient_sync(model, enabled=i == m - 1):
+            last = i == m - 1
+            with _gradient_sync(model, enabled=every or last, reshard=rm.job.layout.zero == 3 or last):
                 loss = loss_fn(model(x), y)  # the micro-batch's mean
                 (loss / m).backward()
             losses.append(loss.detach())
@@ -128,8 +143,9 @@ class Trainer:
 
 
 @contextlib.contextmanager
-def _gradient_sync(model: nn.Module, enabled: bool):
-    """Reduce gradients across data-parallel ranks only on the last micro-batch of a step."""
+def _gradient_sync(model: nn.Module, enabled: bool, reshard: bool = True):
+    """Reduce gradients across data-parallel ranks in this micro-batch's backward (``enabled``), and free
+    FSDP's gathered weights after it (``reshard``; ZeRO 2 keeps them until the step's last backward)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -140,6 +156,7 @@ def _gradient_sync(model: nn.Module, enabled: bool):
             yield
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        model.set_reshard_after_backward(reshard)
         yield
     else:
         yield

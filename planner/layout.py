@@ -110,8 +110,8 @@ class Layout:
             if spec.num_attention_heads % self.tp:
                 raise InvalidLayout(f"tp {self.tp} does not divide the {spec.num_attention_heads} attention heads",
                                     "tp does not divide heads")
-            if spec.kv_heads % self.tp and self.tp % spec.kv_heads:
-                raise InvalidLayout(f"tp {self.tp} and the {spec.kv_heads} key/value heads do not divide each other",
+            if spec.kv_heads % self.tp:  # the executor shards whole K/V heads (no replicated K/V heads)
+                raise InvalidLayout(f"tp {self.tp} does not divide the {spec.kv_heads} key/value heads",
                                     "tp vs kv heads")
             if spec.ffn_size % self.tp:
                 raise InvalidLayout(f"tp {self.tp} does not divide the FFN size {spec.ffn_size}", "tp vs ffn")
