@@ -45,11 +45,13 @@ class TrainingOptions:
     checkpoint_every: int = 0  # save after every step this divides (0: never)
     resume: str | None = None  # a step-N folder to start from
     max_restarts: int = 0  # torchrun restarts the job this often after a failure
+    init_from: str | None = None  # a Hugging Face LLaMA folder to take the initial weights from
 
     def worker_args(self) -> list[str]:
         args = []
         for flag, value in (("--data", self.data), ("--data-dtype", self.data_dtype),
-                            ("--checkpoint-dir", self.checkpoint_dir), ("--resume", self.resume)):
+                            ("--checkpoint-dir", self.checkpoint_dir), ("--resume", self.resume),
+                            ("--init-from", self.init_from)):
             if value:
                 args += [flag, os.path.abspath(value) if flag != "--data-dtype" else value]
         if self.checkpoint_every:

@@ -5,6 +5,8 @@ saves, what it logs.
   a failure (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0), the latest complete checkpoint
   under ``--checkpoint-dir`` (falling back to ``--resume``, then to step 0). Rank 0 decides and
   tells the others, so every rank loads the same one.
+- Weights: the checkpoint's, or, starting afresh with ``--init-from``, a Hugging Face LLaMA's
+  (hf_weights.py), or the reference initialisation.
 - Data: the user's token file (``--data``, token_data.py) from the checkpoint's data position, or
   the bundled corpus (batches.py).
 - Saves: ``--checkpoint-dir DIR`` writes ``DIR/step-N/`` after every step N that ``--checkpoint-every``
@@ -97,6 +99,13 @@ class TrainingRun:
                                  f"{now or 'the bundled corpus'}")
         elif restarts:
             run.notes.append(f"restart {restarts}: no complete checkpoint yet, training from step 1")
+        if state is None and opts.init_from:
+            from .hf_weights import load_into
+
+            count = load_into(rm, opts.init_from)
+            run.notes.append(f"initial weights from {opts.init_from} ({count} tensors on rank {rm.rank})")
+        elif opts.init_from:
+            run.notes.append(f"--init-from {opts.init_from} is not read: the checkpoint holds the weights")
         if rm.rank == 0:
             run.metrics = MetricsLog(job, out, rm.device, start_step=run.start_step, restart=restarts)
         return run

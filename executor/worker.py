@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", help="checkpoint folder to start from")
+    p.add_argument("--init-from", help="Hugging Face LLaMA folder with the initial weights")
     return p.parse_args(argv)
 
 
@@ -50,7 +51,7 @@ def training_options(args: argparse.Namespace):
     from .launch import TrainingOptions
 
     return TrainingOptions(data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
-                           checkpoint_every=args.checkpoint_every, resume=args.resume)
+                           checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from)
 
 
 class Terminated(BaseException):

@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR[/step-N]", help="start from a checkpoint (DIR: its latest complete one)")
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
                    help="restart the job from the latest checkpoint up to R times when a rank dies or hangs")
+    p.add_argument("--init-from", metavar="DIR", help="start a LLaMA plan from Hugging Face safetensors weights "
+                   "(a model folder; plan the model from its config.json)")
     _add_common(p)
 
     p = sub.add_parser("export", help="write a plan as Megatron-LM arguments, a torchtitan TOML, a DeepSpeed "

@@ -1,5 +1,6 @@
 """Checkpoints (``--checkpoint-dir/--checkpoint-every``), ``--resume`` under the same or another plan
-(resharding), and ``--max-restarts``: a killed rank restarts the job from the latest checkpoint by itself."""
+(resharding), ``--max-restarts`` (a killed rank restarts the job from the latest checkpoint by itself), and
+initial weights from a Hugging Face folder (``--init-from``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import json
 import os
 
 import pytest
-from executor_cases import Case, assert_losses_match, read_run
+import torch
+from executor_cases import SEQ, Case, assert_losses_match, read_run, reference_losses, reference_model
 
 from conftest import run_cli
 from paraplan.executor import checkpoint_io
+from paraplan.executor.batches import BatchSource
 from paraplan.executor.errors import ExecutionError, JobFailed
 from paraplan.executor.launch import LaunchOptions, TrainingOptions, launch
 from paraplan.executor.machine import free_port
+from paraplan.executor.optim import ADAMW
+from paraplan.models import loss_function
 
 REF = Case("dp2", "gpt-tiny", dp=2, micro_batch=2)
 STEPS, EVERY = 6, 3
@@ -121,3 +126,99 @@ def test_only_complete_checkpoints_are_found(tmp_path):
     assert checkpoint_io.resolve(str(tmp_path)) == str(tmp_path / "step-2")
     with pytest.raises(ExecutionError, match="incomplete checkpoint"):
         checkpoint_io.resolve(str(tmp_path / "step-5"))
+
+
+# ---- initial weights from Hugging Face safetensors (execute --init-from) ------------------------------------------
+
+HF_CASE = Case("llama-tp2", "llama-tiny", tp=2, micro_batch=2)
+
+
+def write_hf_llama(folder, model, spec, **config) -> str:
+    """A Hugging Face LLaMA folder (one model.safetensors in F32, config.json) holding ``model``'s weights."""
+    import struct
+
+    from paraplan.executor.hf_weights import hf_name
+
+    os.makedirs(folder, exist_ok=True)
+    header, blobs, offset = {}, [], 0
+    for fqn, p in model.named_parameters():
+        raw = p.detach().float().contiguous().numpy().tobytes()
+        header[hf_name(fqn)] = {"dtype": "F32", "shape": list(p.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    cfg = {"model_type": "llama", "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+           "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_kv_heads,
+           "intermediate_size": spec.ffn_hidden_size, "vocab_size": spec.vocab_size,
+           "max_position_embeddings": spec.seq_length, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False, **config}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> str:
+    """llama-tiny's weights drawn with seed 5, as a Hugging Face folder."""
+    spec, model = reference_model(Case("llama", "llama-tiny", seed=5))
+    return write_hf_llama(tmp_path_factory.mktemp("hf-llama"), model, spec)
+
+
+def test_hf_names_map_every_llama_parameter(hf_folder):
+    from paraplan.executor.hf_weights import hf_name, open_folder, source_of
+
+    assert hf_name("layers.3.mlp.w1.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert hf_name("layers.0.attn_norm.weight") == "model.layers.0.input_layernorm.weight"
+    spec, model = reference_model(Case("llama", "llama-tiny", seed=5))
+    tensors = open_folder(hf_folder)
+    for fqn, p in model.named_parameters():
+        name = source_of(fqn, tensors, spec.tied)
+        assert torch.equal(tensors[name].tensor(name), p.detach()), fqn
+
+
+@pytest.mark.parametrize("what,fragment", [
+    ("gpt", "loads dense LLaMA models"),
+    ("rope", "RoPE base 500000.0"),
+    ("layers", "model.layers.3.input_layernorm.weight has no place in the plan's model llama-3layer"),
+    ("shapes", "the plan's model needs"),
+])
+def test_hf_weights_that_do_not_fit_are_one_line(hf_folder, what, fragment, tmp_path, capsys, monkeypatch):
+    from paraplan import cli
+
+    monkeypatch.setattr("paraplan.commands.execute.launch", lambda *a, **k: pytest.fail("ranks started"))
+    folder = hf_folder
+    plan = HF_CASE.plan().to_dict()
+    if what == "gpt":
+        plan = Case("gpt", "gpt-tiny", tp=2, micro_batch=2).plan().to_dict()
+    elif what == "rope":
+        spec, model = reference_model(Case("llama", "llama-tiny"))
+        folder = write_hf_llama(tmp_path / "llama3", model, spec, rope_theta=500000.0)
+    elif what == "layers":
+        plan = Case("llama3", "llama-3layer", tp=2, micro_batch=2).plan().to_dict()
+    else:  # llama-tiny's weights for a wider llama
+        plan["model_spec"]["ffn_hidden_size"] = 384
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    code = cli.main(["execute", "--plan", str(tmp_path / "plan.json"), "--init-from", folder])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and fragment in err, err
+
+
+@pytest.mark.slow
+def test_a_tp2_plan_trains_on_from_hf_weights(hf_folder, tmp_path):
+    """Plan seed 0 (its data order), weights of seed 5 from the HF folder, each tp rank cutting its shard:
+    the losses of a single process that starts from the seed-5 weights."""
+    run = _launch(HF_CASE, str(tmp_path), TrainingOptions(init_from=hf_folder), steps=3)
+    spec, model = reference_model(Case("llama", "llama-tiny", seed=5))
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    source = BatchSource(spec=spec, seed=HF_CASE.seed, global_batch=HF_CASE.global_batch, seq_length=SEQ)
+    for k in range(3):
+        x, y = source.batch(k)  # (B, s) each
+        loss = loss_function(spec)(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert abs(run["losses"][k] - loss.item()) <= 1e-4 * loss.item(), (k, run["losses"][k], loss.item())
+    assert run["losses"] != reference_losses(HF_CASE, 3)  # not the plan's own initialisation

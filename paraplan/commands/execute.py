@@ -33,7 +33,7 @@ def node_command(args, node_rank: int, port: int) -> list[str]:
         cmd += ["--master-addr", args.master_addr, "--master-port", str(port)]
     if args.out:
         cmd += ["--out", args.out]
-    for flag in ("data", "data_dtype", "checkpoint_dir", "checkpoint_every", "resume", "max_restarts"):
+    for flag in ("data", "data_dtype", "checkpoint_dir", "checkpoint_every", "resume", "max_restarts", "init_from"):
         value = getattr(args, flag, None)
         if value:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
@@ -72,9 +72,15 @@ def training_options(args, job: Job) -> TrainingOptions:
         check_tokens(tokens, spec.vocab_size, job.seq_length + 1, f"--data {args.data}")
     elif args.data_dtype:
         raise ExecutionError("--data-dtype applies to --data")
+    if args.init_from:
+        from paraplan.executor.hf_weights import check
+
+        if lay.dp_mode == "ps" or lay.head_parallel > 1:
+            raise ExecutionError("--init-from runs with all-reduce data, tensor and pipeline parallelism")
+        check(args.init_from, job)
     return TrainingOptions(data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every or 0, resume=resume,
-                           max_restarts=args.max_restarts)
+                           max_restarts=args.max_restarts, init_from=args.init_from)
 
 
 def _check_folder(flag: str, path: str) -> None:
