@@ -6,14 +6,22 @@ the measured forward and backward times. `validate` and `calibrate` measure the 
 layouts use the way `paraplan execute` will run them: on a CPU, ``ranks`` processes profile at once,
 each with one rank's share of the cores, so the times include what the ranks cost each other (shared
 caches and memory bandwidth); the first process's times are saved.
+
+Every size is timed in ``ROUNDS`` rounds that go over all the sizes in turn, and a block's time is the
+median over the rounds: on a shared machine a burst of other work then slows one round of every size a
+little rather than one size a lot (seen: a 4-sample micro-batch timed 8x slower than 4 single samples).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 
 from paraplan.models import ModelSpec
+
+ROUNDS = 3
+REPEATS = 5  # timed runs per block and round (after warm-up)
 
 
 def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype: str, gpu_name: str, threads: int,
@@ -27,8 +35,16 @@ def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype:
     torch.set_num_threads(threads)
     spec = spec_from_mapping(spec_dict, "measured model")
     paths = []
+    rounds: dict[int, list] = {mb: [] for mb in micro_batches}
+    for r in range(ROUNDS):
+        for mb in micro_batches:
+            rounds[mb].append(profile_model(spec, device, micro_batch=mb, dtype=dtype, warmup=3 if r == 0 else 1,
+                                            repeats=REPEATS))
     for mb in micro_batches:
-        prof = profile_model(spec, device, micro_batch=mb, dtype=dtype, warmup=3, repeats=15)
+        prof = rounds[mb][0]
+        for i, layer in enumerate(prof.layers):  # the median round of each block
+            layer.fwd_ms = statistics.median(p.layers[i].fwd_ms for p in rounds[mb])
+            layer.bwd_ms = statistics.median(p.layers[i].bwd_ms for p in rounds[mb])
         if rank == 0:
             from pathlib import Path
 

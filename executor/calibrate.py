@@ -2,7 +2,9 @@
 
 What is measured, per rank with the threads a rank of ``paraplan execute`` gets:
 - GEMM throughput over shapes and dtypes (torch.matmul): the peak is the best rate seen, the efficiency
-  curve is each size's rate over that peak, by the GEMM's FLOPs (what the cost model interpolates);
+  curve is each size's rate over that peak, by the GEMM's FLOPs (what the cost model interpolates); a
+  size whose single call would take longer than ``GEMM_CALL_LIMIT_S`` is not measured (bf16 on CPUs
+  without bf16 units runs ~40x slower than fp32: the curve's last point then stands for larger sizes);
 - memory bandwidth of bandwidth-bound ops (large elementwise adds and copies);
 - the fixed cost per kernel, from a tiny transformer layer whose forward and backward do next to no
   arithmetic: its time over the number of kernels the profiler counts for it (this folds in the
@@ -12,8 +14,9 @@ What is measured, per rank with the threads a rank of ``paraplan execute`` gets:
   (ring all-reduce 2(n-1)/n·M/B + 2(n-1)·α, all-gather and reduce-scatter (n-1)/n·M/B + (n-1)·α,
   send/recv M/B + α) by least squares.
 The result is a cluster spec (YAML, the shipped cluster's fields with the GPU and the intra-node link
-inlined and measured) written to hardware_specs/measurements/<cluster>.yaml by default, which
-``load_cluster`` then prefers over the shipped file.
+inlined and measured, and the identity of the machine measured: hardware_specs/identity.py) written to
+hardware_specs/measurements/<cluster>.yaml by default, which ``load_cluster`` then prefers over the
+shipped file on this machine (and on machines of the same identity) only.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from paraplan.hardware_specs import SPEC_DIR, ClusterSpec, load_cluster, measurements_dir
+from paraplan.hardware_specs.identity import describe, machine_identity
 from paraplan.hardware_specs.loader import cluster_from_mapping
 
 from .errors import ExecutionError
@@ -39,6 +43,7 @@ GEMM_SIZES_QUICK = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 5
 GEMM_SIZES = ((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 128, 128), (256, 256, 256), (512, 256, 256),
               (512, 512, 512), (1024, 512, 512), (1024, 1024, 1024), (2048, 1024, 1024), (2048, 2048, 1024))
 MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+GEMM_CALL_LIMIT_S = 0.1  # larger GEMMs of a dtype are skipped once one call would take longer than this
 
 
 @dataclass
@@ -55,6 +60,8 @@ class Calibration:
     framework_us: dict[str, float] = field(default_factory=dict)
     framework_runs: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    machine: dict = field(default_factory=dict)  # identity of the machine measured (hardware_specs/identity.py)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # what each part of the calibration cost
 
 
 def _timeit(fn, sync, repeats: int, min_time: float = 0.02) -> float:
@@ -97,12 +104,14 @@ def measure_gemm(device, dtypes: tuple[str, ...], sizes, repeats: int) -> dict[s
     out: dict[str, list[tuple[float, float]]] = {}
     for name in dtypes:
         dt = TORCH_DTYPES[name]
-        points = []
-        for m, n, k in sizes:
+        points: list[tuple[float, float]] = []
+        for m, n, k in sorted(sizes, key=lambda mnk: mnk[0] * mnk[1] * mnk[2]):
+            flops = 2.0 * m * n * k
+            if points and flops / max(rate for _, rate in points) > GEMM_CALL_LIMIT_S:
+                break  # too slow to time here; sizes are sorted, so every larger one would be too
             a = torch.randn(m, k, device=device).to(dt)  # (m, k)
             b = torch.randn(k, n, device=device).to(dt)  # (k, n)
             secs = _timeit(lambda a=a, b=b: torch.matmul(a, b), _sync(device), repeats)
-            flops = 2.0 * m * n * k
             points.append((flops, flops / secs))
         out[name] = points
     return out
@@ -164,8 +173,9 @@ def collectives_in_group(rank: int, world: int, sizes, repeats: int, device) -> 
 
     results = []
     for nbytes in sizes:
-        # every rank must run the same number of calls: the repetitions follow from the size alone
-        inner = max(3, min(100, (1 << 22) // max(nbytes, 1)))
+        # every rank must run the same number of calls: the repetitions follow from the size alone (a small
+        # message costs its latency, ~0.1-2 ms on loopback: 20 calls per sample are plenty)
+        inner = max(2, min(20, (1 << 22) // max(nbytes, 1)))
         n = max(world, nbytes // 4 // world * world)
         t = torch.ones(n, device=device)
         chunks = torch.empty(n // world, device=device)
@@ -257,17 +267,21 @@ def calibrate(ranks: int = 2, quick: bool = False, device_type: str | None = Non
     repeats = 3 if quick else 5
     try:
         dtypes = ("fp32", "bf16") + (("fp16",) if cuda else ())
-        cal = Calibration(device=device.type, threads=threads, ranks=ranks)
+        cal = Calibration(device=device.type, threads=threads, ranks=ranks, machine=machine_identity(device.type))
         cal.gemm = measure_gemm(device, dtypes, GEMM_SIZES_QUICK if quick else GEMM_SIZES, repeats)
+        cal.phase_seconds["gemm"] = time.perf_counter() - t0
         cal.bandwidth_GBps = measure_bandwidth(device, repeats)
         cal.op_overhead_us = measure_op_overhead(device, repeats)
+        cal.phase_seconds["bandwidth_and_overhead"] = time.perf_counter() - t0 - cal.phase_seconds["gemm"]
     finally:
         torch.set_num_threads(old)
     if ranks > 1:
+        t1 = time.perf_counter()
         sizes = MESSAGE_SIZES[::2] if quick else MESSAGE_SIZES
         cal.collectives = measure_collectives(ranks, sizes, repeats, "nccl" if cuda else "gloo")
         if cal.collectives:
             cal.link_bandwidth_GBps, cal.link_latency_us = fit_link(cal.collectives)
+        cal.phase_seconds["collectives"] = time.perf_counter() - t1
     cal.seconds = time.perf_counter() - t0
     return cal
 
@@ -297,7 +311,8 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
                      efficiency=1.0, name=f"{base.intra_node.name} (calibrated)")
     inter = dataclasses.asdict(base.inter_node)
     out = {"name": base.name, "gpu": gpu_map, "nodes": base.nodes, "gpus_per_node": base.gpus_per_node,
-           "intra_node": intra, "inter_node": inter, "nics_per_node": base.nics_per_node}
+           "intra_node": intra, "inter_node": inter, "nics_per_node": base.nics_per_node,
+           "machine": dict(cal.machine or machine_identity(cal.device))}
     if base.cost_per_gpu_hour_usd is not None:
         out["cost_per_gpu_hour_usd"] = base.cost_per_gpu_hour_usd
     cluster_from_mapping(out, "calibrated spec")  # it must load back
@@ -306,10 +321,13 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
 
 def write_spec(mapping: dict, path: str | None, cal: Calibration) -> Path:
     target = Path(path) if path else measurements_dir() / f"{mapping['name']}.yaml"
+    if not path:
+        target.parent.mkdir(parents=True, exist_ok=True)  # the default folder: created on first use
     header = (f"# Written by `paraplan calibrate` on {time.strftime('%Y-%m-%d %H:%M')}: {cal.device}, "
               f"{cal.threads} thread(s) per rank, {cal.ranks} ranks for the collectives.\n"
               f"# Measured: GEMM rates (peak = best rate seen), memory bandwidth, per-kernel overhead,\n"
-              f"# and the intra-node link fitted to {len(cal.collectives)} collective timings.\n")
+              f"# and the intra-node link fitted to {len(cal.collectives)} collective timings.\n"
+              f"# Machine: {describe(mapping['machine'])}; used automatically only on machines of this identity.\n")
     write_mapping(mapping, target, header)
     return target
 
@@ -345,16 +363,31 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
         if int(os.environ.get("RANK", "0")) != 0:
             return None, cal, {}
     else:
-        cal = calibrate(ranks=ranks, quick=quick)
+        cal = calibrate(ranks=ranks, quick=quick, device_type=_device_of(base))
     mapping = calibrated_spec(base, cal)
     if not quick and ranks > 1 and cal.device == "cpu":
         # the framework's per-event host costs, from executor runs of a calibration model
         from .framework_fit import fit_framework
 
+        t1 = time.perf_counter()
         cal.framework_us, cal.framework_runs = fit_framework(mapping, ranks)
         mapping["gpu"]["efficiency"]["framework_us"] = cal.framework_us
+        cal.phase_seconds["framework"] = time.perf_counter() - t1
         cal.seconds = time.perf_counter() - started
     return write_spec(mapping, out, cal), cal, mapping
+
+
+def _device_of(cluster: ClusterSpec) -> str:
+    """What measures the cluster's "GPUs" here: the CPU for the CPU stand-in (also on a machine with GPUs),
+    CUDA for a GPU cluster (refused where there is none: CPU timings are no GPU's)."""
+    if cluster.gpu.is_cpu:
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ExecutionError(f"cluster {cluster.name} has {cluster.gpu.name} GPUs and this machine has no CUDA GPU: "
+                             "calibrate it on the cluster (under torchrun), or calibrate `local`")
+    return "cuda"
 
 
 def calibrate_under_torchrun(quick: bool) -> Calibration:

@@ -6,12 +6,20 @@ eager machinery. To measure those costs, a calibration model (llama-tiny: not th
 checks) is trained for a few steps in layouts that exercise each event; for every run the cost model
 gives the prediction without these costs, T0, and how many of each event lie on the iteration's
 critical path, n_j (the change of the prediction when event j costs 1 ms, over 1 ms). The per-event
-costs c_j >= 0 are the least-squares solution (errors relative to the measured times) of
-measured - T0 = sum_j c_j n_j.
+costs c_j >= 0 solve measured - T0 = sum_j c_j n_j.
+
+Robustness (two calibrations used to disagree by 30% on an event; issue 13): every layout runs in one
+torchrun launch (the start-up is paid once, so each layout can run more steps), twice over (``PASSES``),
+and a layout's measured time is the median of all its timed steps; the fit is non-negative least squares
+on relative errors, made robust by iteratively down-weighting layouts whose residual is far beyond
+the typical one (Huber weights), so one run disturbed by another process does not move every cost.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -26,12 +34,17 @@ from paraplan.planner.strategies import parse_strategy, strategy_layout
 from paraplan.planner.workload import Workload
 
 from .block_times import measure_block_times
-from .validate import run_plan
+from .errors import ExecutionError, JobFailed
 
 CALIBRATION_MODEL = "llama-tiny"
 GLOBAL_BATCH = 8
-LAYOUTS = ("dp=2,mb=4", "dp=2,mb=1", "dp=2,zero=3,mb=2", "dp=2,zero=2,mb=4", "tp=2,mb=4", "tp=2,sp=1,mb=8",
-           "pp=2,schedule=1f1b,mb=2", "pp=2,schedule=gpipe,mb=1")
+# Each event is exercised by layouts that differ in how often it occurs (micro-batch counts 1-8, with and
+# without FSDP, TP with and without sequence parallelism, two pipeline schedules at two micro-batch counts).
+LAYOUTS = ("dp=2,mb=4", "dp=2,mb=1", "dp=2,zero=3,mb=2", "dp=2,zero=3,mb=4", "dp=2,zero=2,mb=4", "tp=2,mb=4",
+           "tp=2,sp=1,mb=8", "pp=2,schedule=1f1b,mb=2", "pp=2,schedule=gpipe,mb=1", "pp=2,schedule=1f1b,mb=4")
+STEPS = 6  # per layout and pass; the first of each run warms up and is not timed
+PASSES = 2
+HUBER_K = 1.5  # residuals beyond 1.5 robust standard deviations are down-weighted
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -47,44 +60,86 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit_framework(mapping: dict, ranks: int = 2, steps: int = 8) -> tuple[dict[str, float], list[dict]]:
+def robust_nnls(a: np.ndarray, b: np.ndarray, iterations: int = 100) -> np.ndarray:
+    """:func:`nnls` with Huber weights (iteratively reweighted): rows whose residual exceeds ``HUBER_K``
+    robust standard deviations (1.4826 x the median absolute residual) count with weight k·s/|r|."""
+    w = np.ones(len(b))
+    x = nnls(a, b)
+    for _ in range(iterations):
+        r = b - a @ x
+        scale = 1.4826 * float(np.median(np.abs(r)))
+        if scale <= 1e-12:
+            break
+        w_new = np.minimum(1.0, HUBER_K * scale / np.maximum(np.abs(r), 1e-300))
+        if np.allclose(w_new, w):
+            break
+        w = w_new
+        sw = np.sqrt(w)
+        x = nnls(a * sw[:, None], b * sw)
+    return x
+
+
+def _with_framework(mapping: dict, costs: dict[str, float]) -> dict:
+    return {**mapping, "gpu": {**mapping["gpu"], "efficiency": {**mapping["gpu"]["efficiency"],
+                                                                "framework_us": costs}}}
+
+
+def fit_framework(mapping: dict, ranks: int = 2, steps: int = STEPS,
+                  passes: int = PASSES) -> tuple[dict[str, float], list[dict]]:
     """Run the calibration layouts, fit the per-event costs (µs); returns them and the runs' details."""
     import yaml
 
     from .calibrate import write_mapping
+    from .launch import LaunchOptions, launch
+    from .machine import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="paraplan-framework-"))
     spec_path = tmp / "cluster.yaml"
-    base = {**mapping, "gpu": {**mapping["gpu"], "efficiency": {**mapping["gpu"]["efficiency"], "framework_us": {}}}}
+    base = _with_framework(mapping, {})
     write_mapping(base, spec_path, "# calibration in progress\n")
     work = Workload.create(CALIBRATION_MODEL, str(spec_path), GLOBAL_BATCH)
     layouts = [strategy_layout(parse_strategy(t), ranks, GLOBAL_BATCH, "fp32", t) for t in LAYOUTS]
     measure_block_times(load_model_spec(CALIBRATION_MODEL), {lay.micro_batch for lay in layouts}, "fp32",
                         work.cluster.gpu.name, ranks)
-    rows, targets, runs = [], [], []
+    probes = {}
+    for event in FRAMEWORK_EVENTS:  # the same cluster with one event costing 1 ms
+        probe_path = tmp / f"probe-{event}.yaml"
+        probe_path.write_text(yaml.safe_dump(_with_framework(base, {event: 1000.0})))
+        probes[event] = Workload.create(CALIBRATION_MODEL, str(probe_path), GLOBAL_BATCH)
+        probes[event]._profiles = work._profiles
+    model = CostModel(work)
+    priced, plans = [], []
     for i, (text, lay) in enumerate(zip(LAYOUTS, layouts, strict=True)):
-        model = CostModel(work)
         part = best_partition(model, lay, (lay.recompute,))
         t0 = model.evaluate(lay, part.stages, part.recompute, simulate=True).iteration_time_s
-        counts = []
-        for event in FRAMEWORK_EVENTS:  # events on the critical path: d(prediction) / d(cost of the event)
-            probe = {**base, "gpu": {**base["gpu"], "efficiency": {**base["gpu"]["efficiency"],
-                                                                   "framework_us": {event: 1000.0}}}}
-            probe_path = tmp / f"probe-{event}.yaml"
-            probe_path.write_text(yaml.safe_dump(probe))
-            probe_work = Workload.create(CALIBRATION_MODEL, str(probe_path), GLOBAL_BATCH)
-            probe_work._profiles = work._profiles
-            t1 = CostModel(probe_work).evaluate(lay, part.stages, part.recompute, simulate=True).iteration_time_s
+        counts = []  # events on the critical path: d(prediction) / d(cost of the event)
+        for event in FRAMEWORK_EVENTS:
+            t1 = CostModel(probes[event]).evaluate(lay, part.stages, part.recompute, simulate=True).iteration_time_s
             counts.append((t1 - t0) / 1e-3)
-        plan = plan_for(work, lay, part.stages, None, part.recompute)
         plan_path = str(tmp / f"plan-{i}.json")
-        plan.write(plan_path)
-        measured, _ = run_plan(plan_path, steps, str(tmp / f"run-{i}"), timeout=300.0)
+        plan_for(work, lay, part.stages, None, part.recompute).write(plan_path)
+        plans.append(plan_path)
+        priced.append((text, t0, counts))
+    outs = [str(tmp / f"run-{k}-{i}") for k in range(passes) for i in range(len(plans))]
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    try:  # every layout, every pass, in one launch: torchrun and torch start once
+        launch(plans * passes, outs, LaunchOptions(nproc_per_node=ranks, master_port=free_port("127.0.0.1"),
+                                                   steps=steps, timeout_s=300.0, quiet=True,
+                                                   threads_per_rank=threads))
+    except JobFailed as e:
+        raise ExecutionError(f"the calibration runs failed: {e}") from None
+    rows, targets, runs = [], [], []
+    for i, (text, t0, counts) in enumerate(priced):
+        times = []
+        for k in range(passes):
+            with open(Path(outs[k * len(plans) + i], "run.json")) as f:
+                times += json.load(f)["step_time_s"][1:]
+        measured = statistics.median(times)
         rows.append([c / measured for c in counts])
         targets.append((measured - t0) / measured)
         runs.append({"layout": text, "measured_s": measured, "predicted_without_framework_s": t0,
-                     "events": dict(zip(FRAMEWORK_EVENTS, counts, strict=True))})
-    costs = nnls(np.array(rows), np.array(targets))
+                     "events": dict(zip(FRAMEWORK_EVENTS, counts, strict=True)), "timed_steps": len(times)})
+    costs = robust_nnls(np.array(rows), np.array(targets))
     fitted = {e: round(float(c) * 1e6, 2) for e, c in zip(FRAMEWORK_EVENTS, costs, strict=True)}
     for run in runs:
         run["predicted_s"] = run["predicted_without_framework_s"] + sum(

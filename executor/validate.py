@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paraplan.hardware_specs import measurements_dir
+from paraplan.hardware_specs.identity import markdown_notes
 from paraplan.planner.api import plan_for
 from paraplan.planner.costmodel import CostModel, Prediction, validate_layout
 from paraplan.planner.errors import InvalidLayout, PlanError
@@ -191,7 +192,10 @@ def summary(rows: list[Row]) -> dict:
             "recommended": rec.name, "recommended_vs_fastest": rec.measured_s / fastest.measured_s - 1}
 
 
-def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dict[str, str]:
+def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str, calibrated: bool = True,
+                  notes: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """The report (validation.md), the predicted-vs-measured chart and validation.json; ``calibrated`` and
+    ``notes`` (executor/autocalibrate.py) label uncalibrated predictions in all three."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,7 +230,8 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dic
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
-    ax.set_title(f"{title}\nMAPE {100 * stats['mape']:.1f}%, Kendall tau {stats['kendall_tau']:.2f}")
+    ax.set_title(f"{title}\nMAPE {100 * stats['mape']:.1f}%, Kendall tau {stats['kendall_tau']:.2f}"
+                 + ("" if calibrated else " (uncalibrated predictions)"))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(files["chart"], dpi=120)
@@ -235,7 +240,8 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dic
              f"- layouts run: {stats['layouts']}; mean absolute percentage error **{100 * stats['mape']:.1f}%**; "
              f"Kendall's tau **{stats['kendall_tau']:.2f}**",
              f"- measured fastest: {stats['measured_fastest']}; recommended by the planner: {stats['recommended']} "
-             f"({100 * stats['recommended_vs_fastest']:+.1f}% against the fastest)", "",
+             f"({100 * stats['recommended_vs_fastest']:+.1f}% against the fastest)",
+             *markdown_notes(notes), "",
              "| # | layout | source | predicted s | measured s | error | predicted GiB | measured GiB | status |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
@@ -247,7 +253,8 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str) -> dic
               "peak over the ranks (CPU: the process's peak resident set, torch included).", "",
               "![predicted vs measured](predicted_vs_measured.png)", ""]
     Path(files["report"]).write_text("\n".join(lines))
-    Path(files["json"]).write_text(json.dumps(to_json(rows, stats), indent=1))
+    Path(files["json"]).write_text(json.dumps({**to_json(rows, stats), "calibrated": calibrated, "notes": list(notes)},
+                                              indent=1))
     return files
 
 
@@ -299,7 +306,12 @@ def update_spec(work: Workload, rows: list[Row], out: str | None = None) -> tupl
     for link in ("intra_node", "inter_node"):
         spec[link]["bandwidth_GBps"] = spec[link]["bandwidth_GBps"] / c
         spec[link]["latency_us"] = spec[link]["latency_us"] * c
+    from paraplan.hardware_specs.identity import machine_identity
+
+    spec["machine"] = machine_identity("cpu" if work.cluster.gpu.is_cpu else "cuda")  # the runs were measured here
     target = Path(out) if out else measurements_dir() / f"{work.cluster.name}.yaml"
+    if not out:
+        target.parent.mkdir(parents=True, exist_ok=True)  # the default folder: created on first use
     note = (f"# Rescaled by `paraplan validate --update-spec` from {len([r for r in rows if r.measured_s])} runs: "
             f"compute x{a:.3f}, communication x{c:.3f}.\n")
     write_mapping(spec, target, note)

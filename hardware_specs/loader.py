@@ -7,6 +7,7 @@ and the key named (calculon's systems/*.json and llm-analysis's gpu_configs are 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from functools import lru_cache
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .datafile import read_data_file
+from .identity import check_identity
+from .identity import mismatch as identity_mismatch
 from .specs import DTYPES, FRAMEWORK_EVENTS, ClusterSpec, Efficiency, GPUSpec, HardwareSpecError, LinkSpec
 
 SPEC_DIR = Path(__file__).resolve().parent
@@ -160,39 +163,56 @@ def _link_field(where: str, key: str, value: Any) -> LinkSpec:
 
 def cluster_from_mapping(data: Any, where: str) -> ClusterSpec:
     data = _check_keys(where, data, {"name", "gpu", "nodes", "gpus_per_node", "intra_node", "inter_node"},
-                       {"nics_per_node", "cost_per_gpu_hour_usd"})
+                       {"nics_per_node", "cost_per_gpu_hour_usd", "machine"})
     nics = _integer(where, "nics_per_node", data.get("nics_per_node", 1), 64)
     inter = _link_field(where, "inter_node", data["inter_node"])
     if isinstance(data["inter_node"], str):  # a named link spec is one port: the node has nics_per_node of them
         inter = LinkSpec(name=f"{nics}x {inter.name}", kind=inter.kind, bandwidth_GBps=inter.bandwidth_GBps * nics,
                          latency_us=inter.latency_us, efficiency=inter.efficiency)
     cost = data.get("cost_per_gpu_hour_usd")
+    machine = check_identity(where, data["machine"]) if "machine" in data else None
+    why = identity_mismatch(machine) if machine is not None else None
+    notes = (f"{where} was calibrated on another machine ({why}); its figures are used as given",) if why else ()
     return ClusterSpec(
         name=str(data["name"]), gpu=_gpu_field(where, data["gpu"]),
         nodes=_integer(where, "nodes", data["nodes"], 1 << 20),
         gpus_per_node=_integer(where, "gpus_per_node", data["gpus_per_node"], 1024),
         intra_node=_link_field(where, "intra_node", data["intra_node"]), inter_node=inter, nics_per_node=nics,
         cost_per_gpu_hour_usd=None if cost is None else _number(where, "cost_per_gpu_hour_usd", cost),
-        source=where)
+        source=where, machine=machine, calibrated=machine is not None and why is None, notes=notes)
 
 
 def load_cluster(ref: str, nodes: int | None = None) -> ClusterSpec:
-    """A cluster by name or path; a calibrated copy in measurements/ takes precedence over the shipped one.
+    """A cluster by name or path; a calibrated copy in measurements/ takes precedence over the shipped one
+    when it was measured on this machine (identity.py), and is otherwise ignored with a note.
 
     ``nodes`` overrides the node count (the CLI's ``--nodes``).
     """
-    calibrated = measurements_dir() / f"{ref}.yaml"
-    if not os.path.exists(ref) and calibrated.exists():
-        ref = str(calibrated)
+    notes: list[str] = []
+    calibrated = calibration_file(ref)
+    if calibrated is not None:
+        data = read_data_file(str(calibrated), "cluster spec", HardwareSpecError)
+        why = identity_mismatch(data.get("machine") if isinstance(data, dict) else None)
+        if why is None:
+            ref = str(calibrated)
+        else:
+            notes.append(f"calibration {calibrated} not used: {why}")
     path, data = _resolve("cluster", ref)
     cluster = cluster_from_mapping(data, str(path))
+    if notes:
+        cluster = dataclasses.replace(cluster, notes=(*notes, *cluster.notes))
     return cluster.with_nodes(nodes) if nodes is not None else cluster
+
+
+def calibration_file(ref: str) -> Path | None:
+    """The calibrated spec ``paraplan calibrate`` wrote for cluster name ``ref`` (whoever's machine it
+    measured), or None; a path given as ``ref`` is used as given and never replaced."""
+    path = measurements_dir() / f"{ref}.yaml"
+    return path if not os.path.exists(ref) and os.sep not in ref and path.exists() else None
 
 
 def cluster_mapping(cluster: ClusterSpec) -> dict:
     """A loaded cluster as the mapping the loader reads (GPU and links inlined): for writing specs back."""
-    import dataclasses
-
     gpu = cluster.gpu
     eff = gpu.efficiency
     out = {
@@ -209,4 +229,6 @@ def cluster_mapping(cluster: ClusterSpec) -> dict:
     }
     if cluster.cost_per_gpu_hour_usd is not None:
         out["cost_per_gpu_hour_usd"] = cluster.cost_per_gpu_hour_usd
+    if cluster.machine is not None:
+        out["machine"] = dict(cluster.machine)
     return out

@@ -114,6 +114,11 @@ class ClusterSpec:
     nics_per_node: int = 1
     cost_per_gpu_hour_usd: float | None = None
     source: str = field(default="", compare=False)
+    # Calibration (identity.py): the identity of the machine a calibrated spec was measured on (None for a
+    # shipped spec), whether it is this machine's, and notes on calibrations that were found but not used.
+    machine: dict | None = field(default=None, compare=False)
+    calibrated: bool = field(default=False, compare=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def num_gpus(self) -> int:

@@ -71,6 +71,9 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
     p.add_argument("--nodes", type=_positive_int, help="override the cluster's node count")
     p.add_argument("--global-batch", type=_positive_int, required=batch_required, help="samples per iteration")
     p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: the model's)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="do not calibrate this machine first when no calibration of it exists (local cluster, "
+                        "validate); predictions are then labelled uncalibrated (env: PARAPLAN_NO_CALIBRATE=1)")
 
 
 def _add_layout(p: argparse.ArgumentParser, required: bool) -> None:

@@ -9,46 +9,111 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from .costmodel import Prediction  # noqa: E402
+from .schedules import rank_stages  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "dp": "#8172B2", "opt": "#937860"}
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
 TIME_COLORS = ["#4C72B0", "#8DA0CB", "#DD8452", "#C44E52", "#8172B2", "#CCCCCC", "#937860"]
 
 
-def gantt(pred: Prediction, path: str, title: str = "") -> None:
-    """Per-rank pipeline timeline of one iteration: forward, backward, weight-gradient, DP sync; gaps are bubbles."""
+FIGURE_WIDTH_IN, DPI = 12.0, 120
+LABEL_MIN_PX = 9  # a bar narrower than this carries no micro-batch number
+
+
+def timeline_windows(pred: Prediction) -> list[tuple[float, float]]:
+    """The spans of one iteration the timeline draws: all of it when it is short, else three zooms of the
+    same width, warm-up (from 0), steady state (around the middle) and cool-down (to the end of the
+    iteration, DP sync and optimizer included). The width is p + 3 steady-state periods, a period being
+    the busiest rank's work per micro-batch: the pipeline's fill and a few steady periods on either side."""
+    tl = pred.sim.timeline
+    p, m = pred.layout.pp, pred.layout.num_micro_batches
+    end = pred.iteration_time_s
+    busy = max(sum(e.end - e.start for e in tl if e.rank == r) for r in range(p))
+    width = (p + 3) * busy / m
+    makespan = max(e.end for e in tl)
+    if makespan <= 3.6 * width:
+        return [(0.0, end)]
+    mid = makespan / 2
+    return [(0.0, width), (mid - width / 2, mid + width / 2), (makespan - width, end)]
+
+
+def gantt(pred: Prediction, path: str, title: str = "", note: str = "") -> None:
+    """Per-rank pipeline timeline of one iteration: forward, backward, weight-gradient, DP sync and optimizer;
+    gaps are bubbles. A long iteration is drawn as three zooms (:func:`timeline_windows`) with a break
+    between them, so warm-up, steady state and cool-down stay readable; the title's time and bubble are
+    the prediction's own (the figures the report and `simulate` print)."""
     if pred.sim is None or not pred.sim.timeline:
         raise AssertionError("gantt needs a prediction made with keep_timeline=True")
-    p = pred.layout.pp
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * p))
-    # one collection per (rank, kind): a 1T-parameter plan has ~25,000 actions, which one bar each cannot draw
-    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    p, m, v = pred.layout.pp, pred.layout.num_micro_batches, pred.layout.virtual_stages
+    windows = timeline_windows(pred)
+    spans_s = [b - a for a, b in windows]
+    above = 1.05 if len(windows) > 1 else 0.8  # inches above the ranks: title, legend (and the zooms' names)
+    height = above + 0.65 + 0.45 * p
+    fig, axes = plt.subplots(1, len(windows), sharey=True, figsize=(FIGURE_WIDTH_IN, height),
+                             gridspec_kw={"width_ratios": spans_s}, squeeze=False)
+    fig.subplots_adjust(left=0.08, right=0.99, top=1 - above / height, bottom=0.65 / height, wspace=0.05)
+    axes = list(axes[0])
+    # one collection per (rank, kind, chunk): a 1T-parameter plan has ~25,000 actions, which one bar each cannot
+    # draw; a rank's later model chunks (interleaved, zb-v) are drawn lighter than its first
+    schedule = pred.layout.schedule if p > 1 else "1f1b"
+    chunk_of = {s: rs.index(s) for r in range(p) for rs in [rank_stages(schedule, r, p, v)] for s in rs}
+    spans: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     for e in pred.sim.timeline:
-        spans.setdefault((e.rank, e.kind), []).append((e.start, e.end - e.start))
-    edges = {"edgecolor": "white", "linewidth": 0.3} if len(pred.sim.timeline) <= 2000 else {}
-    for (rank, kind), xs in spans.items():
-        ax.broken_barh(xs, (rank - 0.4, 0.8), facecolor=COLORS[kind], **edges)
-    if p * pred.layout.num_micro_batches <= 64:
-        for e in pred.sim.timeline:
-            ax.text((e.start + e.end) / 2, e.rank, str(e.micro_batch), ha="center", va="center", fontsize=6,
-                    color="white")
+        spans.setdefault((e.rank, e.kind, min(chunk_of.get(e.stage, 0), 1)), []).append((e.start, e.end - e.start))
     tail = pred.iteration_time_s - pred.time_s["optimizer"]
-    for r in range(p):
-        end, sync = pred.rank_finish_s[r], pred.rank_dp_exposed_s[r]
-        if sync > 0:
-            ax.barh(r, sync, left=end, height=0.8, color=COLORS["dp"])
-        ax.barh(r, pred.time_s["optimizer"], left=tail, height=0.8, color=COLORS["opt"])
-    ax.set_yticks(range(p))
-    ax.set_yticklabels([f"pp rank {r}" for r in range(p)])
-    ax.set_ylim(p - 0.5, -1.4)  # rank 0 on top, with a free band above it for the legend
-    ax.set_xlabel("seconds")
-    ax.set_title(title or f"{pred.layout.short()}: {pred.iteration_time_s:.3g} s per iteration, "
-                 f"bubble {100 * pred.bubble_fraction:.1f}%")
+    plot_px = FIGURE_WIDTH_IN * DPI * 0.88  # the axes' share of the figure's width
+    for ax, (lo, hi) in zip(axes, windows, strict=True):
+        shown = [(key, [(a, w) for a, w in xs if a < hi and a + w > lo]) for key, xs in spans.items()]
+        drawn = sum(len(xs) for _, xs in shown)
+        edges = {"edgecolor": "white", "linewidth": 0.4} if drawn <= 4000 else {}
+        for (rank, kind, chunk), xs in shown:
+            if xs:
+                ax.broken_barh(xs, (rank - 0.4, 0.8), facecolor=COLORS[kind], alpha=0.6 if chunk else 1.0, **edges)
+        px_per_s = plot_px / sum(spans_s)  # the panels' widths are in proportion to their spans
+        for e in pred.sim.timeline:  # micro-batch numbers where a bar is wide enough to hold one
+            if e.start < hi and e.end > lo and (min(e.end, hi) - max(e.start, lo)) * px_per_s >= LABEL_MIN_PX:
+                ax.text((max(e.start, lo) + min(e.end, hi)) / 2, e.rank, str(e.micro_batch + 1), ha="center",
+                        va="center", fontsize=6, color="white", clip_on=True)
+        for r in range(p):
+            end, sync = pred.rank_finish_s[r], pred.rank_dp_exposed_s[r]
+            if sync > 0 and end < hi:
+                ax.barh(r, sync, left=end, height=0.8, color=COLORS["dp"])
+            if tail < hi:
+                ax.barh(r, pred.time_s["optimizer"], left=tail, height=0.8, color=COLORS["opt"])
+        ax.set_xlim(lo, hi)
+        ax.tick_params(axis="x", labelsize=7)
+    names = ["warm-up", "steady state", "cool-down"] if len(windows) == 3 else []
+    for ax, name, (lo, hi) in zip(axes, names, windows, strict=False):
+        mbs = sorted({e.micro_batch + 1 for e in pred.sim.timeline if e.start < hi and e.end > lo})
+        ax.set_title(f"{name}: micro-batches {mbs[0]}-{mbs[-1]} of {m}" if mbs else name, fontsize=8)
+    for left, right in zip(axes, axes[1:], strict=False):  # a broken axis: // marks where time is left out
+        left.spines["right"].set_visible(False)
+        right.spines["left"].set_visible(False)
+        right.tick_params(axis="y", left=False)
+        for ax, x in ((left, 1.0), (right, 0.0)):
+            kw = {"transform": ax.transAxes, "color": "black", "clip_on": False, "linewidth": 1}
+            for y in (0.0, 1.0):
+                ax.plot([x - 0.012, x + 0.012], [y - 0.03, y + 0.03], **kw)
+    axes[0].set_yticks(range(p))
+    axes[0].set_yticklabels([f"pp rank {r}" for r in range(p)])
+    axes[0].set_ylim(p - 0.5, -0.5)  # rank 0 on top
+    fig.supxlabel("seconds into the iteration" + ("  (three zooms of one iteration; // marks time left out: the "
+                                                  "steady state repeats)" if len(windows) > 1 else ""), fontsize=8,
+                  y=0.05 / height, va="bottom")
+    headline = title or (f"{pred.layout.short()}: {pred.iteration_time_s:.4g} s per iteration, "
+                         f"bubble {100 * pred.bubble_fraction:.1f}%, {m} micro-batches")
+    kinds = {e.kind for e in pred.sim.timeline} | ({"dp"} if max(pred.rank_dp_exposed_s) > 0 else set()) | {"opt"}
     handles = [Patch(color=COLORS[k], label=lbl) for k, lbl in (("F", "forward"), ("B", "backward"),
-                                                                ("W", "weight grad (zb)"), ("dp", "DP sync"),
-                                                                ("opt", "optimizer"))]
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=5)
-    _save(fig, path)
+                                                                ("W", "weight gradient (zero bubble)"),
+                                                                ("dp", "DP sync (exposed)"), ("opt", "optimizer"))
+               if k in kinds]
+    if v > 1:
+        handles.append(Patch(color=COLORS["F"], alpha=0.6, label="lighter: the rank's later model chunk"))
+    fig.suptitle(headline + (f" — {note}" if note else ""), fontsize=10, y=1 - 0.08 / height, va="top")
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.38 / height), fontsize=7,
+               ncol=len(handles), frameon=False)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
 
 
 def _stacked(preds: list[Prediction], labels: list[str], parts: list[tuple[str, str, object]], ylabel: str,

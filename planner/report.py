@@ -28,7 +28,20 @@ def plan_object(result: SearchResult, cand: Candidate) -> dict:
 
 def write_plan(result: SearchResult, cand: Candidate, path: str) -> None:
     plan = plan_for(result.work, cand.layout, cand.stages, cand.prediction, cand.stage_recompute)
+    plan.prediction["calibrated"] = result.work.cluster.calibrated
     plan.write(path)
+
+
+def calibration_lines(work) -> list[str]:
+    """The report's word on the hardware figures: calibrated on this machine, or uncalibrated and why
+    (only where it applies: this machine's cluster, a calibrated spec, or measurements found but not used)."""
+    from paraplan.hardware_specs.identity import calibration_status, describe, markdown_notes
+
+    calibrated, notes = calibration_status(work.cluster)
+    lines = markdown_notes(notes + [n for n in work.notes if n not in notes])
+    if calibrated:
+        lines.insert(0, f"- hardware figures: calibrated on this machine ({describe(work.cluster.machine)})")
+    return lines
 
 
 def write_candidates_csv(result: SearchResult, path: str) -> None:
@@ -133,7 +146,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
           f"{cl.inter_node.bandwidth_GBps:g} GB/s per node across",
           f"- GPUs used: {result.gpus}; global batch {lay.global_batch} samples"
           + (f" ({lay.global_batch * work.tokens_per_sample:,} tokens)" if work.seq_length else "")
-          + f"; {result.dtype}", "",
+          + f"; {result.dtype}", *calibration_lines(work), "",
           "## The chosen layout", "",
           f"**{lay.short()}** — data parallel {lay.dp}, tensor parallel {lay.tp}, pipeline parallel {lay.pp}, "
           f"micro-batch {lay.micro_batch} ({lay.num_micro_batches} per replica), "
@@ -210,9 +223,9 @@ def _charts(result: SearchResult, out: str) -> dict[str, str]:
     files["memory"] = os.path.join(out, "memory.png")
     charts.memory_vs_capacity(preds, labels, files["memory"], f"Memory per GPU — {title}")
     best = result.ranked[0]
-    model = result.model or CostModel(result.work)
-    sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
-    if sim.sim is not None:
+    if best.prediction.method == "event simulation":  # what the report prints (planner/refine.py), drawn
+        model = result.model or CostModel(result.work)
+        sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
         files["timeline"] = os.path.join(out, "timeline.png")
         charts.gantt(sim, files["timeline"])
     priced = [c for c in result.candidates if c.prediction is not None]

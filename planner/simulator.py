@@ -132,7 +132,9 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
                 events[r].append((finish[(kind, s, i)], -act_bytes[s]))
         for r in range(pp):
             level, peak, curve = 0.0, 0.0, []
-            for t, delta in sorted(events[r], key=lambda e: (e[0], e[1] < 0)):
+            # at one instant a free (a backward that ends) comes before an allocation (a forward that starts
+            # then): the forward reuses what the backward released, so the two never count at once
+            for t, delta in sorted(events[r], key=lambda e: (e[0], e[1] > 0)):
                 level += delta
                 peak = max(peak, level)
                 curve.append((t, level))

@@ -33,6 +33,7 @@ class Workload:
     _profiles: dict[str, ModelProfile] = field(default_factory=dict, repr=False)
     _measurements: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
     _tp_calls: dict[tuple, int] = field(default_factory=dict, repr=False)
+    notes: list[str] = field(default_factory=list, repr=False)  # measurements found but not used, and why
 
     @classmethod
     def create(cls, model: str | ModelSpec, cluster: str | ClusterSpec, global_batch: int,
@@ -91,7 +92,7 @@ class Workload:
         key = (micro_batch, dtype)
         if key not in self._measurements:
             self._measurements[key] = find_measurement(self.cluster.gpu.name, self.spec.to_dict(), micro_batch,
-                                                       self.seq_length, dtype)
+                                                       self.seq_length, dtype, notes=self.notes)
         return self._measurements[key]
 
     def default_dtype(self) -> str:

@@ -1,9 +1,11 @@
 """Measured block times saved under hardware_specs/measurements/, for the cost model to use.
 
 A measurement file records, for one model at one micro-batch, sequence length and dtype on one
-device, each block's measured forward and backward milliseconds. The cost model looks a file up by
-(GPU spec name, model, micro-batch, sequence length, dtype) and uses its times instead of the
-peak-based estimate; see :func:`find_measurement`.
+device, each block's measured forward and backward milliseconds, and the identity of the machine
+that measured them (hardware_specs/identity.py). The cost model looks a file up by (GPU spec name,
+model, micro-batch, sequence length, dtype) and uses its times instead of the peak-based estimate
+only when the file was measured on this machine; files from other machines (or from before
+identities were recorded) are skipped with a note. See :func:`find_measurement`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from paraplan.hardware_specs import measurements_dir
+from paraplan.hardware_specs.identity import machine_identity, mismatch
 
 from .errors import ProfileError
 from .records import ModelProfile
@@ -27,7 +30,7 @@ def measurement_record(profile: ModelProfile, gpu: str) -> dict[str, Any]:
     return {
         "format": FORMAT, "gpu": gpu, "device_name": profile.device_name, "model": profile.model,
         "spec": profile.spec, "micro_batch": profile.micro_batch, "seq_length": profile.seq_length,
-        "dtype": profile.dtype,
+        "dtype": profile.dtype, "machine": machine_identity("cuda" if profile.device == "cuda" else "cpu"),
         "layers": [{"name": x.name, "kind": x.kind, "signature": x.signature, "fwd_ms": x.fwd_ms, "bwd_ms": x.bwd_ms,
                     "fwd_flops": x.fwd_flops} for x in profile.layers],
     }
@@ -48,8 +51,9 @@ def save_measurements(profile: ModelProfile, gpu: str, name: str | None = None,
 
 
 def find_measurement(gpu: str, spec: dict[str, Any], micro_batch: int, seq_length: int | None, dtype: str,
-                     directory: Path | None = None) -> dict[str, Any] | None:
-    """The saved measurement for exactly this workload on this GPU spec, or None."""
+                     directory: Path | None = None, notes: list[str] | None = None) -> dict[str, Any] | None:
+    """The saved measurement for exactly this workload on this GPU spec, taken on this machine, or None.
+    A matching file measured elsewhere is skipped, and why is appended to ``notes``."""
     directory = directory or measurements_dir()
     if not directory.exists():
         return None
@@ -61,5 +65,9 @@ def find_measurement(gpu: str, spec: dict[str, Any], micro_batch: int, seq_lengt
         if (isinstance(rec, dict) and rec.get("format") == FORMAT and rec.get("gpu") == gpu
                 and rec.get("spec") == spec and rec.get("micro_batch") == micro_batch
                 and rec.get("seq_length") == seq_length and rec.get("dtype") == dtype):
-            return rec
+            why = mismatch(rec.get("machine"))
+            if why is None:
+                return rec
+            if notes is not None:
+                notes.append(f"measured block times {path} not used: {why}")
     return None

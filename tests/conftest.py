@@ -19,6 +19,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PARAPLAN_CACHE"] = tempfile.mkdtemp(prefix="paraplan-test-cache-")
 # Hermetic measurements: no calibration or measured block times of the developer's machine leak in.
 os.environ["PARAPLAN_MEASUREMENTS"] = tempfile.mkdtemp(prefix="paraplan-test-measurements-")
+# No automatic calibration (about a minute) before predicting on `local`: predictions are labelled uncalibrated.
+# tests/test_calibration_identity.py covers the automatic calibration with a stand-in for the measuring.
+os.environ["PARAPLAN_NO_CALIBRATE"] = "1"
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -15,7 +15,8 @@ def run(args) -> int:
         return 0
     gpu, link = spec["gpu"], spec["intra_node"]
     if args.json:
-        print_json({"spec_file": str(path), "seconds": cal.seconds, "threads_per_rank": cal.threads,
+        print_json({"spec_file": str(path), "seconds": cal.seconds, "phase_seconds": cal.phase_seconds,
+                    "machine": cal.machine, "threads_per_rank": cal.threads,
                     "peak_tflops": gpu["peak_tflops"], "hbm_GBps": gpu["hbm_GBps"],
                     "op_overhead_us": gpu["efficiency"]["op_overhead_us"], "matmul": gpu["efficiency"]["matmul"],
                     "intra_node": link, "collectives": [list(c) for c in cal.collectives],

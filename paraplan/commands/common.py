@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from paraplan.hardware_specs.identity import calibration_status
 from paraplan.planner.errors import PlanError
 from paraplan.planner.layout import Layout
 from paraplan.planner.workload import Workload
@@ -10,6 +13,27 @@ from paraplan.planner.workload import Workload
 def workload_from_args(args, global_batch: int | None = None) -> Workload:
     return Workload.create(args.model, args.cluster, global_batch or args.global_batch, seq_length=args.seq_len,
                            nodes=args.nodes)
+
+
+def ensure_calibrated(args, work: Workload, validating: bool = False) -> Workload:
+    """``work`` on a calibrated cluster: this machine is calibrated first where it needs it
+    (executor/autocalibrate.py; ``--no-calibrate`` opts out)."""
+    from paraplan.executor.autocalibrate import calibrate_first
+
+    from .output import stderr
+
+    cluster = calibrate_first(work.cluster_ref, work.cluster, args.nodes, args.no_calibrate, validating,
+                              lambda line: stderr.print(line, markup=False, highlight=False))
+    return work if cluster is work.cluster else dataclasses.replace(work, cluster=cluster)
+
+
+def calibration_labels(work: Workload, validating: bool = False) -> tuple[bool, list[str], str]:
+    """(calibrated, notes, title suffix) for the predictions on ``work``'s cluster: the JSON key, the notes
+    (measurements found but not used, the uncalibrated label) and what a table title adds."""
+    calibrated, notes = calibration_status(work.cluster, validating)
+    notes += [n for n in work.notes if n not in notes]
+    uncalibrated = any(n.startswith("uncalibrated") for n in notes)
+    return calibrated, notes, " — uncalibrated" if uncalibrated else ""
 
 
 def layout_from_args(args, work: Workload) -> Layout:

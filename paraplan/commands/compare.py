@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+from paraplan.hardware_specs.identity import markdown_notes
 from paraplan.planner.compare import compare, dp_optimisations, ps_vs_ring
 from paraplan.planner.errors import PlanError
 
-from .common import workload_from_args
+from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
 
 
@@ -19,9 +20,11 @@ def _row_json(row) -> dict:
     return out
 
 
-def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_rows) -> None:
+def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_rows, notes: list[str]) -> None:
     lines = [f"# {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
-             f"{work.global_batch}", "", "| strategy | layout | iteration s | tokens/s | MFU | GiB/GPU | tp / pp / dp "
+             f"{work.global_batch}", "",
+             *markdown_notes(notes), *([""] if notes else []),
+             "| strategy | layout | iteration s | tokens/s | MFU | GiB/GPU | tp / pp / dp "
              "comm, bubble (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.prediction
@@ -58,6 +61,7 @@ def run(args) -> int:
     out = args.out or os.path.join("reports", f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     if problem := output_path_problem(out, "--out", folder=True):
         raise PlanError(problem)
+    work = ensure_calibrated(args, work)
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
     workers, series = ps_vs_ring(work, dtype, max(gpus, 2))
     dp_mb = next((r.layout.micro_batch for r in rows if r.prediction is not None and r.layout.tp == 1
@@ -80,9 +84,10 @@ def run(args) -> int:
     charts.sync_vs_workers(workers, series, files["ps_vs_ring"],
                            f"Gradient sync of {work.spec.name} ({work.cluster.name}): parameter server vs ring")
     files["table"] = os.path.join(out, "comparison.md")
-    _write_markdown(files["table"], work, gpus, rows, workers, series, dp_rows)
+    calibrated, notes, suffix = calibration_labels(work)
+    _write_markdown(files["table"], work, gpus, rows, workers, series, dp_rows, notes)
     if args.json:
-        print_json({"strategies": [_row_json(r) for r in rows],
+        print_json({"calibrated": calibrated, "notes": notes, "strategies": [_row_json(r) for r in rows],
                     "ps_vs_ring": {"workers": workers, "sync_time_s": series},
                     "dp_optimisations": [{"setting": d.what, "global_batch": d.layout.global_batch,
                                           "samples_per_sync": d.samples_per_sync, "grad_bytes_per_gpu": d.grad_bytes,
@@ -102,8 +107,8 @@ def run(args) -> int:
                            f"tp {p.time_s['tp_comm']:.3g} / pp {p.time_s['pp_comm']:.3g} / dp {p.time_s['dp_comm']:.3g}"
                            f" / bubble {p.time_s['bubble']:.3g}"])
     stdout.print(table(f"{work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
-                       f"{work.global_batch}", ["strategy", "layout", "iteration s", "tokens/s", "MFU", "GiB/GPU",
-                                                "communication and bubble (s)"], table_rows))
+                       f"{work.global_batch}{suffix}", ["strategy", "layout", "iteration s", "tokens/s", "MFU",
+                                                        "GiB/GPU", "communication and bubble (s)"], table_rows))
     ps_rows = [[str(n)] + [f"{series[k][i]:.3g}" for k in series] for i, n in enumerate(workers)]
     stdout.print(table("Gradient sync per iteration (s): parameter servers vs ring all-reduce", ["workers", *series],
                        ps_rows))
@@ -113,5 +118,7 @@ def run(args) -> int:
                             "sync ms per 1k samples"],
                            [[d.what, str(d.samples_per_sync), f"{d.grad_bytes / 2**20:,.0f} MiB", f"{d.sync_s:.3g}",
                              f"{d.exposed_s:.3g}", f"{d.sync_ms_per_1k_samples:.3g}"] for d in dp_rows]))
+    for note in notes:
+        stdout.print(f"note: {note}", markup=False)
     stderr.print(f"charts in {out}/")
     return 0

@@ -8,11 +8,13 @@ import sys
 
 from paraplan.planner.costmodel import CostModel
 from paraplan.planner.errors import PlanError
+from paraplan.planner.refine import simulate_ranked
 from paraplan.planner.report import plan_object, write_report
 from paraplan.planner.scaling import ScalingReplans
 from paraplan.planner.search import SearchResult, search
 from paraplan.planner.workload import Workload
 
+from .common import calibration_labels, ensure_calibrated
 from .output import output_path_problem, print_json, stderr, stdout, table
 
 DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
@@ -64,6 +66,7 @@ def run(args) -> int:
     out = args.out or os.path.join("reports", f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     if problem := output_path_problem(out, "--out", folder=True):
         raise PlanError(problem)
+    work = ensure_calibrated(args, work)
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
@@ -72,6 +75,7 @@ def run(args) -> int:
         bar.start()
     try:
         result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model)
+        simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
         if result.best is None:
             raise PlanError(nothing_fits_message(result))
     except BaseException:
@@ -83,10 +87,13 @@ def run(args) -> int:
             bar.stop()
     scaling = (lambda: replans.points(result.best)) if replans else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
+    calibrated, notes, suffix = calibration_labels(work)
     if args.json:
-        print_json({"best": plan_object(result, result.best), "top_k": [plan_object(result, c) for c in result.ranked],
+        print_json({"best": {**plan_object(result, result.best), "calibrated": calibrated},
+                    "top_k": [{**plan_object(result, c), "calibrated": calibrated} for c in result.ranked],
                     "num_candidates": len(result.candidates), "num_feasible": result.num_feasible,
-                    "search_time_s": result.search_time_s, "ilp_solves": result.ilp_solves, "report": files})
+                    "search_time_s": result.search_time_s, "ilp_solves": result.ilp_solves, "report": files,
+                    "calibrated": calibrated, "notes": notes})
         return 0
     best = result.best
     p = best.prediction
@@ -95,7 +102,7 @@ def run(args) -> int:
              "/".join(sorted(set(c.stage_recompute or [c.layout.recompute])))]
             for i, c in enumerate(result.ranked, 1)]
     stdout.print(table(f"Top plans: {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), "
-                       f"global batch {args.global_batch}",
+                       f"global batch {args.global_batch}{suffix}",
                        ["#", "layout", "iteration s", "tokens/s", "MFU", "GiB/GPU", "recompute"], rows))
     stdout.print(f"best: [bold]{best.layout.short()}[/bold] — {p.iteration_time_s:.4g} s/iteration, "
                  f"{p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%, {p.peak_memory_gib:.1f} of "
@@ -105,6 +112,8 @@ def run(args) -> int:
         price = work.cluster.cost_per_gpu_hour_usd
         cost = f", ${days * 24 * gpus * price:,.0f} at ${price:g}/GPU-hour" if price else ""
         stdout.print(f"time to train on {args.train_tokens:.3g} tokens: {days:.1f} days{cost}")
+    for note in notes:
+        stdout.print(f"note: {note}", markup=False)
     stdout.print(f"searched {len(result.candidates):,} layouts ({result.num_feasible:,} not rejected) in "
                  f"{result.search_time_s:.2f} s, {result.ilp_solves} ILPs; report: {files['report']}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
 
-from .common import layout_from_args, workload_from_args
+from .common import calibration_labels, ensure_calibrated, layout_from_args, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
 
 
@@ -39,22 +39,27 @@ def run(args) -> int:
         _check_out(args.write_plan, "--write-plan")
     if args.gantt:
         _check_out(args.gantt, "--gantt")
+    work = ensure_calibrated(args, work)
     pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt))
+    calibrated, cal_notes, suffix = calibration_labels(work)
+    plan.prediction["calibrated"] = calibrated  # the plan file says so too
     if args.write_plan:
         plan.write(args.write_plan)
     if args.gantt:
         from paraplan.planner.charts import gantt  # matplotlib is slow to import; only when drawing
 
         gantt(pred, args.gantt)
-    out = {**plan.prediction, "plan": {k: v for k, v in plan.to_dict().items() if k != "prediction"}}
+    out = {**plan.prediction, "notes": [*pred.notes, *cal_notes],
+           "plan": {k: v for k, v in plan.to_dict().items() if k != "prediction"}}
     if args.json:
         print_json(out)
         return 0
     title = (f"{work.spec.name} on {work.cluster.name} ({lay.num_gpus} GPUs, {work.cluster.gpu.name}): "
-             f"{lay.short()}, global batch {lay.global_batch}, {lay.num_micro_batches} micro-batches per replica")
+             f"{lay.short()}, global batch {lay.global_batch}, {lay.num_micro_batches} micro-batches per "
+             f"replica{suffix}")
     stdout.print(table(title, ["", "predicted"], prediction_rows(out)))
-    for note in pred.notes:
-        stdout.print(f"note: {note}")
+    for note in out["notes"]:
+        stdout.print(f"note: {note}", markup=False)
     if args.write_plan:
         stderr.print(f"plan written to {args.write_plan}")
     if args.gantt:

@@ -1,0 +1,37 @@
+"""The plans a reader sees are priced as their schedule runs: by the event simulation.
+
+The search ranks thousands of layouts with the closed-form pipeline makespan (schedules.py), which
+prices a schedule's warm-up and cool-down on uniform stages. For the few plans it reports, the event
+simulator (simulator.py) runs each schedule's own order on the plan's real stage times; that is the
+figure `paraplan simulate` prints for the same layout and the figure the timeline chart draws. So the
+ranked plans are re-priced by it (and re-ranked), and the table, the report, the JSON and the charts
+all show one number (issue 13: a zero-bubble plan's chart said 28.4 s and bubble 0.0% beside the
+report's 28.51 s and 0.3%, the closed form's uniform-stage bubble).
+"""
+
+from __future__ import annotations
+
+from .api import EVENT_SIM_MAX_TASKS  # beyond it (as in `simulate`) the closed form stands
+from .costmodel import CostModel
+from .search import SearchResult
+
+
+def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> None:
+    """Re-price ``result.ranked`` with the event simulation, in place, and re-rank; a plan whose simulated
+    memory no longer fits leaves the ranking (status ``oom``, reason given)."""
+    if not result.ranked:
+        return
+    model = model or result.model or CostModel(result.work)
+    kept = []
+    for cand in result.ranked:
+        lay = cand.layout
+        if lay.num_stages * lay.num_micro_batches * 3 <= EVENT_SIM_MAX_TASKS:
+            cand.prediction = model.evaluate(lay, cand.stages, cand.stage_recompute, simulate=True)
+        if cand.prediction.fits:
+            kept.append(cand)
+        else:
+            cand.status = "oom"
+            cand.reason = (f"the event simulation's peak is {cand.prediction.peak_memory_gib:.1f} of "
+                           f"{cand.prediction.memory_capacity_gib:g} GiB")
+    kept.sort(key=lambda c: c.time_s)
+    result.ranked[:] = kept
