@@ -4,7 +4,8 @@
 
 A checkpoint folder holds DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) and
 ``trainer.json``: the step, the data position (samples read), the losses and step times of every
-step so far, the plan, the model's parameter names and shapes, the data file, the restart count.
+step so far, the plan, the model's parameter names and shapes, the data file, the restart count and
+the id of the launch that wrote it (a restarted job resumes from its own latest checkpoint only).
 Every rank writes into ``DIR/.step-N.partial/``; once DCP has finished (its metadata is written
 after every rank's data), rank 0 writes ``trainer.json`` and renames the folder to ``step-N``: a
 folder named ``step-N`` is always complete, a crash leaves at most a ``.partial`` folder that the
@@ -64,6 +65,7 @@ class TrainerState:
     data: dict | None = None  # token_data.TokenFile.describe(), None for the bundled corpus
     world_size: int = 1
     restarts: int = 0
+    run_id: str | None = None  # the launch that wrote it (execute draws one per launch)
     format: int = FORMAT
     extra: dict = field(default_factory=dict)
 
@@ -92,9 +94,22 @@ def complete_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
-def latest(root: str) -> str | None:
-    steps = complete_steps(root)
-    return step_dir(root, steps[-1]) if steps else None
+def latest(root: str, run_id: str | None = None) -> str | None:
+    """The latest complete checkpoint under ``root`` (of run ``run_id`` only, when given: a restarted
+    job must not pick up a checkpoint another run left in the same folder, nor one past its own)."""
+    for step in reversed(complete_steps(root)):
+        folder = step_dir(root, step)
+        if run_id is None or _run_id_of(folder) == run_id:
+            return folder
+    return None
+
+
+def _run_id_of(folder: str) -> str | None:
+    try:
+        with open(os.path.join(folder, STATE_FILE)) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def resolve(path: str) -> str:

@@ -46,14 +46,15 @@ class TrainingOptions:
     resume: str | None = None  # a step-N folder to start from
     max_restarts: int = 0  # torchrun restarts the job this often after a failure
     init_from: str | None = None  # a Hugging Face LLaMA folder to take the initial weights from
+    run_id: str | None = None  # this launch's id, recorded in its checkpoints (restarts resume from their own)
 
     def worker_args(self) -> list[str]:
         args = []
         for flag, value in (("--data", self.data), ("--data-dtype", self.data_dtype),
                             ("--checkpoint-dir", self.checkpoint_dir), ("--resume", self.resume),
-                            ("--init-from", self.init_from)):
+                            ("--init-from", self.init_from), ("--run-id", self.run_id)):
             if value:
-                args += [flag, os.path.abspath(value) if flag != "--data-dtype" else value]
+                args += [flag, value if flag in ("--data-dtype", "--run-id") else os.path.abspath(value)]
         if self.checkpoint_every:
             args += ["--checkpoint-every", str(self.checkpoint_every)]
         return args

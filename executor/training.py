@@ -49,7 +49,7 @@ def resume_folder(opts: TrainingOptions, rank: int, restarts: int) -> str | None
         return None  # no collective: parameter servers, which never get here, would not join it
     choice = [None]
     if rank == 0:
-        found = checkpoint_io.latest(opts.checkpoint_dir) if restarts and opts.checkpoint_dir else None
+        found = checkpoint_io.latest(opts.checkpoint_dir, opts.run_id) if restarts and opts.checkpoint_dir else None
         choice[0] = found or (checkpoint_io.resolve(opts.resume) if opts.resume else None)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
@@ -136,7 +136,7 @@ class TrainingRun:
             step=k + 1, samples=self.trainer.source.position(k + 1), losses=[r.loss for r in results],
             step_time_s=[r.time_s for r in results], plan=job.plan.to_dict(), model=job.spec.name,
             parameters=self._parameters, data=tokens.describe() if tokens else None, world_size=job.world_size,
-            restarts=self.restarts)
+            restarts=self.restarts, run_id=self.opts.run_id)
         if len(state.losses) != state.step:
             raise ExecutionError(f"internal: {len(state.losses)} losses recorded for {state.step} steps")
         return checkpoint_io.save(self.rm, self.opts.checkpoint_dir, state)

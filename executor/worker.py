@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", help="checkpoint folder to start from")
     p.add_argument("--init-from", help="Hugging Face LLaMA folder with the initial weights")
+    p.add_argument("--run-id", help="the launch's id, recorded in its checkpoints")
     return p.parse_args(argv)
 
 
@@ -51,7 +52,8 @@ def training_options(args: argparse.Namespace):
     from .launch import TrainingOptions
 
     return TrainingOptions(data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
-                           checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from)
+                           checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from,
+                           run_id=args.run_id)
 
 
 class Terminated(BaseException):

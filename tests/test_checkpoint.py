@@ -93,6 +93,7 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint(reference, tm
     ("missing", "no such folder"),
     ("steps", "--steps is the run's total, so give more than 3"),
     ("every-alone", "--checkpoint-every needs --checkpoint-dir"),
+    ("existing", "already holds checkpoints (up to step-6): continue that run with --resume"),
     ("parameter-servers", "the plan uses parameter servers"),
 ])
 def test_bad_resume_and_checkpoint_options_are_one_line(reference, name, fragment, tmp_path, capsys, monkeypatch):
@@ -111,6 +112,7 @@ def test_bad_resume_and_checkpoint_options_are_one_line(reference, name, fragmen
             "missing": ["--resume", str(tmp_path / "nowhere")],
             "steps": ["--resume", os.path.join(ck, "step-3"), "--steps", "3"],
             "every-alone": ["--checkpoint-every", "2"],
+            "existing": ["--checkpoint-dir", ck],
             "parameter-servers": ["--checkpoint-dir", str(tmp_path / "ck")]}[name]
     code = cli.main(["execute", "--plan", plan.write(str(tmp_path)), *args])
     err = capsys.readouterr().err.strip()
@@ -126,6 +128,12 @@ def test_only_complete_checkpoints_are_found(tmp_path):
     assert checkpoint_io.resolve(str(tmp_path)) == str(tmp_path / "step-2")
     with pytest.raises(ExecutionError, match="incomplete checkpoint"):
         checkpoint_io.resolve(str(tmp_path / "step-5"))
+    # a restarted job resumes from its own latest checkpoint, not from one another run left there
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / "step-2" / "trainer.json").write_text('{"run_id": "this"}')
+    (tmp_path / "step-4" / "trainer.json").write_text('{"run_id": "other"}')
+    assert checkpoint_io.latest(str(tmp_path), "this") == str(tmp_path / "step-2")
+    assert checkpoint_io.latest(str(tmp_path)) == str(tmp_path / "step-4")
 
 
 # ---- initial weights from Hugging Face safetensors (execute --init-from) ------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import uuid
 import zlib
 
 from paraplan.executor.errors import ExecutionError, JobFailed
@@ -52,6 +53,13 @@ def training_options(args, job: Job) -> TrainingOptions:
                                  f"parallelism; the plan uses {what}")
     if args.checkpoint_dir:
         _check_folder("--checkpoint-dir", args.checkpoint_dir)
+        from paraplan.executor import checkpoint_io
+
+        found = checkpoint_io.complete_steps(args.checkpoint_dir)
+        if found and not args.resume:
+            raise ExecutionError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (up to step-"
+                                 f"{found[-1]}): continue that run with --resume {args.checkpoint_dir}, or give "
+                                 "an empty folder")
     resume = None
     if args.resume:
         from paraplan.executor import checkpoint_io
@@ -80,7 +88,8 @@ def training_options(args, job: Job) -> TrainingOptions:
         check(args.init_from, job)
     return TrainingOptions(data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every or 0, resume=resume,
-                           max_restarts=args.max_restarts, init_from=args.init_from)
+                           max_restarts=args.max_restarts, init_from=args.init_from,
+                           run_id=uuid.uuid4().hex if args.checkpoint_dir else None)
 
 
 def _check_folder(flag: str, path: str) -> None:
