@@ -7,5 +7,8 @@ pipeline, optim, tied) and trains it (trainer.py on batches.py's data), rank 0 r
 (console.py) and recording the run (record.py). Two layouts build differently: parameter servers
 (ps_protocol.py, the protocol; param_server.py, the server ranks; ps_worker.py and ps_client.py, the
 workers) and hybrid parallelism's class-sharded classifier (class_sharded.py, hybrid.py); rank_model.py
-is what every builder returns. Importing this package imports no torch.
+is what every builder returns. A run as a whole (training.py) reads the user's tokens (token_data.py),
+saves and resumes checkpoints (checkpoint_io.py; checkpointing.py is activation checkpointing), starts
+from Hugging Face weights (hf_weights.py) and logs per-step metrics (metrics.py). Importing this package
+imports no torch.
 """
