@@ -37,6 +37,12 @@ def timeline_windows(pred: Prediction) -> list[tuple[float, float]]:
     return [(0.0, width), (mid - width / 2, mid + width / 2), (makespan - width, end)]
 
 
+def timeline_title(pred: Prediction) -> str:
+    """The timeline's headline: the prediction's iteration time and bubble, formatted as the report prints them."""
+    return (f"{pred.layout.short()}: {pred.iteration_time_s:.4g} s per iteration, bubble "
+            f"{100 * pred.bubble_fraction:.1f}%, {pred.layout.num_micro_batches} micro-batches")
+
+
 def gantt(pred: Prediction, path: str, title: str = "", note: str = "") -> None:
     """Per-rank pipeline timeline of one iteration: forward, backward, weight-gradient, DP sync and optimizer;
     gaps are bubbles. A long iteration is drawn as three zooms (:func:`timeline_windows`) with a break
@@ -100,8 +106,7 @@ def gantt(pred: Prediction, path: str, title: str = "", note: str = "") -> None:
     fig.supxlabel("seconds into the iteration" + ("  (three zooms of one iteration; // marks time left out: the "
                                                   "steady state repeats)" if len(windows) > 1 else ""), fontsize=8,
                   y=0.05 / height, va="bottom")
-    headline = title or (f"{pred.layout.short()}: {pred.iteration_time_s:.4g} s per iteration, "
-                         f"bubble {100 * pred.bubble_fraction:.1f}%, {m} micro-batches")
+    headline = title or timeline_title(pred)
     kinds = {e.kind for e in pred.sim.timeline} | ({"dp"} if max(pred.rank_dp_exposed_s) > 0 else set()) | {"opt"}
     handles = [Patch(color=COLORS[k], label=lbl) for k, lbl in (("F", "forward"), ("B", "backward"),
                                                                 ("W", "weight gradient (zero bubble)"),

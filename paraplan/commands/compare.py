@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from paraplan.hardware_specs.identity import markdown_notes
-from paraplan.planner.compare import compare, dp_optimisations, ps_vs_ring
+from paraplan.planner.compare import compare, dp_optimisations, dp_per_layout, ps_vs_ring
 from paraplan.planner.errors import PlanError
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
@@ -20,7 +20,39 @@ def _row_json(row) -> dict:
     return out
 
 
-def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_rows, notes: list[str]) -> None:
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:,.0f} MiB"
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3g}"
+
+
+def dp_layout_cells(d) -> list[str]:
+    """A row of the per-layout data-parallel table (terminal and markdown alike)."""
+    share = f"{100 * d.exposed_s / d.iteration_s:.1f}%" if d.iteration_s else "-"
+    return [d.name, d.layout.short(), d.group, d.kind, _mib(d.grad_bytes), _mib(d.kept_bytes), _mib(d.sent_bytes),
+            _s(d.traffic_s), f"{d.exposed_s:.3g} ({share})"]
+
+
+DP_LAYOUT_COLUMNS = ["strategy", "layout", "data-parallel group", "sync", "gradients per GPU", "kept after sync",
+                     "sent per GPU per iteration", "sync s if not overlapped", "exposed s (of the iteration)"]
+DP_OPT_COLUMNS = ["setting", "samples per sync", "gradients per GPU", "sync s if not overlapped",
+                  "exposed s per iteration", "exposed ms per 1k samples"]
+
+
+def dp_opt_cells(d) -> list[str]:
+    return [d.what, str(d.samples_per_sync), _mib(d.grad_bytes), _s(d.sync_s), f"{d.exposed_s:.3g}",
+            f"{d.exposed_ms_per_1k_samples:.3g}"]
+
+
+def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(r) + " |"
+                                                                              for r in rows]
+
+
+def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layouts, dp_rows, dp_base,
+                    notes: list[str]) -> None:
     lines = [f"# {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
              f"{work.global_batch}", "",
              *markdown_notes(notes), *([""] if notes else []),
@@ -38,14 +70,17 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_rows, 
     lines += ["", "Gradient sync per iteration (s), parameter servers vs ring all-reduce:", "",
               "| workers | " + " | ".join(series) + " |", "|---" * (len(series) + 1) + "|"]
     lines += [f"| {n} | " + " | ".join(f"{series[k][i]:.3g}" for k in series) + " |" for i, n in enumerate(workers)]
+    if dp_layouts:
+        lines += ["", "Data-parallel communication per layout, per GPU (the most loaded pipeline rank): the gradients "
+                  "it computes (its tensor- and pipeline-parallel share of the model), what it keeps after the sync "
+                  "(ZeRO-2/3: a 1/dp shard), what it sends over the data-parallel group per iteration, those "
+                  "collectives' time back to back, and what the iteration waits for once they overlap the "
+                  "backward pass:", ""]
+        lines += _md_table(DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts])
     if dp_rows:
-        lines += ["", "Data-parallel optimisations: gradient accumulation (one sync per several micro-batches) and "
-                  "16-bit gradients (half the bytes):", "",
-                  "| setting | samples per sync | gradients per GPU | all-reduce s | exposed s "
-                  "| sync ms per 1k samples |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {d.what} | {d.samples_per_sync} | {d.grad_bytes / 2**20:,.0f} MiB | {d.sync_s:.3g} | "
-                  f"{d.exposed_s:.3g} | {d.sync_ms_per_1k_samples:.3g} |" for d in dp_rows]
+        lines += ["", f"Gradient accumulation (more samples per sync) and 16-bit gradients (half the bytes) on "
+                  f"{dp_base}:", ""]
+        lines += _md_table(DP_OPT_COLUMNS, [dp_opt_cells(d) for d in dp_rows])
     lines += ["", "![time breakdown](time_breakdown.png)", "", "![memory](memory.png)", "",
               "![parameter server vs ring](ps_vs_ring.png)", ""]
     with open(path, "w") as f:
@@ -64,9 +99,15 @@ def run(args) -> int:
     work = ensure_calibrated(args, work)
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
     workers, series = ps_vs_ring(work, dtype, max(gpus, 2))
-    dp_mb = next((r.layout.micro_batch for r in rows if r.prediction is not None and r.layout.tp == 1
-                  and r.layout.pp == 1), 1)
-    dp_rows = dp_optimisations(work, gpus, dp_mb) if gpus > 1 else []
+    dp_layouts = dp_per_layout(work, rows)
+    # accumulation and 16-bit gradients on the fastest compared layout that syncs over data parallelism
+    synced = sorted((r for r in rows if r.prediction is not None and r.layout.dp > 1 and r.layout.dp_mode != "ps"),
+                    key=lambda r: r.prediction.iteration_time_s)
+    dp_base = ""
+    if synced:
+        short = synced[0].layout.short()
+        dp_base = short if synced[0].name == short else f"{short} ({synced[0].name})"
+    dp_rows = dp_optimisations(work, synced[0]) if synced else []
     os.makedirs(out, exist_ok=True)
     from paraplan.planner import charts
 
@@ -85,15 +126,22 @@ def run(args) -> int:
                            f"Gradient sync of {work.spec.name} ({work.cluster.name}): parameter server vs ring")
     files["table"] = os.path.join(out, "comparison.md")
     calibrated, notes, suffix = calibration_labels(work)
-    _write_markdown(files["table"], work, gpus, rows, workers, series, dp_rows, notes)
+    _write_markdown(files["table"], work, gpus, rows, workers, series, dp_layouts, dp_rows, dp_base, notes)
     if args.json:
         print_json({"calibrated": calibrated, "notes": notes, "strategies": [_row_json(r) for r in rows],
                     "ps_vs_ring": {"workers": workers, "sync_time_s": series},
-                    "dp_optimisations": [{"setting": d.what, "global_batch": d.layout.global_batch,
+                    "data_parallel": [{"strategy": d.name, "layout": d.layout.short(), "dp": d.layout.dp,
+                                       "group": d.group, "sync": d.kind, "grad_bytes_per_gpu": d.grad_bytes,
+                                       "kept_bytes_per_gpu": d.kept_bytes, "sent_bytes_per_gpu": d.sent_bytes,
+                                       "sync_s_not_overlapped": d.traffic_s, "exposed_s": d.exposed_s,
+                                       "iteration_time_s": d.iteration_s} for d in dp_layouts],
+                    "dp_optimisations": [{"setting": d.what, "layout": d.layout.short(),
+                                          "global_batch": d.layout.global_batch,
                                           "samples_per_sync": d.samples_per_sync, "grad_bytes_per_gpu": d.grad_bytes,
-                                          "allreduce_s": d.sync_s, "exposed_s": d.exposed_s,
+                                          "sync_s_not_overlapped": d.sync_s, "exposed_s": d.exposed_s,
                                           "iteration_time_s": d.iteration_s,
-                                          "sync_ms_per_1k_samples": d.sync_ms_per_1k_samples} for d in dp_rows],
+                                          "exposed_ms_per_1k_samples": d.exposed_ms_per_1k_samples}
+                                         for d in dp_rows],
                     "charts": files})
         return 0
     table_rows = []
@@ -112,12 +160,12 @@ def run(args) -> int:
     ps_rows = [[str(n)] + [f"{series[k][i]:.3g}" for k in series] for i, n in enumerate(workers)]
     stdout.print(table("Gradient sync per iteration (s): parameter servers vs ring all-reduce", ["workers", *series],
                        ps_rows))
+    if dp_layouts:
+        stdout.print(table("Data-parallel communication per layout, per GPU (most loaded pipeline rank)",
+                           DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts]))
     if dp_rows:
-        stdout.print(table(f"Data-parallel optimisations (pure data parallelism on {gpus} GPUs, micro-batch {dp_mb})",
-                           ["setting", "samples/sync", "gradients/GPU", "all-reduce s", "exposed s",
-                            "sync ms per 1k samples"],
-                           [[d.what, str(d.samples_per_sync), f"{d.grad_bytes / 2**20:,.0f} MiB", f"{d.sync_s:.3g}",
-                             f"{d.exposed_s:.3g}", f"{d.sync_ms_per_1k_samples:.3g}"] for d in dp_rows]))
+        stdout.print(table(f"Gradient accumulation and 16-bit gradients on {dp_base}", DP_OPT_COLUMNS,
+                           [dp_opt_cells(d) for d in dp_rows]))
     for note in notes:
         stdout.print(f"note: {note}", markup=False)
     stderr.print(f"charts in {out}/")

@@ -48,7 +48,7 @@ def run(args) -> int:
     if args.gantt:
         from paraplan.planner.charts import gantt  # matplotlib is slow to import; only when drawing
 
-        gantt(pred, args.gantt)
+        gantt(pred, args.gantt, note=suffix.strip(" —"))
     out = {**plan.prediction, "notes": [*pred.notes, *cal_notes],
            "plan": {k: v for k, v in plan.to_dict().items() if k != "prediction"}}
     if args.json:

@@ -1,0 +1,91 @@
+"""Charts a reader understands (issue 13): one number for the chosen plan in table, report and timeline; the
+timeline zoomed into warm-up, steady state and cool-down; the simulator's activation peak as 1F1B defines it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from paraplan.planner.api import simulate
+from paraplan.planner.charts import gantt, timeline_title, timeline_windows
+from paraplan.planner.layout import Layout
+from paraplan.planner.refine import simulate_ranked
+from paraplan.planner.report import write_report
+from paraplan.planner.search import search
+from paraplan.planner.simulator import simulate_pipeline
+from paraplan.planner.workload import Workload
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("schedule", "first", "last"), [("1f1b", 4, 1), ("gpipe", 8, 8)])
+def test_activation_peak_counts_what_each_schedule_holds(schedule, first, last):
+    """p = 4 stages, m = 8 micro-batches, 10 bytes saved per micro-batch and stage: 1F1B's first stage holds
+    p micro-batches, its last one (Narayanan et al. 2021, Sec. 2.2.1); GPipe holds all m everywhere. A
+    backward that ends as the next forward starts frees its activations first."""
+    sim = simulate_pipeline(schedule, 4, 1, 8, [1.0] * 4, [2.0] * 4, [0.0] * 4, act_bytes=[10.0] * 4)
+    assert sim.peak_activation_bytes[0] == 10 * first
+    assert sim.peak_activation_bytes[-1] == 10 * last
+
+
+@pytest.fixture(scope="module")
+def llama_plan(tmp_path_factory):
+    """The README's demo (llama2-70b, 64 H100s, batch 512: a zero-bubble V schedule wins), searched and
+    written as a report, as `paraplan plan` does."""
+    work = Workload.create("llama2-70b", "dgx-h100", 512, nodes=8)
+    result = search(work, 64, top_k=3)
+    simulate_ranked(result)
+    out = tmp_path_factory.mktemp("report")
+    files = write_report(result, str(out), [], charts=True)
+    return work, result, files
+
+
+def test_table_report_and_timeline_show_one_number(llama_plan):
+    work, result, files = llama_plan
+    best = result.best
+    assert best.prediction.method == "event simulation"
+    # `paraplan simulate` of the same layout and stages prices it identically
+    pred, _ = simulate(work, best.layout, best.stages, best.stage_recompute, keep_timeline=True)
+    assert pred.iteration_time_s == best.prediction.iteration_time_s
+    assert pred.bubble_fraction == best.prediction.bubble_fraction
+    report = open(files["report"]).read()
+    shown = re.search(r"\| iteration time \| ([0-9.]+) s \|", report).group(1)
+    row = next(line for line in report.splitlines() if line.startswith(f"| 1 | {best.layout.short()} |"))
+    bubble = row.split(" | ")[6]
+    title = timeline_title(pred)
+    assert f"{shown} s per iteration" in title and f"bubble {bubble}" in title
+    assert open(files["timeline"], "rb").read(8) == PNG
+
+
+def test_ranked_plans_stay_sorted_after_the_event_simulation(llama_plan):
+    _, result, _ = llama_plan
+    times = [c.prediction.iteration_time_s for c in result.ranked]
+    assert times == sorted(times) and all(c.prediction.fits for c in result.ranked)
+
+
+def test_a_long_pipeline_is_drawn_as_three_zooms(llama_plan, tmp_path):
+    work, result, _ = llama_plan
+    best = result.best
+    pred, _ = simulate(work, best.layout, best.stages, best.stage_recompute, keep_timeline=True)
+    windows = timeline_windows(pred)
+    assert len(windows) == 3
+    (a0, a1), (b0, b1), (c0, c1) = windows
+    assert a0 == 0 and c1 == pred.iteration_time_s  # from the start; to the end, DP sync and optimizer included
+    assert a1 < b0 < b1 < c0  # time left out between the zooms
+    assert a1 - a0 == pytest.approx(b1 - b0)
+    # each zoom spans p + 3 steady-state periods: a few micro-batches, not the 64 of the iteration
+    period = max(sum(e.end - e.start for e in pred.sim.timeline if e.rank == r) for r in range(best.layout.pp))
+    assert a1 - a0 == pytest.approx((best.layout.pp + 3) * period / best.layout.num_micro_batches)
+    gantt(pred, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG
+
+
+def test_a_short_pipeline_is_drawn_whole(tmp_path):
+    work = Workload.create("gpt3-1.3b", "dgx-a100-80gb", 32)
+    lay = Layout(dp=2, tp=1, pp=4, micro_batch=4, global_batch=32, schedule="1f1b")
+    pred, _ = simulate(work, lay, keep_timeline=True)
+    assert timeline_windows(pred) == [(0.0, pred.iteration_time_s)]
+    gantt(pred, str(tmp_path / "t.png"), note="uncalibrated")
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG
