@@ -51,6 +51,8 @@ def training_options(args, job: Job) -> TrainingOptions:
             what = "parameter servers" if lay.dp_mode == "ps" else "a class-sharded classifier (head_parallel)"
             raise ExecutionError(f"checkpoints are written and resumed for all-reduce data, tensor and pipeline "
                                  f"parallelism; the plan uses {what}")
+        if lay.ep > 1:  # experts differ per expert-parallel rank: they need global offsets to reshard
+            raise ExecutionError(f"checkpoints of expert-parallel plans (ep {lay.ep}) are not written or resumed yet")
     if args.checkpoint_dir:
         _check_folder("--checkpoint-dir", args.checkpoint_dir)
         from paraplan.executor import checkpoint_io
