@@ -54,5 +54,5 @@ def calibrate_first(cluster_ref: str, cluster: ClusterSpec, nodes: int | None, n
     except ExecutionError as e:
         raise ExecutionError(f"calibrating this machine failed ({e}); run `paraplan calibrate` to retry, or pass "
                              "--no-calibrate") from None
-    say(f"calibrated in {cal.seconds:.0f} s; written to {path}")
+    say(f"calibrated in {cal.seconds:.0f} s; written to {path}" + (f" ({cal.busy_note})" if cal.busy_note else ""))
     return load_cluster(cluster_ref, nodes=nodes)

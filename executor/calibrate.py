@@ -62,6 +62,16 @@ class Calibration:
     seconds: float = 0.0
     machine: dict = field(default_factory=dict)  # identity of the machine measured (hardware_specs/identity.py)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # what each part of the calibration cost
+    load_before: float | None = None  # the 1-minute load average when it began (others' work skews timings)
+
+    @property
+    def busy_note(self) -> str | None:
+        """A warning when the machine was busy with other work as the calibration began, else None."""
+        cores = os.cpu_count() or 1
+        if self.load_before is None or self.load_before <= 0.75 * cores:
+            return None
+        return (f"the machine was busy (load {self.load_before:.1f} on {cores} cores) as the calibration began: "
+                "its timings may be off; run `paraplan calibrate` again on an idle machine")
 
 
 def _timeit(fn, sync, repeats: int, min_time: float = 0.02) -> float:
@@ -327,7 +337,8 @@ def write_spec(mapping: dict, path: str | None, cal: Calibration) -> Path:
               f"{cal.threads} thread(s) per rank, {cal.ranks} ranks for the collectives.\n"
               f"# Measured: GEMM rates (peak = best rate seen), memory bandwidth, per-kernel overhead,\n"
               f"# and the intra-node link fitted to {len(cal.collectives)} collective timings.\n"
-              f"# Machine: {describe(mapping['machine'])}; used automatically only on machines of this identity.\n")
+              f"# Machine: {describe(mapping['machine'])}; used automatically only on machines of this identity.\n"
+              + (f"# Note: {cal.busy_note}.\n" if cal.busy_note else ""))
     write_mapping(mapping, target, header)
     return target
 
@@ -357,6 +368,7 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
     """Measure, build the spec and (on rank 0) write it. Under torchrun every rank measures the
     collectives over the whole job (the cluster's links); alone, ``ranks`` local processes are spawned."""
     started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     base = shipped_cluster(cluster)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cal = calibrate_under_torchrun(quick)
@@ -374,6 +386,7 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
         mapping["gpu"]["efficiency"]["framework_us"] = cal.framework_us
         cal.phase_seconds["framework"] = time.perf_counter() - t1
         cal.seconds = time.perf_counter() - started
+    cal.load_before = load
     return write_spec(mapping, out, cal), cal, mapping
 
 

@@ -197,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", action="append", default=[], metavar="S",
                    help='a layout to run, as in compare (e.g. "pp=2,schedule=1f1b,mb=2"); repeatable; '
                         "default: a spread of dp, tp and pp layouts")
-    p.add_argument("--steps", type=_positive_int, default=4,
-                   help="training steps per layout (the first warms up and is not timed)")
+    p.add_argument("--steps", type=_positive_int, default=8,
+                   help="training steps per layout (the first warms up and is not timed; the median of the rest "
+                        "is the measured step time)")
     p.add_argument("--top", type=_non_negative_int, default=3, help="planner's top-k added to the layouts (0: none)")
     p.add_argument("--out", help="folder for the report")
     p.add_argument("--update-spec", action="store_true", help="feed the measurements back into the cluster spec")

@@ -253,3 +253,11 @@ def test_gemm_sizes_too_slow_to_time_are_skipped(monkeypatch):
     monkeypatch.setattr(calibrate_module, "GEMM_CALL_LIMIT_S", 1e-12)
     points = calibrate_module.measure_gemm(torch.device("cpu"), ("fp32",), ((64, 64, 64), (32, 32, 32)), repeats=1)
     assert [f for f, _ in points["fp32"]] == [2.0 * 32 ** 3]  # the smallest only
+
+
+def test_a_calibration_of_a_busy_machine_says_so():
+    import os
+
+    cores = os.cpu_count() or 1
+    assert "busy" in Calibration(device="cpu", threads=1, ranks=2, load_before=2.0 * cores).busy_note
+    assert Calibration(device="cpu", threads=1, ranks=2, load_before=0.1 * cores).busy_note is None

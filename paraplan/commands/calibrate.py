@@ -16,6 +16,7 @@ def run(args) -> int:
     gpu, link = spec["gpu"], spec["intra_node"]
     if args.json:
         print_json({"spec_file": str(path), "seconds": cal.seconds, "phase_seconds": cal.phase_seconds,
+                    "load_before": cal.load_before, "notes": [cal.busy_note] if cal.busy_note else [],
                     "machine": cal.machine, "threads_per_rank": cal.threads,
                     "peak_tflops": gpu["peak_tflops"], "hbm_GBps": gpu["hbm_GBps"],
                     "op_overhead_us": gpu["efficiency"]["op_overhead_us"], "matmul": gpu["efficiency"]["matmul"],
@@ -34,4 +35,6 @@ def run(args) -> int:
         stdout.print(f"framework cost per event (µs): {fit}; fitted to {len(errs)} executor runs of "
                      f"llama-tiny, mean error {100 * sum(errs) / len(errs):.1f}%")
     stdout.print(f"spec written to {path} ({cal.seconds:.0f} s); plan/simulate/validate on '{args.cluster}' use it now")
+    if cal.busy_note:
+        stderr.print(f"note: {cal.busy_note}", markup=False)
     return 0
