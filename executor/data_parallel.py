@@ -22,6 +22,11 @@ fp32 master weights, a bf16 copy for compute, gradients reduced and kept in fp32
 Sharding happens on the meta device (torchtitan's order): no rank ever allocates a whole chunk
 before it is sharded; :func:`paraplan.executor.chunks.materialize` then allocates each shard and
 draws its values.
+
+Under context parallelism ``dp_mesh`` is dp x cp flattened (torchtitan's dp_shard_cp): the cp ranks train
+other tokens of the same samples, so every gradient is averaged over both. Expert-parallel experts are
+units of their own over the expert-data-parallel mesh (torchtitan's ``fully_shard(experts, mesh=edp)``),
+wrapped before their layer so the layer's unit leaves them out (expert_parallel.py scales their gradient).
 """
 
 from __future__ import annotations
@@ -31,24 +36,38 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def uses_ddp(zero: int, dp: int, mp_dtype: torch.dtype | None, pipelined: bool, tensor_parallel: bool) -> bool:
+def uses_ddp(zero: int, dp: int, mp_dtype: torch.dtype | None, pipelined: bool, tensor_parallel: bool,
+             expert_parallel: bool = False) -> bool:
     """DistributedDataParallel (applied after materialising) rather than an FSDP2 wrapper (applied on meta)."""
-    return dp > 1 and zero <= 1 and mp_dtype is None and not pipelined and not tensor_parallel
+    return dp > 1 and zero <= 1 and mp_dtype is None and not pipelined and not tensor_parallel and not expert_parallel
 
 
 def shard_dp(module: nn.Module, zero: int, dp_mesh: DeviceMesh, mp_dtype: torch.dtype | None,
-             pipelined: bool, tensor_parallel: bool) -> nn.Module:
+             pipelined: bool, tensor_parallel: bool, edp_mesh: DeviceMesh | None = None) -> nn.Module:
     """Wrap ``module`` (still on meta) for data parallelism with FSDP2; DDP's case is left for :func:`apply_ddp`.
 
     A single data-parallel rank training in bf16 is wrapped too (``replicate`` over one rank): FSDP2's
     mixed precision is what gives every layout the same weights, gradients and activations in memory.
+    ``edp_mesh``: the expert-data-parallel mesh under expert parallelism (None without).
     """
+    from .expert_parallel import expert_modules
+
     dp = dp_mesh.size()
-    if uses_ddp(zero, dp, mp_dtype, pipelined, tensor_parallel) or (dp == 1 and mp_dtype is None):
+    experts = expert_modules(module) if edp_mesh is not None else []
+    if uses_ddp(zero, dp, mp_dtype, pipelined, tensor_parallel, bool(experts)) or (dp == 1 and mp_dtype is None):
+        if experts and edp_mesh.size() > 1:  # only the experts have replicas
+            for unit in experts:
+                _wrap(unit, zero, edp_mesh, mp_dtype)
         return module
-    if zero <= 1 or dp == 1:
-        return _per_layer(module, lambda m: _replicate(m, dp_mesh, mp_dtype))
-    return _per_layer(module, lambda m: _fully_shard(m, dp_mesh, zero == 3, mp_dtype))
+    return _per_layer(module, lambda m: _wrap(m, zero, dp_mesh, mp_dtype),
+                      lambda m: _wrap(m, zero, edp_mesh, mp_dtype) if edp_mesh is not None else None)
+
+
+def _wrap(module: nn.Module, zero: int, mesh: DeviceMesh, mp_dtype: torch.dtype | None) -> nn.Module:
+    """ZeRO 0/1 (or one rank): replicate; ZeRO 2/3: fully_shard, resharding after forward for ZeRO 3."""
+    if zero <= 1 or mesh.size() == 1:
+        return _replicate(module, mesh, mp_dtype)
+    return _fully_shard(module, mesh, zero == 3, mp_dtype)
 
 
 def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
@@ -60,12 +79,17 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> n
                                    gradient_as_bucket_view=True)
 
 
-def _per_layer(module: nn.Module, wrap) -> nn.Module:
+def _per_layer(module: nn.Module, wrap, wrap_experts=lambda m: None) -> nn.Module:
     """Each transformer layer its own unit (its collective overlaps its neighbours' compute), then the
-    chunk's remaining parameters (embedding, head: one unit, so a tied pair inside it is one parameter)."""
+    chunk's remaining parameters (embedding, head: one unit, so a tied pair inside it is one parameter).
+    A layer's expert-parallel experts are a unit of their own, wrapped first (``wrap_experts``)."""
+    from .expert_parallel import expert_modules
+
     layers = getattr(module, "layers", None)
     if isinstance(layers, nn.ModuleDict):
         for layer in layers.values():
+            for experts in expert_modules(layer):
+                wrap_experts(experts)
             wrap(layer)
     return wrap(module)
 

@@ -30,7 +30,7 @@ class Job:
     @property
     def dims(self) -> ParallelDims:
         lay = self.layout
-        return ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp)
+        return ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp)
 
     @property
     def world_size(self) -> int:
@@ -91,9 +91,11 @@ class Job:
             plan.validate_stages(blocks)
         except PlanError as e:
             raise ExecutionError(f"{src}: {e}") from None
-        if lay.cp > 1 or lay.ep > 1 or lay.etp > 1:
-            raise ExecutionError(f"{src}: context and expert parallelism (cp {lay.cp}, ep {lay.ep}, etp {lay.etp}) "
-                                 "are not executed yet")
+        if lay.cp > 1:
+            raise ExecutionError(f"{src}: context parallelism (cp {lay.cp}) is not executed yet")
+        if lay.etp > 1:
+            raise ExecutionError(f"{src}: expert tensor parallelism (etp {lay.etp}) is not executed yet; use etp 1 "
+                                 "(experts whole on each expert-parallel rank)")
         if lay.dp_mode == "ps":
             self._check_parameter_servers()
         if lay.head_parallel > 1:
@@ -121,6 +123,9 @@ class Job:
             if lay.sequence_parallel and s % lay.tp:
                 raise ExecutionError(f"{src}: sequence parallelism needs tp {lay.tp} to divide the sequence "
                                      f"length {s}")
+            if spec.num_experts and lay.tp > 1 and s % lay.tp:
+                raise ExecutionError(f"{src}: MoE layers under tensor parallelism route 1/tp of each sequence per "
+                                     f"rank; tp {lay.tp} must divide the sequence length {s}")
 
     def _check_parameter_servers(self) -> None:
         lay, src = self.layout, self.source

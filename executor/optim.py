@@ -46,15 +46,31 @@ def partition(params: list[nn.Parameter], parts: int) -> list[int]:
 
 
 class ShardedOptimizer:
-    """ZeRO-1 over the data-parallel group ``group``: AdamW states for this rank's share only."""
+    """ZeRO-1 over the data-parallel group ``group``: AdamW states for this rank's share only.
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup):
-        self.params = list(params)
+    Expert-parallel experts (``expert_params``) are replicated over another group, the expert-data-parallel
+    ``expert_group``: they are shared out over it instead. ``owner[i]`` is the rank in ``group`` owning
+    ``params[i]``; for an expert parameter it is this rank's own when this rank owns it, else -1 (so
+    ``owner[i] == rank`` says which states this rank keeps, for either kind)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup,
+                 expert_params: Iterable[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None):
+        expert_ids = {id(p) for p in expert_params}
+        params = list(params)
+        dense = [p for p in params if id(p) not in expert_ids]
+        experts = [p for p in params if id(p) in expert_ids]
+        self.params = dense + experts
         self.group = group
         self.rank = dist.get_rank(group)
-        self.owner = partition(self.params, dist.get_world_size(group))
-        mine = [p for p, o in zip(self.params, self.owner, strict=True) if o == self.rank]
-        self.inner = adamw(mine) if mine else None
+        self._sections = [(dense, group, partition(dense, dist.get_world_size(group)))]
+        self.owner = list(self._sections[0][2])
+        if experts:
+            owners = partition(experts, dist.get_world_size(expert_group))
+            self._sections.append((experts, expert_group, owners))
+            mine = dist.get_rank(expert_group)
+            self.owner += [self.rank if o == mine else -1 for o in owners]
+        kept = [p for p, o in zip(self.params, self.owner, strict=True) if o == self.rank]
+        self.inner = adamw(kept) if kept else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -64,16 +80,19 @@ class ShardedOptimizer:
     def step(self) -> None:
         if self.inner is not None:
             self.inner.step()
-        for r in range(dist.get_world_size(self.group)):  # one broadcast per owner: its params, flattened
-            owned = [local(p) for p, o in zip(self.params, self.owner, strict=True) if o == r]
-            if not owned:
+        for params, group, owners in self._sections:
+            if dist.get_world_size(group) == 1:
                 continue
-            flat = torch.cat([t.reshape(-1) for t in owned])  # (sum of numels,)
-            dist.broadcast(flat, group=self.group, group_src=r)
-            offset = 0
-            for t in owned:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for r in range(dist.get_world_size(group)):  # one broadcast per owner: its params, flattened
+                owned = [local(p) for p, o in zip(params, owners, strict=True) if o == r]
+                if not owned:
+                    continue
+                flat = torch.cat([t.reshape(-1) for t in owned])  # (sum of numels,)
+                dist.broadcast(flat, group=group, group_src=r)
+                offset = 0
+                for t in owned:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
 
 

@@ -35,6 +35,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from paraplan.models import ModelSpec, tp_plan, tp_style
+from paraplan.models.moe import MoE
+from paraplan.models.transformer import Attention, LatentAttention
 
 from .errors import ExecutionError
 
@@ -77,25 +79,73 @@ def tp_module_plan(module: nn.Module, spec: ModelSpec, sequence_parallel: bool) 
     if sequence_parallel:
         plan.update({name: SequenceParallel(use_local_output=True)
                      for name in _unplanned_in_sequence_region(module, patterns)})
+        if spec.mla:  # its replicated down-projections and norms take the gathered sequence as a plain tensor
+            for name, mod in module.named_modules():
+                if isinstance(mod, LatentAttention) and name in plan:
+                    plan[name] = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
+                                                    use_local_output=True)
     return plan
 
 
 def _unplanned_in_sequence_region(module: nn.Module, patterns: dict[str, str]) -> list[str]:
     """Modules with weights of their own that the TP plan leaves replicated but that run on the
     sequence shard (e.g. BERT's head.transform). Each rank would see only its tokens' gradient, so
-    they run as SequenceParallel too: replicated DTensor weights whose gradients are all-reduced."""
+    they run as SequenceParallel too: replicated DTensor weights whose gradients are all-reduced.
+
+    Not so inside attention (its input is gathered over the sequence first: MLA's down-projections and
+    norms see the whole sequence and get whole, equal gradients; Qwen3's q_norm/k_norm see this rank's
+    heads, see :func:`tp_partial_params`) nor inside MoE blocks (expert_parallel.py's token shares)."""
     embed_blocks = {n.rpartition(".")[0] for n, _ in module.named_modules()
                     if n and tp_style(patterns, n) == "vocab_embedding"}
+    own_rules = [n for n, m in module.named_modules() if isinstance(m, Attention | LatentAttention | MoE)]
     out = []
     for name, mod in module.named_modules():
         if not name or not any(True for _ in mod.parameters(recurse=False)):
             continue
         if any(name == b or name.startswith(b + ".") for b in embed_blocks):
             continue  # runs before the sequence is split
+        if any(name.startswith(b + ".") for b in own_rules):
+            continue
         if _covered(name, patterns):
             continue
         out.append(name)
     return out
+
+
+def tp_partial_params(module: nn.Module) -> list[str]:
+    """Names (in ``module``) of replicated weights whose gradient on a tensor-parallel rank covers only its
+    own heads: Qwen3's per-head q_norm / k_norm (one weight shared by all heads). Summed over tp after
+    the backward, sequence parallel or not."""
+    names = []
+    for name, mod in module.named_modules():
+        if isinstance(mod, Attention) and mod.q_norm is not None:
+            names += [f"{name}.{n}" for n in ("q_norm.weight", "k_norm.weight")]
+    return names
+
+
+def share_rope_key(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """MLA's rotary key is one per token, used by every head: a tensor-parallel rank's gradient of it covers
+    its own heads only, so it is summed over the ranks (identity forward, all-reduce backward) before it
+    flows into the replicated ``wkv_a``."""
+    group = tp_mesh.get_group()
+    for mod in module.modules():
+        if isinstance(mod, LatentAttention):
+            mod.shared_key = lambda k, g=group: _SumGradOver.apply(k, g)
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward: the gradient all-reduced (summed) over ``group`` (Megatron's f operator)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _covered(name: str, patterns: dict[str, str]) -> bool:
@@ -112,6 +162,8 @@ def apply_tp(module: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_p
         raise ExecutionError(f"{spec.name}: tensor parallelism is executed for transformers only "
                              f"(family {spec.family})")
     parallelize_module(module, tp_mesh, tp_module_plan(module, spec, sequence_parallel))
+    if spec.mla:
+        share_rope_key(module, tp_mesh)
 
 
 

@@ -3,7 +3,8 @@
 With pp > 1 the pipeline schedule runs forward and backward over the micro-batches; with pp = 1 the
 loop accumulates gradients over the plan's micro-batches itself (each micro-batch's mean loss
 divided by their number), letting DDP/FSDP reduce only after the last one. Either way the gradient
-of a step is that of the global batch's mean loss, and the loss logged is the mean over every
+of a step is that of the global batch's mean loss (MoE auxiliary losses, which join the backward on
+their own, get the same 1/m: ``set_aux_loss_scale``), and the loss logged is the mean over every
 sample of the global batch (one all-reduce of each last-stage rank's share).
 
 The rank model decides the rest: its loss function (a class-sharded classifier's cross-entropy,
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraplan.models import loss_function
+from paraplan.models import loss_function, set_aux_loss_scale
 
 from .batches import BatchSource
 from .data_parallel import syncs_every_micro_batch
@@ -100,6 +101,7 @@ class Trainer:
 
     def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         rm, losses = self.rm, []
+        set_aux_loss_scale(1.0)  # MoE: each micro-batch's loss goes into backward as it is (the schedule scales grads)
         args = (inputs,) if rm.has_first_stage else ()
         rm.schedule.step(*args, target=targets if rm.has_last_stage else None, losses=losses,
                          return_outputs=False)
@@ -112,6 +114,7 @@ class Trainer:
         m = rm.job.layout.num_micro_batches
         losses = []
         every = syncs_every_micro_batch(rm.job.layout.zero)  # ZeRO 2/3: sharded gradients (data_parallel.py)
+        set_aux_loss_scale(1 / m)  # MoE auxiliary losses scaled like the micro-batch losses they ride with
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):  # contiguous
             last = i == m - 1
             with _gradient_sync(model, enabled=every or last, reshard=rm.job.layout.zero == 3 or last):

@@ -27,7 +27,10 @@ Load balancing: DeepSeek-V3's sequence-wise auxiliary loss (arXiv 2412.19437 Eqs
 ``moe_aux_loss_coeff``, averaged over the sequences of the micro-batch (so its gradient does not depend
 on how a batch is split into micro-batches or data-parallel ranks). It is added to the backward pass by
 :class:`AuxLossAutoScaler` (Megatron-Core's MoEAuxLossAutoScaler idea): the model's output and the loss
-the trainer computes and reports stay the language-model loss.
+the trainer computes and reports stay the language-model loss. When the executor gives each rank only
+part of every sequence (tensor-parallel token shares, context-parallel chunks), :class:`SequenceShards`
+says so: the tokens per expert are summed over those ranks and each rank's part of the loss is its
+tokens' share, so the parts add up to the single-process loss.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +60,8 @@ def balanced_routing():
         _BALANCED.reset(token)
 
 
-def _has_no_values(x: torch.Tensor) -> bool:
+def has_no_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a meta or fake tensor: shapes without values (profiling, the dry run)."""
     if x.device.type == "meta":
         return True
     try:
@@ -68,7 +73,7 @@ def _has_no_values(x: torch.Tensor) -> bool:
 
 def routes_balanced(x: torch.Tensor) -> bool:
     """Whether tokens ``x`` are routed balanced: asked for, or on meta / fake tensors (no values)."""
-    return _BALANCED.get() or _has_no_values(x)
+    return _BALANCED.get() or has_no_values(x)
 
 
 @contextlib.contextmanager
@@ -112,18 +117,39 @@ def set_aux_loss_scale(scale: float) -> None:
     AuxLossAutoScaler.scale = float(scale)
 
 
-def sequence_aux_loss(scores: torch.Tensor, expert_idx: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+@dataclass(frozen=True)
+class SequenceShards:
+    """Each rank's MoE layers see only part of every sequence: ``parts`` ranks hold its tokens, ``sum_parts``
+    sums a tensor over those ranks (no gradient), and ``grad_factor`` multiplies this rank's part of the
+    auxiliary loss before backward (1 where the ranks' gradients are summed, as tensor-parallel ranks' are;
+    the number of ranks where they are averaged, as context-parallel ranks' are). Set by the executor."""
+
+    parts: int
+    sum_parts: Callable[[torch.Tensor], torch.Tensor]
+    grad_factor: float = 1.0
+
+
+def sequence_aux_loss(scores: torch.Tensor, expert_idx: torch.Tensor, sigmoid: bool,
+                      shards: SequenceShards | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss without alpha (arXiv 2412.19437, Eqs. 17-20), averaged over
     sequences: sum_i f_i·P_i with f_i = E/(k·S) · #tokens routed to expert i, P_i = mean_t s'_{i,t} where
     s' are the scores normalised over experts. 1 when routing is perfectly balanced and uniform.
+
+    With ``shards`` the S tokens here are this rank's part of sequences of ``shards.parts`` times as many:
+    f counts the whole sequences' tokens and P sums only this rank's, so the ranks' results add up to the loss.
 
     scores: (b, S, E) in fp32 or wider; expert_idx: (b, S, k) -> scalar.
     """
     b, s, e = scores.shape
     k = expert_idx.shape[-1]
     probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores  # (b, S, E), each row sums to 1
-    p = probs.mean(1)  # (b, E)
     hits = torch.zeros_like(scores).scatter_(2, expert_idx, 1.0).sum(1)  # (b, E) tokens per expert
+    if shards is None:
+        p = probs.mean(1)  # (b, E)
+    else:
+        s *= shards.parts  # the whole sequence
+        hits = shards.sum_parts(hits)  # (b, E) over the whole sequences
+        p = probs.sum(1) / s  # (b, E) this rank's share of the mean
     f = hits * (e / (k * s))  # (b, E)
     return (f * p).sum(-1).mean()
 
@@ -186,13 +212,24 @@ class GroupedExperts(nn.Module):
         return self.w1.shape[0]
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: (N, h), rows grouped by expert, counts[e] rows for expert e (sum N) -> (N, h)."""
+        """x: (N, h), rows grouped by expert, counts[e] rows for expert e (sum N) -> (N, h).
+
+        Under expert parallelism the weights are DTensors sharded over the experts (dim 0): this rank computes
+        with its own experts (``counts`` then has one entry per local expert)."""
+        w1, w2 = _local(self.w1), _local(self.w2)  # (E_local, h, f), (E_local, f, h)
+        w3 = _local(self.w3) if self.gated else None
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):  # xe: (n_e, h)
-            hidden = xe @ self.w1[e]  # (n_e, f)
-            hidden = F.silu(hidden) * (xe @ self.w3[e]) if self.gated else F.gelu(hidden, approximate="tanh")
-            outs.append(hidden @ self.w2[e])  # (n_e, h)
+            hidden = xe @ w1[e]  # (n_e, f)
+            hidden = F.silu(hidden) * (xe @ w3[e]) if self.gated else F.gelu(hidden, approximate="tanh")
+            outs.append(hidden @ w2[e])  # (n_e, h)
         return torch.cat(outs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (differentiably); a plain tensor as it is."""
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
 
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], GroupedExperts], torch.Tensor]
@@ -225,6 +262,7 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.aux_loss_coeff = spec.moe_aux_loss_coeff
         self.dispatch: Dispatch = local_dispatch  # replaceable: expert parallelism swaps in an all-to-all
+        self.sequence_shards: SequenceShards | None = None  # set by the executor when sequences are split
         self.last_aux_loss: torch.Tensor | None = None  # detached, for logging
 
     def inactive_parameters(self) -> int:
@@ -241,11 +279,12 @@ class MoE(nn.Module):
             y = y + self.shared_experts(flat)
         y = y.view(b, s, h)
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            shards = self.sequence_shards
             aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(b, s, -1), idx.view(b, s, -1),
-                                                          self.router.sigmoid)
+                                                          self.router.sigmoid, shards)
             self.last_aux_loss = aux.detach()
             collected = _COLLECTED.get()
             if collected is not None:
                 collected.append(aux)
-            y = AuxLossAutoScaler.apply(y, aux)
+            y = AuxLossAutoScaler.apply(y, aux * shards.grad_factor if shards is not None else aux)
         return y

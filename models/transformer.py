@@ -14,6 +14,7 @@ multi-head latent attention (:class:`LatentAttention`), and mixture-of-experts l
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
@@ -135,6 +136,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(self.kv_rank, eps=1e-6)
         self.wkv_b = nn.Linear(self.kv_rank, a * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(a * self.v_dim, h, bias=False)
+        # the executor's hook on the rotary key every head shares (tensor parallelism sums its gradient)
+        self.shared_key: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, h)
@@ -145,6 +148,8 @@ class LatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (b, a_local, s, nope), (b, a_local, s, v)
         k_pe = _rotate(k_pe.unsqueeze(1))  # (b, 1, s, rope): one rotary key for every head
+        if self.shared_key is not None:
+            k_pe = self.shared_key(k_pe)
         q = torch.cat([q_nope, _rotate(q_pe)], dim=-1)  # (b, a_local, s, nope+rope)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         y = _attention_core(q, k, v, causal=True)  # (b, a_local, s, v)

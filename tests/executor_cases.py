@@ -29,6 +29,10 @@ EXTRA_MODELS = {
                        seq_length=128),
     "llama-3layer": dict(family="llama", num_layers=3, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                          ffn_hidden_size=352, vocab_size=1024, seq_length=128),
+    # Qwen3-MoE style: per-head q/k norms, a head size that is not hidden / heads, no shared experts
+    "qwen3-moe-tiny": dict(family="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                           head_dim=48, qk_norm=True, ffn_hidden_size=256, moe_ffn_hidden_size=64, num_experts=8,
+                           experts_per_token=2, vocab_size=1024, seq_length=128),
     "bert-small": dict(family="bert", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024,
                        seq_length=128),
     "mlp-small": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=10),
@@ -74,11 +78,14 @@ class Case:
     ps_servers: int = 1
     ps_staleness: int = 0
     head_parallel: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
     extra: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp + (self.ps_servers if self.dp_mode == "ps" else 0)
+        return self.dp * self.cp * self.tp * self.pp + (self.ps_servers if self.dp_mode == "ps" else 0)
 
     def plan(self) -> Plan:
         spec = spec_from_mapping(model_mapping(self.model), source=self.model)
@@ -86,7 +93,8 @@ class Case:
                         global_batch=self.global_batch, schedule=self.schedule, virtual_stages=self.virtual_stages,
                         zero=self.zero, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
                         dtype="fp32", dp_mode=self.dp_mode, ps_servers=self.ps_servers,
-                        ps_staleness=self.ps_staleness, head_parallel=self.head_parallel)
+                        ps_staleness=self.ps_staleness, head_parallel=self.head_parallel, cp=self.cp, ep=self.ep,
+                        etp=self.etp)
         stages = split_stages(block_names(spec), layout.num_stages)
         return Plan(model=self.model, cluster="local", layout=layout, stages=stages, seed=self.seed,
                     model_spec=spec.to_dict(), seq_length=SEQ, nodes=1,
