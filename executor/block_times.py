@@ -7,15 +7,16 @@ layouts use the way `paraplan execute` will run them: on a CPU, ``ranks`` proces
 each with one rank's share of the cores, so the times include what the ranks cost each other (shared
 caches and memory bandwidth); the first process's times are saved.
 
-Every size is timed in ``ROUNDS`` rounds that go over all the sizes in turn, and a block's time is the
-median over the rounds: on a shared machine a burst of other work then slows one round of every size a
-little rather than one size a lot (seen: a 4-sample micro-batch timed 8x slower than 4 single samples).
+Every size is timed in ``ROUNDS`` rounds that go over all the sizes in turn (each round a median of
+``REPEATS`` runs), and a block's time is its fastest round: on a shared machine a burst of other work
+then slows a round, not the result (seen: a 4-sample micro-batch timed 8x slower than 4 single samples
+when all its runs fell in one burst). Others' work only ever adds time, so the fastest round is the
+closest to what this machine does; on an idle machine the rounds agree within a few percent.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 
 from paraplan.models import ModelSpec
@@ -42,9 +43,9 @@ def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype:
                                             repeats=REPEATS))
     for mb in micro_batches:
         prof = rounds[mb][0]
-        for i, layer in enumerate(prof.layers):  # the median round of each block
-            layer.fwd_ms = statistics.median(p.layers[i].fwd_ms for p in rounds[mb])
-            layer.bwd_ms = statistics.median(p.layers[i].bwd_ms for p in rounds[mb])
+        for i, layer in enumerate(prof.layers):  # each block's fastest round
+            layer.fwd_ms = min(p.layers[i].fwd_ms for p in rounds[mb])
+            layer.bwd_ms = min(p.layers[i].bwd_ms for p in rounds[mb])
         if rank == 0:
             from pathlib import Path
 
