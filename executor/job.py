@@ -91,8 +91,6 @@ class Job:
             plan.validate_stages(blocks)
         except PlanError as e:
             raise ExecutionError(f"{src}: {e}") from None
-        if lay.cp > 1:
-            raise ExecutionError(f"{src}: context parallelism (cp {lay.cp}) is not executed yet")
         if lay.etp > 1:
             raise ExecutionError(f"{src}: expert tensor parallelism (etp {lay.etp}) is not executed yet; use etp 1 "
                                  "(experts whole on each expert-parallel rank)")
@@ -120,12 +118,18 @@ class Job:
             s = self.seq_length
             if spec.family != "llama" and s > spec.seq_length:
                 raise ExecutionError(f"{src}: seq_length {s} exceeds the model's {spec.seq_length} positions")
+            chunks = 2 * lay.cp if spec.causal else lay.cp
+            if lay.cp > 1 and s % chunks:
+                raise ExecutionError(f"{src}: context parallelism {lay.cp} cuts the sequence into {chunks} equal "
+                                     f"chunks; the sequence length {s} does not divide")
+            s //= lay.cp  # the tokens of each sequence one rank holds
             if lay.sequence_parallel and s % lay.tp:
                 raise ExecutionError(f"{src}: sequence parallelism needs tp {lay.tp} to divide the sequence "
-                                     f"length {s}")
+                                     f"length {s}{' per context-parallel rank' if lay.cp > 1 else ''}")
             if spec.num_experts and lay.tp > 1 and s % lay.tp:
                 raise ExecutionError(f"{src}: MoE layers under tensor parallelism route 1/tp of each sequence per "
-                                     f"rank; tp {lay.tp} must divide the sequence length {s}")
+                                     f"rank; tp {lay.tp} must divide the sequence length {s}"
+                                     f"{' per context-parallel rank' if lay.cp > 1 else ''}")
 
     def _check_parameter_servers(self) -> None:
         lay, src = self.layout, self.source

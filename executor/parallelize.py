@@ -3,7 +3,8 @@ dimension):
 
 1. DeviceMesh ("pp", "dp", "cp", "tp") from the plan's degrees, and the expert mesh ("edp", "ep", "etp")
    folded onto the same ranks (parallel_dims.py);
-2. the model on the meta device, cut to this rank's stage(s) by the plan's module lists;
+2. the model on the meta device, cut to this rank's stage(s) by the plan's module lists; under context
+   parallelism its embedding and attention told which positions this rank holds (context_parallel.py);
 3. tensor parallelism (on meta), then the MoE blocks' rules: experts sharded over ep with an all-to-all
    dispatch, each tensor-parallel rank routing its own share of the tokens (expert_parallel.py);
 4. activation checkpointing per the plan (per stage, when the plan chose it per stage);
@@ -35,6 +36,7 @@ from paraplan.planner.schedules import stage_rank
 
 from .checkpointing import apply_ac
 from .chunks import build_chunks, canonical_fqn, materialize
+from .context_parallel import ContextShard, apply_cp
 from .data_parallel import apply_ddp, shard_dp, uses_ddp
 from .expert_parallel import (
     ScaleGrads,
@@ -83,8 +85,12 @@ def build_rank_model(job: Job, rank: int, device: torch.device, timeout: timedel
 
     on_phase("model")
     chunks = build_chunks(spec, job.plan.stages, lay.schedule, pp_rank, lay.pp)
+    shard = ContextShard(mesh["cp"].get_group(), lay.cp, dims.cp_rank(rank), job.seq_length, spec.causal) \
+        if lay.cp > 1 else None
     trained, tp_partial = [], []
     for chunk in chunks:  # on the meta device: nothing allocated yet
+        if shard is not None:
+            apply_cp(chunk.module, shard)
         if tensor_parallel:
             apply_tp(chunk.module, spec, mesh["tp"], lay.sequence_parallel)
             tp_partial += tp_partial_params(chunk.module) + tp_partial_moe_params(chunk.module, expert_parallel)

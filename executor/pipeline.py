@@ -10,7 +10,8 @@ that of the mean loss over the replica's whole batch, as without a pipeline.
 
 Every stage is given the shapes it receives and sends (``input_args`` / ``output_args``), so the
 schedule needs no run-time shape exchange: the boundary is the (b, s, h) residual stream in the
-compute dtype, sequence-sharded (b, s/t, h) under sequence parallelism.
+compute dtype, sequence-sharded (b, s/t, h) under sequence parallelism, and (b, s/cp, h) or (b, s/(cp·t), h)
+under context parallelism (a rank's own positions of each sequence).
 
 Data parallelism inside the pipeline follows data_parallel.py's rules: ZeRO 2/3 stages reduce-scatter
 every micro-batch's gradients (torch's stages would defer them all to the end of the step, keeping
@@ -74,7 +75,7 @@ def stage_io(job: Job, stage: int, compute_dtype: torch.dtype) -> tuple[torch.Te
         prev = job.plan.stages[stage - 1][-1] if not first else None
         inputs = input_meta if first else _meta(shapes[prev], compute_dtype)
         return inputs, _meta(shapes[blocks[-1]], compute_dtype)
-    b, s = lay.micro_batch, job.seq_length
+    b, s = lay.micro_batch, job.seq_length // lay.cp  # context parallelism: this rank's s/cp tokens
     s_local = s // lay.tp if lay.sequence_parallel else s
     hidden = _meta((b, s_local, spec.hidden_size), compute_dtype)  # (b, s or s/t, h)
     inputs = torch.empty(b, s, dtype=torch.long, device="meta") if first else hidden  # (b, s) token ids

@@ -79,11 +79,11 @@ def tp_module_plan(module: nn.Module, spec: ModelSpec, sequence_parallel: bool) 
     if sequence_parallel:
         plan.update({name: SequenceParallel(use_local_output=True)
                      for name in _unplanned_in_sequence_region(module, patterns)})
-        if spec.mla:  # its replicated down-projections and norms take the gathered sequence as a plain tensor
-            for name, mod in module.named_modules():
-                if isinstance(mod, LatentAttention) and name in plan:
-                    plan[name] = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
-                                                    use_local_output=True)
+    if spec.mla:  # its replicated down-projections and norms take the (gathered) sequence as a plain tensor
+        for name, mod in module.named_modules():
+            if isinstance(mod, LatentAttention) and name in plan:
+                plan[name] = PrepareModuleInput(input_layouts=(SEQ if sequence_parallel else Replicate(),),
+                                                desired_input_layouts=(Replicate(),), use_local_output=True)
     return plan
 
 

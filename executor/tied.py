@@ -4,8 +4,8 @@ When the plan puts the token embedding and the tied output projection in differe
 those stages keeps its own copy, initialised identically (chunks.materialize). After backward their
 gradients are summed, so both copies take the same optimizer step and stay equal: the model trains
 exactly as if the weight were one tensor. Across pipeline ranks the sum is an all-reduce in a group
-of the two end ranks (one such group per data/tensor-parallel position); when both stages sit on the
-same rank (the V of ZB-V) it is a local add.
+of the two end ranks (one such group per data/context/tensor-parallel position); when both stages sit on
+the same rank (the V of ZB-V) it is a local add.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def build_tied_syncs(chunks: list[Chunk], spec: ModelSpec, dims: ParallelDims, s
     """
     syncs = []
     pp_rank, dp_rank, tp_rank = dims.coords(rank)
+    cp_rank = dims.cp_rank(rank)
     for alias, target in tied_aliases(spec).items():
         a, b = stage_of(target, stages), stage_of(alias, stages)
         if a == b:
@@ -72,10 +73,11 @@ def build_tied_syncs(chunks: list[Chunk], spec: ModelSpec, dims: ParallelDims, s
         group = None
         if len(ends) == 2:  # every rank creates every group, in the same order (c10d's rule)
             for d in range(dims.dp):
-                for t in range(dims.tp):
-                    g = dist.new_group([dims.rank(p, d, t) for p in ends], timeout=timeout)
-                    if (d, t) == (dp_rank, tp_rank) and pp_rank in ends:
-                        group = g
+                for c in range(dims.cp):
+                    for t in range(dims.tp):
+                        g = dist.new_group([dims.rank(p, d, t, c) for p in ends], timeout=timeout)
+                        if (d, c, t) == (dp_rank, cp_rank, tp_rank) and pp_rank in ends:
+                            group = g
         params = []
         for name in (target, alias):
             for chunk in chunks:

@@ -71,6 +71,9 @@ class Trainer:
         (read by nobody yet: the dry run stops here, its tensors being fake)."""
         rm = self.rm
         inputs, targets = (t.to(rm.device) for t in self.source.batch(k))  # (B/dp, s) each
+        if rm.job.layout.cp > 1:  # context parallelism: this rank's positions of every sequence, (B/dp, s/cp)
+            keep = context_positions(rm).to(rm.device)
+            inputs, targets = inputs[:, keep], targets[:, keep]
         with self._step_context():
             losses = self._pipeline(inputs, targets) if rm.schedule is not None else self._accumulate(inputs, targets)
         for sync in rm.grad_syncs:
@@ -125,13 +128,14 @@ class Trainer:
 
     def _share(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the global mean loss: last-stage ranks of tensor rank 0 contribute the
-        sum of their micro-batch means over (micro-batches x dp); the shares of all ranks add up to it."""
+        sum of their micro-batch means over (micro-batches x dp x cp); the shares of all ranks add up to it
+        (cp ranks hold equally many tokens of each sequence, so the mean of their means is the mean)."""
         rm = self.rm
         _, _, tp_rank = rm.coords
         lay = rm.job.layout
         share = torch.zeros((), dtype=torch.float64, device=rm.device)
         if losses and tp_rank == 0:
-            share += torch.stack(losses).double().sum() / (lay.num_micro_batches * lay.dp)
+            share += torch.stack(losses).double().sum() / (lay.num_micro_batches * lay.dp * lay.cp)
         return share
 
     def _local_mean(self, share: torch.Tensor) -> float:
@@ -143,6 +147,14 @@ class Trainer:
         total = torch.stack(shares)  # (steps,) float64
         dist.all_reduce(total, group=self.rm.loss_group)
         return [float(x) for x in total.tolist()]
+
+
+def context_positions(rm: RankModel) -> torch.Tensor:
+    """(s/cp,) the positions of every sequence this rank trains on under context parallelism."""
+    from .context_parallel import chunk_positions
+
+    job = rm.job
+    return chunk_positions(job.seq_length, job.layout.cp, job.dims.cp_rank(rm.rank), job.spec.causal)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,11 @@ independent of the layout (modern LLM pre-training uses none either).
 Variants the spec switches on: Qwen3's per-head RMSNorm on queries and keys (``qk_norm``), DeepSeek's
 multi-head latent attention (:class:`LatentAttention`), and mixture-of-experts layers, whose MLP is an
 :class:`~.moe.MoE` held as ``layers.N.moe`` (dense layers keep ``layers.N.mlp``).
+
+Context parallelism (the executor's, executor/context_parallel.py) hands the embedding and the attention
+modules a :class:`SequenceShard`: the model then sees only some positions of each sequence, takes their
+global positions for learned and rotary embeddings, and attends with keys and values gathered from the
+whole sequence under the shard's causal mask.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,30 +52,55 @@ def unfused_attention():
         _UNFUSED_ATTENTION.reset(token)
 
 
-def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v.  q, k, v: (b, a, s, d) -> (b, a, s, d)."""
+class SequenceShard(Protocol):
+    """This rank's positions of every sequence under context parallelism (set on modules by the executor)."""
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """(s_local,) int64: the global position of each local token."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, a, s_local, d) keys or values -> (b, a, s, d) of every rank's positions, differentiably."""
+        ...
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """(s_local, s) bool: whether each local query may attend each gathered key (keys up to its position)."""
+        ...
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v.  q: (b, a, s_q, d), k, v: (b, a, s_k, d) -> (b, a, s_q, d). ``mask``
+    (s_q, s_k) bool, True where a query attends a key, replaces the causal triangle (context parallelism)."""
     token = _IN_ATTENTION_CORE.set(True)
     try:
-        return _attention_math(q, k, v, causal)
+        return _attention_math(q, k, v, causal, mask)
     finally:
         _IN_ATTENTION_CORE.reset(token)
 
 
-def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    mask: torch.Tensor | None) -> torch.Tensor:
     if not _UNFUSED_ATTENTION.get():
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     s = q.shape[2]
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (b, a, s, s)
-    if causal:  # an additive mask: autograd keeps nothing for it (Megatron's fused scale-mask-softmax)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (b, a, s_q, s_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif causal:  # an additive mask: autograd keeps nothing for it (Megatron's fused scale-mask-softmax)
         scores = scores + torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
     return torch.softmax(scores, dim=-1) @ v
 
 
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021), halves layout as in HF LLaMA.  x: (b, a, s, d)."""
+def _rotate(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), halves layout as in HF LLaMA.  x: (b, a, s, d);
+    ``positions`` (s,): each token's position in its sequence (default 0 .. s-1)."""
     b, a, s, d = x.shape
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # (d/2,)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)  # (s, d/2)
+    pos = torch.arange(s, device=x.device) if positions is None else positions
+    angles = torch.outer(pos.to(torch.float32), inv_freq)  # (s, d/2)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)  # (s, d)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -93,9 +124,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
+        self.sequence_shard: SequenceShard | None = None  # context parallelism (the executor sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, h)
+        shard = self.sequence_shard
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, a_local, d)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, kv_local, d)
         if self.q_norm is not None:
@@ -103,11 +136,16 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, a_local, s, d), (b, kv_local, s, d)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.rotary:
-            q, k = _rotate(q), _rotate(k)
+            positions = shard.positions(x.device) if shard is not None else None
+            q, k = _rotate(q, positions), _rotate(k, positions)
+        mask = None
+        if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, kv_local, S, d)
+            k, v = shard.gather(k), shard.gather(v)
+            mask = shard.causal_mask(x.device) if self.causal else None
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each K/V head among a group
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = _attention_core(q, k, v, self.causal)  # (b, a_local, s, d)
+        y = _attention_core(q, k, v, self.causal, mask)  # (b, a_local, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
 
 
@@ -138,21 +176,27 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(a * self.v_dim, h, bias=False)
         # the executor's hook on the rotary key every head shares (tensor parallelism sums its gradient)
         self.shared_key: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.sequence_shard: SequenceShard | None = None  # context parallelism (the executor sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, h)
+        shard = self.sequence_shard
+        positions = shard.positions(x.device) if shard is not None else None
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_b") else self.wq(x)  # (b, s, a·(nope+rope))
         q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)  # (b, a_local, s, nope+rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)  # (b, s, kv_rank), (b, s, rope)
         kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (b, a_local, s, nope), (b, a_local, s, v)
-        k_pe = _rotate(k_pe.unsqueeze(1))  # (b, 1, s, rope): one rotary key for every head
+        k_pe = _rotate(k_pe.unsqueeze(1), positions)  # (b, 1, s, rope): one rotary key for every head
         if self.shared_key is not None:
             k_pe = self.shared_key(k_pe)
-        q = torch.cat([q_nope, _rotate(q_pe)], dim=-1)  # (b, a_local, s, nope+rope)
+        q = torch.cat([q_nope, _rotate(q_pe, positions)], dim=-1)  # (b, a_local, s, nope+rope)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        y = _attention_core(q, k, v, causal=True)  # (b, a_local, s, v)
+        mask = None
+        if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, a_local, S, .)
+            k, v, mask = shard.gather(k), shard.gather(v), shard.causal_mask(x.device)
+        y = _attention_core(q, k, v, True, mask)  # (b, a_local, s, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
 
 
@@ -223,10 +267,13 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(spec.seq_length, spec.hidden_size) if spec.family != "llama" else None
         self.token_type = nn.Embedding(2, spec.hidden_size) if spec.family == "bert" else None
         self.norm = nn.LayerNorm(spec.hidden_size, eps=1e-5) if spec.family == "bert" else None
+        self.sequence_shard: SequenceShard | None = None  # context parallelism: tokens at these positions
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) int64 -> (b, s, h)
         x = self.tok(tokens)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (s,)
+        shard = self.sequence_shard
+        positions = shard.positions(tokens.device) if shard is not None else \
+            torch.arange(tokens.shape[1], device=tokens.device)  # (s,)
         if self.pos is not None:
             x = x + self.pos(positions)
         if self.token_type is not None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from executor_cases import SEQ, Case, reference_model
 
 GRAD_RTOL = 1e-4
+GRAD_ATOL = 1e-7  # for gradients that are zero but for rounding (a key bias under softmax: ~1e-10)
 
 
 def _grad_worker(rank: int, world: int, port: int, plans: list[str], outs: list[str]) -> None:
@@ -95,7 +96,8 @@ def reference_grads(case: Case) -> dict[str, torch.Tensor]:
 
 
 def assert_grads_match(case: Case, folder: str) -> None:
-    """Every gradient every rank holds equals the single process's (relative norm of the difference)."""
+    """Every gradient every rank holds equals the single process's (norm of the difference, relative to the
+    gradient's norm)."""
     ref = reference_grads(case)
     world = case.world_size
     seen = set()
@@ -104,8 +106,9 @@ def assert_grads_match(case: Case, folder: str) -> None:
         for name, g in grads.items():
             want = ref[name]
             assert g.shape == want.shape, f"{case.name} rank {rank}: {name} {tuple(g.shape)} vs {tuple(want.shape)}"
-            err = (g - want).norm() / want.norm().clamp_min(1e-12)
-            assert err <= GRAD_RTOL, f"{case.name} rank {rank}: gradient of {name} off by {err:.2e} (relative)"
+            diff = float((g - want).norm())
+            assert diff <= GRAD_RTOL * float(want.norm()) + GRAD_ATOL, (
+                f"{case.name} rank {rank}: gradient of {name} off by {diff:.2e} (norm {float(want.norm()):.2e})")
             seen.add(name)
     missing = sorted(set(ref) - seen)
     assert not missing, f"{case.name}: no rank holds a gradient for {missing[:3]}"
