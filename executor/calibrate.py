@@ -67,11 +67,18 @@ class Calibration:
     @property
     def busy_note(self) -> str | None:
         """A warning when the machine was busy with other work as the calibration began, else None."""
-        cores = os.cpu_count() or 1
-        if self.load_before is None or self.load_before <= 0.75 * cores:
-            return None
-        return (f"the machine was busy (load {self.load_before:.1f} on {cores} cores) as the calibration began: "
-                "its timings may be off; run `paraplan calibrate` again on an idle machine")
+        return busy_note(self.load_before, 0, "as the calibration began: its timings may be off; run `paraplan "
+                                              "calibrate` again on an idle machine")
+
+
+def busy_note(load: float | None, own: int, consequence: str) -> str | None:
+    """A warning when the 1-minute load average ``load``, less ``own`` processes of ours, exceeds 3/4 of the
+    cores (others' work on a shared machine slows every timing), else None."""
+    cores = os.cpu_count() or 1
+    if load is None or load - own <= 0.75 * cores:
+        return None
+    mine = f", {own} of them ours" if own else ""
+    return f"the machine was busy (load {load:.1f} on {cores} cores{mine}) {consequence}"
 
 
 def _timeit(fn, sync, repeats: int, min_time: float = 0.02) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -155,6 +156,7 @@ def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: 
         work._measurements.clear()
     model = CostModel(work)
     Path(out_dir, "plans").mkdir(parents=True, exist_ok=True)
+    loads = []  # the 1-minute load average after each run: was the machine busy with others' work?
     for i, row in enumerate(rows):
         if progress:
             progress(i, len(rows), row.name)
@@ -172,8 +174,16 @@ def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: 
                                                                str(Path(out_dir, "runs", f"{i:02d}")), timeout)
         except (ExecutionError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
             row.status = f"failed: {e}"
+        if hasattr(os, "getloadavg"):
+            loads.append(os.getloadavg()[0])
     if progress:
         progress(len(rows), len(rows), "")
+    from .calibrate import busy_note
+
+    note = busy_note(statistics.mean(loads) if loads else None, gpus,
+                     "during the runs: the measured step times include others' work")
+    if note:
+        work.notes.append(note)
     return rows
 
 

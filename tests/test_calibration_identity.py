@@ -261,3 +261,15 @@ def test_a_calibration_of_a_busy_machine_says_so():
     cores = os.cpu_count() or 1
     assert "busy" in Calibration(device="cpu", threads=1, ranks=2, load_before=2.0 * cores).busy_note
     assert Calibration(device="cpu", threads=1, ranks=2, load_before=0.1 * cores).busy_note is None
+
+
+def test_validate_runs_on_a_busy_machine_say_so():
+    """Our own ranks do not count as others' work: 2 ranks on an otherwise idle machine are not busy."""
+    import os
+
+    from paraplan.executor.calibrate import busy_note
+
+    cores = os.cpu_count() or 1
+    assert busy_note(2.0, 2, "during the runs") is None
+    note = busy_note(2.0 + cores, 2, "during the runs")
+    assert note is not None and "2 of them ours" in note and note.endswith("during the runs")
