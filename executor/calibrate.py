@@ -389,7 +389,7 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
         from .framework_fit import fit_framework
 
         t1 = time.perf_counter()
-        cal.framework_us, cal.framework_runs = fit_framework(mapping, ranks)
+        cal.framework_us, cal.framework_runs = fit_framework(mapping, ranks, seconds=cal.phase_seconds)
         mapping["gpu"]["efficiency"]["framework_us"] = cal.framework_us
         cal.phase_seconds["framework"] = time.perf_counter() - t1
         cal.seconds = time.perf_counter() - started

@@ -23,6 +23,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ GLOBAL_BATCH = 8
 # without FSDP, TP with and without sequence parallelism, two pipeline schedules at two micro-batch counts).
 LAYOUTS = ("dp=2,mb=4", "dp=2,mb=1", "dp=2,zero=3,mb=2", "dp=2,zero=3,mb=4", "dp=2,zero=2,mb=4", "tp=2,mb=4",
            "tp=2,sp=1,mb=8", "pp=2,schedule=1f1b,mb=2", "pp=2,schedule=gpipe,mb=1", "pp=2,schedule=1f1b,mb=4")
-STEPS = 6  # per layout and pass; the first of each run warms up and is not timed
+STEPS = 5  # per layout and pass; the first of each run warms up and is not timed
 PASSES = 2
 HUBER_K = 1.5  # residuals beyond 1.5 robust standard deviations are down-weighted
 
@@ -86,17 +87,19 @@ def _with_framework(mapping: dict, costs: dict[str, float]) -> dict:
                                                                 "framework_us": costs}}}
 
 
-def fit_framework(mapping: dict, ranks: int = 2, steps: int = STEPS,
-                  passes: int = PASSES) -> tuple[dict[str, float], list[dict]]:
-    """Run the calibration layouts, fit the per-event costs (µs); returns them and the runs' details."""
+def fit_framework(mapping: dict, ranks: int = 2, steps: int = STEPS, passes: int = PASSES,
+                  seconds: dict[str, float] | None = None) -> tuple[dict[str, float], list[dict]]:
+    """Run the calibration layouts, fit the per-event costs (µs); returns them and the runs' details.
+    ``seconds`` receives what the block timing and the runs cost."""
     tmp = Path(tempfile.mkdtemp(prefix="paraplan-framework-"))
     try:
-        return _fit_in(tmp, mapping, ranks, steps, passes)
+        return _fit_in(tmp, mapping, ranks, steps, passes, {} if seconds is None else seconds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # plans, cluster copies and the runs' records and logs
 
 
-def _fit_in(tmp: Path, mapping: dict, ranks: int, steps: int, passes: int) -> tuple[dict[str, float], list[dict]]:
+def _fit_in(tmp: Path, mapping: dict, ranks: int, steps: int, passes: int,
+            seconds: dict[str, float]) -> tuple[dict[str, float], list[dict]]:
     import yaml
 
     from .calibrate import write_mapping
@@ -108,8 +111,10 @@ def _fit_in(tmp: Path, mapping: dict, ranks: int, steps: int, passes: int) -> tu
     write_mapping(base, spec_path, "# calibration in progress\n")
     work = Workload.create(CALIBRATION_MODEL, str(spec_path), GLOBAL_BATCH)
     layouts = [strategy_layout(parse_strategy(t), ranks, GLOBAL_BATCH, "fp32", t) for t in LAYOUTS]
+    clock = time.perf_counter()
     measure_block_times(load_model_spec(CALIBRATION_MODEL), {lay.micro_batch for lay in layouts}, "fp32",
                         work.cluster.gpu.name, ranks)
+    seconds["framework_block_times"] = time.perf_counter() - clock
     probes = {}
     for event in FRAMEWORK_EVENTS:  # the same cluster with one event costing 1 ms
         probe_path = tmp / f"probe-{event}.yaml"
@@ -131,12 +136,14 @@ def _fit_in(tmp: Path, mapping: dict, ranks: int, steps: int, passes: int) -> tu
         priced.append((text, t0, counts))
     outs = [str(tmp / f"run-{k}-{i}") for k in range(passes) for i in range(len(plans))]
     threads = max(1, (os.cpu_count() or 1) // ranks)
+    clock = time.perf_counter()
     try:  # every layout, every pass, in one launch: torchrun and torch start once
         launch(plans * passes, outs, LaunchOptions(nproc_per_node=ranks, master_port=free_port("127.0.0.1"),
                                                    steps=steps, timeout_s=300.0, quiet=True,
                                                    threads_per_rank=threads))
     except JobFailed as e:
         raise ExecutionError(f"the calibration runs failed: {e}") from None
+    seconds["framework_runs"] = time.perf_counter() - clock
     rows, targets, runs = [], [], []
     for i, (text, t0, counts) in enumerate(priced):
         medians = []
