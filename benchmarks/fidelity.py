@@ -21,7 +21,7 @@ from paraplan.planner.placement import placement
 from paraplan.planner.workload import Workload
 
 DATA = Path(__file__).with_name("data") / "published_runs.yaml"
-MEGATRON = dict(attention="unfused", overlap_dp=False, overlap_tp=True)
+MEGATRON = dict(framework="megatron-2021")
 
 
 def load() -> dict:

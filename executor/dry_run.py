@@ -56,6 +56,46 @@ class DryRun:
     job: Job
     device_type: str
     ranks: list[TracedRank] = field(default_factory=list)
+    prediction: object | None = None  # the cost model's Prediction for the plan (None: its cluster is unknown here)
+    notes: list[str] = field(default_factory=list)
+
+    def traced_memory_gib(self, traced: TracedRank) -> dict[str, float]:
+        """The traced breakdown plus what no tensor shows, added exactly as the cost model adds it (the
+        framework allowance and the allocator's fragmentation), so both sides count the same things."""
+        from paraplan.planner.memory import untracked_bytes
+
+        gpu = self._gpu()
+        other = untracked_bytes(gpu, traced.tensor_peak_bytes) if gpu is not None else 0.0
+        return {k: v / GiB for k, v in traced.memory_bytes.items()} | {"other": other / GiB}
+
+    def _gpu(self):
+        from .machine import plan_cluster
+
+        cluster = plan_cluster(self.job.plan)
+        return None if cluster is None else cluster.gpu
+
+    def to_dict(self) -> dict:
+        pred = self.prediction
+        ranks = []
+        for t in self.ranks:
+            mem = self.traced_memory_gib(t)
+            peak = (t.tensor_peak_bytes / GiB) + mem["other"]
+            entry = {"rank": t.rank, "pp_rank": t.pp_rank, "peak_memory_gib": peak,
+                     "predicted_memory_gib": pred.rank_memory_gib[t.pp_rank] if pred else None,
+                     "memory_gib": mem, "tensor_peak_gib": t.tensor_peak_bytes / GiB,
+                     "predicted_memory_breakdown_gib": pred.rank_memory_breakdown_gib[t.pp_rank] if pred else None,
+                     "comm_bytes": {k: float(v) for k, v in t.comm_bytes.items()},
+                     "predicted_comm_bytes": pred.rank_comm_bytes[t.pp_rank] if pred else None,
+                     "flops": t.flops, "micro_batches_traced": list(t.micro_batches_traced),
+                     "trace_seconds": t.seconds}
+            ranks.append(entry)
+        gpu = self._gpu()
+        return {"dry_run": True, "world_size": self.job.world_size, "device": self.device_type,
+                "peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),
+                "predicted_peak_memory_gib": pred.peak_memory_gib if pred else None,
+                "gpu_memory_gib": gpu.memory_GiB if gpu is not None else None,
+                "fits": (max(r["peak_memory_gib"] for r in ranks) <= gpu.memory_GiB) if gpu is not None else None,
+                "ranks": ranks, "notes": self.notes}
 
 
 def _valid_micro_batch_counts(lay: Layout, spec, n_blocks: int) -> list[int]:
@@ -74,16 +114,18 @@ def _valid_micro_batch_counts(lay: Layout, spec, n_blocks: int) -> list[int]:
 
 
 def traced_micro_batches(job: Job, n_blocks: int) -> tuple[int, int]:
-    """(warm-up count, traced count): the fewest micro-batches whose in-flight peak is the plan's on
-    every pipeline rank, and a different valid count for the other step (or the plan's own twice)."""
+    """(warm-up count, traced count): the fewest micro-batches past those whose in-flight peak is the plan's
+    on every pipeline rank (so the peak also meets gradients of an earlier micro-batch, as the plan's does),
+    and a different valid count for the other step (or the plan's own twice)."""
     lay = job.layout
     m = lay.num_micro_batches
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
     want = [max(d.values(), default=0) for d in in_flight(schedule, lay.pp, lay.virtual_stages, m)]
     valid = _valid_micro_batch_counts(lay, job.spec, n_blocks)
-    traced = next((k for k in valid if k >= min(2, m) and
-                   [max(d.values(), default=0) for d in in_flight(schedule, lay.pp, lay.virtual_stages, k)] == want),
-                  m)
+    saturated = [k for k in valid if k >= min(2, m) and
+                 [max(d.values(), default=0) for d in in_flight(schedule, lay.pp, lay.virtual_stages, k)] == want]
+    # one micro-batch more than saturates: the peak then also holds the gradients of an earlier backward
+    traced = next((k for k in saturated if k > saturated[0]), m) if saturated else m
     if traced == m:
         return m, m
     warm = next((k for k in valid if k != traced), traced)
@@ -191,8 +233,14 @@ def dry_run(job: Job, device_type: str, progress=lambda text: None, processes: i
     progress(f"tracing {len(ranks)} rank{'s' if len(ranks) > 1 else ''} (one per pipeline stage) with "
              f"{counts[0]} then {counts[1]} micro-batches, {workers} at a time")
     out = DryRun(job=job, device_type=device_type)
+    out.prediction, note = _predict(job)
+    if note:
+        out.notes.append(note)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: torch's state is per process
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_quiet_worker) as pool:
+    # one rank per process: torch keeps process groups (and their names) per process, so a process that
+    # traced one rank cannot cleanly join the fake group again as another
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_quiet_worker,
+                             max_tasks_per_child=1) as pool:
         futures = [pool.submit(trace_rank, job, rank, device_type, counts) for rank in ranks]
         for fut in futures:
             out.ranks.append(fut.result())
@@ -206,3 +254,15 @@ def _quiet_worker() -> None:
 
     torch.set_num_threads(1)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def _predict(job: Job):
+    """The cost model's prediction of the plan as written, or (None, why not)."""
+    from paraplan.hardware_specs import HardwareSpecError
+    from paraplan.planner.api import predict_plan
+    from paraplan.planner.errors import PlanError
+
+    try:
+        return predict_plan(job.plan, job.spec), ""
+    except (HardwareSpecError, PlanError) as e:
+        return None, f"no prediction to compare with: {e}"

@@ -58,7 +58,11 @@ def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
     if style == "norm":
         return SequenceParallel(use_local_output=True) if sp else None
     if style == "region":
-        return PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),)) if sp else None
+        # The region's input enters as one replicated DTensor that all its column-parallel linears share, so
+        # their input gradients add up before a single collective in backward (Megatron's f operator):
+        # the sequence all-gather's reduce-scatter under SP, one all-reduce without (a plain tensor would
+        # give each of Q, K and V its own all-reduce).
+        return PrepareModuleInput(input_layouts=(SEQ if sp else Replicate(),), desired_input_layouts=(Replicate(),))
     raise ExecutionError(f"tensor-parallel style {style!r} is not supported by the executor yet")
 
 

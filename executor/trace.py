@@ -14,7 +14,9 @@ tensor mode no memory is really allocated, but every tensor still has its size):
 - **communication**: the bytes of every collective and point-to-point op, by kind: all-reduce;
   all-gather (the gathered output; broadcasts count here, as ZeRO-1's owners broadcast their updated
   shards); reduce-scatter (the full input); all-to-all (the input); send/recv (sent plus received).
-DTensor ops are left to DTensor, so the trace sees the local ops and collectives they lower to.
+DTensor ops are left to DTensor, so the trace sees the local ops and collectives they lower to (and not
+the global-shape ops of DTensor's sharding propagation, which it runs on fake tensors of the current fake
+mode or of its own: both are skipped).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable
 from functools import wraps
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -82,6 +85,8 @@ class RankTrace(TorchDispatchMode):
         self._table = _comm_table()
         self._flop_formulas = _flop_formulas()
         self._orig_resize = None
+        self._orig_propagate = None
+        self._propagating = 0
 
     # ---- memory ----
     def _track(self, tensors: Iterable) -> None:
@@ -131,7 +136,8 @@ class RankTrace(TorchDispatchMode):
         entry = self._table.get(func)
         if entry is not None:
             kind, size = entry
-            self.comm[kind] += size(args, result)
+            if _group_size(func, args) > 1:  # a group of one (a single data-parallel replica) moves nothing
+                self.comm[kind] += size(args, result)
             return
         formula = self._flop_formulas.get(func._overloadpacket)
         if formula is not None:
@@ -144,14 +150,30 @@ class RankTrace(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
+        if self._propagating or active_fake_mode() is not self._fake_mode_on_entry:
+            return result  # DTensor's sharding propagation on global shapes: not the rank's memory
         self._count(func, args, kwargs, result)
         self._track(tree_flatten(result)[0])
         return result
 
     def __enter__(self):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         orig = torch.UntypedStorage.resize_
         self._orig_resize = orig
         trace = self
+        propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        self._orig_propagate = propagate
+
+        @wraps(propagate)
+        def propagate_untraced(*args, **kwargs):
+            trace._propagating += 1
+            try:
+                return propagate(*args, **kwargs)
+            finally:
+                trace._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate_untraced
 
         @wraps(orig)
         def resize_(st, size):
@@ -160,11 +182,26 @@ class RankTrace(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        self._fake_mode_on_entry = active_fake_mode()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         torch.UntypedStorage.resize_ = self._orig_resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
         return super().__exit__(*exc)
+
+
+def _group_size(func, args) -> int:
+    """Ranks in the process group of a collective op (its group argument sits where torch's own fake
+    collectives look for it)."""
+    from torch.distributed._tools.fake_collectives import CollectiveOp
+
+    try:
+        return CollectiveOp.get_process_group(func, args).size()
+    except (TypeError, IndexError, ValueError):
+        return 2  # unknown: count it
 
 
 def _flop_formulas() -> dict:
@@ -205,7 +242,9 @@ def classify_rank(modules: list, optimizer) -> dict[int, str]:
             get_state = getattr(sub, "_get_fsdp_state", None)
             state = get_state() if get_state is not None else None
             for group in getattr(state, "_fsdp_param_groups", []) if state is not None else []:
-                for fp in group.fsdp_params:
+                for fp in group.fsdp_params:  # modules show the gathered weights while they run
+                    add(fp.sharded_param, "params")
+                    add(getattr(fp, "_sharded_param_data", None), "params")
                     unsharded = getattr(fp, "_unsharded_param", None)
                     if unsharded is not None:
                         add(unsharded, "params")

@@ -18,6 +18,7 @@ from paraplan import __version__
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 RECOMPUTE = ("none", "selective", "full")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -71,6 +72,15 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
     p.add_argument("--nodes", type=_positive_int, help="override the cluster's node count")
     p.add_argument("--global-batch", type=_positive_int, required=batch_required, help="samples per iteration")
     p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: the model's)")
+    p.add_argument("--framework", default="paraplan", choices=FRAMEWORK_CHOICES,
+                   help="the software stack to price: paraplan (this executor), megatron-core, megatron-2021, "
+                        "megatron-deepspeed, deepspeed, torchtitan")
+    p.add_argument("--attention", choices=("flash", "unfused"), help="attention kernel (overrides the framework)")
+    p.add_argument("--overlap-dp", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the data-parallel gradient sync with the backward (overrides the framework)")
+    p.add_argument("--overlap-tp", action=argparse.BooleanOptionalAction, default=None,
+                   help="hide tensor-parallel input-gradient all-reduces behind weight-gradient GEMMs (overrides "
+                        "the framework)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine first when no calibration of it exists (local cluster, "
                         "validate); predictions are then labelled uncalibrated (env: PARAPLAN_NO_CALIBRATE=1)")
@@ -92,6 +102,10 @@ def _add_layout(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--ps-servers", type=_positive_int, default=1, help="parameter servers (with --dp-mode ps)")
     p.add_argument("--ps-staleness", type=_non_negative_int, default=0,
                    help="asynchronous parameter server: staleness bound in steps (0 = synchronous)")
+    p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel degree (sequence split)")
+    p.add_argument("--ep", type=_positive_int, default=1,
+                   help="expert-parallel degree (MoE; experts spread over a stage's dp x cp x tp ranks)")
+    p.add_argument("--etp", type=_positive_int, default=1, help="expert tensor-parallel degree (MoE)")
     p.add_argument("--head-parallel", type=_positive_int, default=1,
                    help="hybrid parallelism (resnet/vgg/mlp): shard the classifier by class over this many "
                         "data-parallel ranks")
@@ -171,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR[/step-N]", help="start from a checkpoint (DIR: its latest complete one)")
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
                    help="restart the job from the latest checkpoint up to R times when a rank dies or hangs")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the executor's own code for the plan at full world size in this one CPU process (fake "
+                        "process group, fake tensors): trace each pipeline stage's memory, traffic and FLOPs against "
+                        "the prediction; allocates nothing")
     p.add_argument("--init-from", metavar="DIR", help="start a LLaMA plan from Hugging Face safetensors weights "
                    "(a model folder; plan the model from its config.json)")
     _add_common(p)

@@ -24,7 +24,7 @@ def plan_for(work: Workload, lay: Layout, stages: list[list[int]], prediction: P
     return Plan(model=work.model_ref, cluster=work.cluster_ref, layout=lay,
                 stages=[[names[i] for i in s] for s in stages], seed=seed, model_spec=work.spec.to_dict(),
                 seq_length=work.seq_length, nodes=work.cluster.nodes, stage_recompute=stage_recompute,
-                layer_strategies=layer_strategies or {}, attention=work.attention,
+                layer_strategies=layer_strategies or {}, attention=work.attention, framework=work.framework.name,
                 prediction=None if prediction is None else prediction.to_dict())
 
 
@@ -52,3 +52,20 @@ def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
     pred_dict["plan"] = {k: v for k, v in plan.to_dict().items() if k != "prediction"}
     plan.prediction = {k: v for k, v in pred_dict.items() if k != "plan"}
     return pred, plan
+
+
+def predict_plan(plan: Plan, spec=None) -> Prediction:
+    """What the cost model predicts for ``plan`` exactly as written: its layout, stage boundaries and
+    per-stage recomputation, on its cluster, for its framework (the dry run's and validate's yardstick)."""
+    from paraplan.models import load_model_spec, spec_from_mapping
+
+    if spec is None:
+        spec = spec_from_mapping(plan.model_spec, "plan") if plan.model_spec else load_model_spec(plan.model)
+    if plan.seq_length and spec.is_transformer and plan.seq_length != spec.seq_length:
+        spec = spec.replace(seq_length=plan.seq_length)
+    work = Workload.create(spec, plan.cluster, plan.layout.global_batch, nodes=plan.nodes,
+                           framework=plan.framework, attention=plan.attention)
+    model = CostModel(work)
+    lay = plan.layout
+    validate_layout(model, lay)
+    return model.evaluate(lay, stage_indices(work, lay, plan.stages), plan.stage_recompute)

@@ -6,17 +6,18 @@ Composition (each piece is its own module, each formula tested against its sourc
 - per pipeline stage: the sums, plus the point-to-point send of its boundary tensor (1/t of it per
   rank: Megatron's scatter/gather optimisation, or the sequence-parallel shard);
 - the pipeline: closed forms for the search, or the event simulator (:mod:`simulator`);
-- data parallelism once per iteration (gradient accumulation: one sync, not one per micro-batch),
-  overlapped with the last backward where the schedule allows; ZeRO-3 gathers per micro-batch;
-  parameter servers; the optimizer step;
-- memory per rank: ZeRO's model states, activations x the schedule's in-flight micro-batches,
-  the framework allowance.
+- data parallelism, ZeRO's gathers, the tied embedding, parameter servers and the optimizer step:
+  one definition each (dp_sync.py over concerns.py), shared with the ILP;
+- memory per rank: the framework's model states (memory.state_bytes), activations x the schedule's
+  in-flight micro-batches, the framework allowance;
+- per rank the bytes each kind of collective and the pipeline's sends carry per iteration, which the
+  executor's dry run traces (executor/dry_run.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
@@ -24,19 +25,18 @@ from paraplan.profiler.tp_view import region_collectives
 
 from . import comm
 from .compute import estimate_pass_times, measured_pass_times
+from .concerns import RankLoad, exposed_seconds, traffic
+from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .layout import Layout
-from .memory import FRAGMENTATION, GiB, framework_allowance, layer_activation_bytes, model_state_bytes
+from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, placement
 from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
-# Optimizer step traffic per parameter: Adam reads and writes fp32 master weights, momentum and variance
-# (24 B), reads the fp32 gradient (4 B; Megatron and FSDP accumulate gradients in fp32) and writes the
-# 16-bit weights (2 B); the gradient-norm clip reads the gradient again and zeroing writes it (8 B).
-ADAM_BYTES_PER_PARAM = 38
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+TP_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,34 @@ class BlockCost:
     act_working: float  # live while this block's backward runs under full recomputation
     params: float  # parameters held by one rank (tensor-parallel shard)
     output_bytes: float  # the boundary tensor a pipeline sends after this block (per rank)
+    tp_traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)  # TP collective bytes per micro-batch (TP_KINDS)
+    root: bool = False  # outside the transformer layers: the data-parallel wrapper's root unit (embedding, head)
+    replicated: float = 0.0  # parameters tensor parallelism leaves whole, whose gradients SP all-reduces
+
+
+# BlockCost fields summed over a stage (prefix sums per block table), in this order
+SUMMED = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
+          "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter")
+
+
+def _field(cost: BlockCost, name: str) -> float:
+    if name == "root_params":
+        return cost.params if cost.root else 0.0
+    if name.startswith("tp_") and name[3:] in TP_KINDS:
+        return cost.tp_traffic[TP_KINDS.index(name[3:])]
+    return getattr(cost, name)
 
 
 @dataclass
 class _BlockTable:
-    sums: list[list[float]]  # per cost field, prefix sums over blocks
+    sums: dict[str, list[float]]  # per summed field, prefix sums over blocks
     working: list[float]
     costs: list[BlockCost]  # each block's own
     weights: tuple[float, ...]  # each block's time (compute, recompute, TP communication): balances stages
+
+    def total(self, name: str, lo: int = 0, hi: int | None = None) -> float:
+        col = self.sums[name]
+        return col[len(col) - 1 if hi is None else hi] - col[lo]
 
 
 @dataclass
@@ -82,6 +102,10 @@ class StageCost:
     act_working: float = 0.0
     params: float = 0.0
     recompute_flops: float = 0.0
+    root_params: float = 0.0  # of params, those outside transformer layers
+    replicated_params: float = 0.0  # of params, those kept whole under tensor parallelism (SP syncs them)
+    tp_traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)  # per micro-batch (TP_KINDS)
+    p2p_bytes: float = 0.0  # bytes this stage sends and receives per micro-batch across ranks
 
     @property
     def t_f(self) -> float:
@@ -126,6 +150,8 @@ class Prediction:
     method: str
     sim: SimResult | None = None
     notes: list[str] = field(default_factory=list)
+    rank_memory_breakdown_gib: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank
+    rank_comm_bytes: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank and iteration
 
     @property
     def oom_by_gib(self) -> float:
@@ -144,7 +170,8 @@ class Prediction:
                         "fwd_ms": s.t_f * 1e3, "bwd_ms": (s.t_b + s.t_w) * 1e3,
                         "activations_per_micro_batch_gib": s.act_bytes / GiB, "params": s.params}
                        for s in self.stages],
-            "rank_memory_gib": self.rank_memory_gib, "notes": self.notes,
+            "rank_memory_gib": self.rank_memory_gib, "rank_memory_breakdown_gib": self.rank_memory_breakdown_gib,
+            "rank_comm_bytes": self.rank_comm_bytes, "notes": self.notes,
         }
 
 
@@ -166,7 +193,8 @@ class CostModel:
         n = len(prof.layers)
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
-               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay))
+               place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay),
+               lay.pp > 1 and i == n - 1)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -181,8 +209,9 @@ class CostModel:
             m = measured["layers"][i]
             base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention)
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
-        colls = [c for style, ib, ob, tok in layer.region_io for c in region_collectives(style, ib, ob, tok, sp)] \
-            if t > 1 else []
+        fw = work.framework
+        colls = [c for style, ib, ob, tok in layer.region_io
+                 for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
         busy = place.gpus_per_node_busy
         tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "fwd")
         tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "bwd")
@@ -190,7 +219,8 @@ class CostModel:
             layer.param_bytes if layer.param_bytes else 1.0
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
-            working = layer_activation_bytes(layer, b, t, sp, "none", work.attention)
+            working = layer_activation_bytes(layer, b, t, sp, "none", work.attention,
+                                             work.framework.sp_saves_gathered_input)
         elif mode == "selective":
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
             recompute_time, rflops, working = times.core_fwd, core_flops * b, 0.0
@@ -202,19 +232,31 @@ class CostModel:
             tp_bwd += tp_fwd  # the recomputed forward's collectives
         # Host-side framework costs of this block per micro-batch (measured per event by calibrate; zero on
         # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).
-        fw = self._framework
+        host_costs = self._framework
         host = 0.0
-        if t > 1 and fw["tp_module"] > 0:
-            host += work.tp_module_calls(i, sp) * fw["tp_module"] * (1.5 if mode == "full" else 1.0)
+        if t > 1 and host_costs["tp_module"] > 0:
+            host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1.5 if mode == "full" else 1.0)
         if self._fsdp_units(lay) and layer.kind == "transformer_layer":
-            host += fw["fsdp_unit"]
+            host += host_costs["fsdp_unit"]
         tp_fwd += host / 2
         tp_bwd += host / 2
+        repeat = {"fwd": 2.0 if mode == "full" else 1.0, "bwd": 1.0}  # full recomputation repeats the forward's
+        tp_traffic = tuple(sum(c.bytes * b * repeat[c.phase] for c in colls if c.op == kind) for kind in TP_KINDS)
+        # A pipeline send carries 1/t of the boundary with sequence parallelism (each rank its sequence
+        # shard) or Megatron's scatter/gather; DTensor without SP sends the whole tensor from every TP rank.
+        split = t if sp or fw.p2p_scatter_gather else 1
+        acts = layer_activation_bytes(layer, b, t, sp, mode, work.attention, fw.sp_saves_gathered_input)
+        if layer.kind == "lm_head":
+            kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
+            acts, working = acts + kept, working + loss_working
+        elif layer.kind == "embedding":
+            working += embedding_grad_bytes(work.spec, t, lay.dtype, fw)
         cost = BlockCost(
             fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
-            recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
-            act_bytes=layer_activation_bytes(layer, b, t, sp, mode, work.attention), act_working=working,
-            params=layer.params * sharded_ratio, output_bytes=layer.output_bytes * b / t)
+            recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,
+            params=layer.params * sharded_ratio, output_bytes=layer.output_bytes * b / split,
+            tp_traffic=tp_traffic, root=layer.kind != "transformer_layer",
+            replicated=_replicated_params(layer) if t > 1 and layer.kind != "embedding" else 0.0)
         self._blocks[key] = cost
         return cost
 
@@ -257,9 +299,9 @@ class CostModel:
         acts = layer_activation_bytes(layer, b * k, k, False, "none", work.attention) + feats
         return BlockCost(fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=0.0,
                          recompute_flops=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=0.0,
-                         params=layer.params * sharded, output_bytes=layer.output_bytes * b)
+                         params=layer.params * sharded, output_bytes=layer.output_bytes * b, root=True)
 
-    def _repeated(self, lay: Layout) -> bool:
+    def repeated_blocks(self, lay: Layout) -> bool:
         """Is the model embedding + identical layers + head (the ILP's integer-count form)?"""
         layers = self.work.profile(lay.dtype).layers
         return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
@@ -268,24 +310,33 @@ class CostModel:
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
-               lay.head_parallel, self._fsdp_units(lay))
+               lay.head_parallel, self._fsdp_units(lay), lay.pp > 1)  # everything block_cost's key depends on
         table = self._tables.get(key)
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
             costs = [self.block_cost(i, lay, place, mode) for i in range(n)]
-            fields = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
-                      "recompute_flops")
-            sums = []
-            for f in fields:
+            sums = {}
+            for f in SUMMED:
                 acc, col = 0.0, [0.0]
                 for c in costs:
-                    acc += getattr(c, f)
+                    acc += _field(c, f)
                     col.append(acc)
-                sums.append(col)
-            weights = tuple(sum(col[i + 1] - col[i] for col in sums[:6]) + 1e-12 for i in range(n))
+                sums[f] = col
+            timed = SUMMED[:6]  # compute, recompute and TP communication
+            weights = tuple(sum(sums[f][i + 1] - sums[f][i] for f in timed) + 1e-12 for i in range(n))
             table = _BlockTable(sums=sums, working=[c.act_working for c in costs], costs=costs, weights=weights)
             self._tables[key] = table
         return table
+
+    def totals(self, lay: Layout, mode: str) -> dict[str, float]:
+        """Whole-model sums of the per-block costs (SUMMED fields) in recomputation ``mode``, the largest
+        working set of a block (``working``) and the last block's parameters on a rank (``head_params``):
+        what the search's lower bound needs."""
+        table = self._table(lay, placement(self.work.cluster, lay.dp, lay.tp, lay.pp), mode)
+        out = {f: table.total(f) for f in SUMMED}
+        out["working"] = max(table.working)
+        out["head_params"] = table.costs[-1].params
+        return out
 
     # ---- per stage ----
     def stage_costs(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
@@ -303,11 +354,17 @@ class CostModel:
             table = self._table(lay, place, mode)
             tables.append(table)
             lo, hi = blocks[0], blocks[-1] + 1
-            (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes,
-             st.params, st.recompute_flops) = (col[hi] - col[lo] for col in table.sums)
+            total = partial(table.total, lo=lo, hi=hi)
+            st.fwd, st.bwd_input, st.bwd_weight = total("fwd"), total("bwd_input"), total("bwd_weight")
+            st.recompute_time, st.tp_fwd, st.tp_bwd = total("recompute"), total("tp_fwd"), total("tp_bwd")
+            st.act_bytes, st.params, st.recompute_flops = total("act_bytes"), total("params"), total("recompute_flops")
+            st.root_params, st.replicated_params = total("root_params"), total("replicated")
+            st.tp_traffic = tuple(total(f"tp_{k}") for k in TP_KINDS)
             st.act_working = max(table.working[lo:hi])
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
-                st.params -= tied * (table.costs[-1].params / prof.layers[-1].params)
+                shared = tied * (table.costs[-1].params / prof.layers[-1].params)
+                st.params -= shared
+                st.root_params -= shared
             st.tp_fwd += fixed / 2
             st.tp_bwd += fixed / 2
             out.append(st)
@@ -321,6 +378,59 @@ class CostModel:
             t = comm.p2p(boundary, cross, self.work.cluster, place.gpus_per_node_busy)
             a.p2p_fwd += t
             b.p2p_bwd += t
+            a.p2p_bytes += 2 * boundary  # sends the activation, receives its gradient
+            b.p2p_bytes += 2 * boundary  # receives the activation, sends its gradient
+        return out
+
+    # ---- what a pipeline rank holds, sends and waits for (concerns.py, dp_sync.py) ----
+    def rank_load(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], makespan: float) -> RankLoad:
+        return RankLoad(params=sum(costs[s].params for s in stages),
+                        fwd=sum(costs[s].fwd for s in stages),
+                        bwd=sum(costs[s].bwd_input + costs[s].bwd_weight for s in stages),
+                        window=sum(costs[s].t_b + costs[s].t_w for s in stages), makespan=makespan,
+                        replicated=sum(costs[s].replicated_params for s in stages))
+
+    def dp_items(self, lay: Layout, place: Placement, costs: list[StageCost], stages: tuple[int, ...], rank: int):
+        """The data-parallel sync, ZeRO gathers and tied-embedding sync of pipeline rank ``rank``."""
+        return self.rank_dp_items(lay, place, rank, sum(costs[s].root_params for s in stages))
+
+    def rank_dp_items(self, lay: Layout, place: Placement, rank: int, root: float):
+        """:meth:`dp_items` from the rank's index and its root-unit parameters (the only part of it that
+        depends on the stage split, and only without a pipeline); the stage ILP prices these too."""
+        prof = self.work.profile(lay.dtype)
+        n_blocks = len(prof.layers)
+        tied = prof.layers[-1].tied_params
+        ends = {stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in (0, lay.num_stages - 1)}
+        tied_elements = tied / lay.tp if tied and rank in ends and len(ends) == 2 else 0.0
+        head = self.block_cost(n_blocks - 1, lay, place, "none").params if lay.head_parallel > 1 else 0.0
+        items = dp_exposures(self, lay, place, rank, root, tied_elements, head)
+        if lay.sequence_parallel and self.work.framework.states == "executor":
+            items.append(sequence_parallel_weight_sync(self, lay, place))
+        return items
+
+    @staticmethod
+    def grads_at_activation_peak(lay: Layout, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
+        """Does a rank's activation peak already hold gradients — a later backward at the same number of
+        micro-batches in flight, after an earlier one produced (accumulated) gradients? Without (one
+        micro-batch; GPipe; a pipeline rank that reaches its peak only once) the first backward frees one
+        micro-batch's activations as the gradients appear (memory.rank_memory)."""
+        m = lay.num_micro_batches
+        if lay.pp == 1:
+            return m >= 2
+        return lay.schedule != "gpipe" and lay.virtual_stages * m > sum(flights.get(s, 0) for s in stages)
+
+    def rank_traffic(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], dp_items,
+                     load: RankLoad) -> dict[str, float]:
+        """Bytes per iteration by kind (COMM_KINDS) of one pipeline rank: tensor-parallel collectives,
+        pipeline sends and receives, and the data-parallel items."""
+        m = lay.num_micro_batches
+        out = dict.fromkeys(COMM_KINDS, 0.0)
+        for s in stages:
+            for kind, nbytes in zip(TP_KINDS, costs[s].tp_traffic, strict=True):
+                out[kind] += m * nbytes
+            out["send_recv"] += m * costs[s].p2p_bytes
+        for kind, nbytes in traffic(dp_items, load).items():
+            out[kind] += nbytes
         return out
 
     # ---- the whole iteration ----
@@ -354,58 +464,13 @@ class CostModel:
                 finish.append(makespan - drain)
                 drain += 0.0 if schedule == "zb-v" else (rank_b[r] + rank_w[r]) / v
             method = "closed form"
-        # ---- data parallelism, once per iteration ----
-        dp_exposed, opt_time = [], []
+        # ---- data parallelism, ZeRO's gathers, the tied embedding, the optimizer: once per iteration ----
         notes: list[str] = []
-        grad_elem = 4 if lay.dtype == "fp32" else 2
-        busy = place.gpus_per_node_busy
-        for r in range(p):
-            params = sum(costs[s].params for s in ranks[r])
-            window = rank_b[r] + rank_w[r] if work.overlap_dp else 0.0  # the last micro-batch's backward
-            grads = params * grad_elem
-            if lay.dp_mode == "ps":
-                t_sync = comm.parameter_server_sync(grads, lay.num_gpus, lay.ps_servers, cluster,
-                                                    all_in_one_node=lay.world_size <= cluster.gpus_per_node,
-                                                    worker_busy=busy)
-                # the servers run the optimizer on their 1/k of the parameters: once a round when synchronous,
-                # once per worker's push when asynchronous (executor/ps_protocol.py)
-                steps = 1 if lay.ps_staleness == 0 else lay.dp
-                t_sync += steps * params / lay.ps_servers * ADAM_BYTES_PER_PARAM / (
-                    gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
-                if lay.ps_staleness > 0:
-                    t_sync = max(0.0, t_sync - lay.ps_staleness * makespan)
-                exposed = t_sync
-            elif lay.dp == 1:
-                exposed = 0.0
-            elif lay.head_parallel > 1:  # trunk over every dp rank, each classifier shard over its dp/k holders
-                head = self.block_cost(len(prof.layers) - 1, lay, place, "none").params * grad_elem
-                shard_group = consecutive_group(cluster, lay.dp // lay.head_parallel, lay.head_parallel)
-                full = (comm.all_reduce(grads - head, place.dp, cluster, busy)
-                        + comm.all_reduce(head, shard_group, cluster, busy))
-                exposed = _overlapped(full, window, comm.all_reduce(min(grads, DDP_BUCKET_BYTES), place.dp, cluster,
-                                                                    busy))
-            elif lay.zero == 0:
-                sync = lambda b: comm.all_reduce(b, place.dp, cluster, busy)  # noqa: E731
-                exposed = _overlapped(sync(grads), window, sync(min(grads, DDP_BUCKET_BYTES)))
-            else:
-                sync = lambda b: comm.gather(b, place.dp, cluster, busy)  # noqa: E731
-                t_ag = sync(params * grad_elem)
-                exposed = _overlapped(sync(grads), window, sync(min(grads, DDP_BUCKET_BYTES)))
-                if lay.zero == 3:  # parameters gathered for every micro-batch's forward and backward
-                    fwd_r = sum(costs[s].fwd for s in ranks[r])
-                    bwd_r = sum(costs[s].bwd_input + costs[s].bwd_weight for s in ranks[r])
-                    exposed += m * (max(0.0, t_ag - fwd_r) + max(0.0, t_ag - bwd_r))
-                else:
-                    exposed += t_ag  # updated parameter shards gathered after the step
-            if r in (0, p - 1) and p > 1 and prof.layers[-1].tied_params:
-                # Megatron all-reduces the tied embedding's gradient between the first and last stage.
-                emb = prof.layers[-1].tied_params / lay.tp * grad_elem
-                exposed += comm.ring_all_reduce(emb, 2, comm.network_share(cluster, busy)
-                                                if place.pp_cross_node else cluster.intra_node)
-            dp_exposed.append(exposed)
-            opt_params = 0.0 if lay.dp_mode == "ps" else (params / lay.dp if lay.zero >= 1 else params)
-            opt_time.append(opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
-                            + gpu.efficiency.framework("step"))
+        loads = [self.rank_load(lay, costs, ranks[r], makespan) for r in range(p)]
+        dp_items = [self.dp_items(lay, place, costs, ranks[r], r) for r in range(p)]
+        dp_exposed = [exposed_seconds(dp_items[r], loads[r]) for r in range(p)]
+        step = optimizer_step(self, lay)
+        opt_time = [step.at(loads[r]) for r in range(p)]
         end = [finish[r] + dp_exposed[r] for r in range(p)]
         iteration = max(end) + max(opt_time)
         # ---- breakdown on the bottleneck rank ----
@@ -420,26 +485,24 @@ class CostModel:
         dp_comm = dp_comm if dp_comm > 1e-12 * iteration else 0.0  # float residue when nothing is exposed
         time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
                   "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time)}
-        # ---- memory per rank ----
+        # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
-        rank_mem, breakdowns = [], []
+        states = state_bytes(work.framework, lay)
+        rank_mem, breakdowns, rank_traffic = [], [], []
         for r in range(p):
-            params = sum(costs[s].params for s in ranks[r])
-            w, g, o = model_state_bytes(params, lay.dtype, lay.zero, lay.dp, optimizer_on_servers=lay.dp_mode == "ps")
             if sim is not None and sim.peak_activation_bytes:
                 acts = sim.peak_activation_bytes[r]
             else:
                 acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in ranks[r])
             acts += max(costs[s].act_working for s in ranks[r])
-            other = framework_allowance(gpu)
-            if lay.zero == 3:  # two blocks' gathered weights live at once (FSDP's prefetch)
-                biggest = max(max(self._table(lay, place, costs[s].recompute).costs[i].params for i in costs[s].blocks)
-                              for s in ranks[r])
-                other += 2 * biggest * (4 if lay.dtype == "fp32" else 2)
-            other += FRAGMENTATION * (w + g + o + acts)
-            breakdowns.append({"params": w / GiB, "grads": g / GiB, "optimizer": o / GiB, "activations": acts / GiB,
-                               "other": other / GiB})
-            rank_mem.append((w + g + o + acts + other) / GiB)
+            unit = max(max(self._table(lay, place, costs[s].recompute).costs[i].params for i in costs[s].blocks)
+                       for s in ranks[r])
+            first_freed = None if self.grads_at_activation_peak(lay, ranks[r], flights[r]) else \
+                sum(costs[s].act_bytes for s in ranks[r])
+            breakdown = rank_memory(states, loads[r].params, unit, acts, gpu, first_freed)
+            breakdowns.append({k: x / GiB for k, x in breakdown.items()})
+            rank_mem.append(sum(breakdown.values()) / GiB)
+            rank_traffic.append(self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]))
         worst = max(range(p), key=lambda r: rank_mem[r])
         peak = rank_mem[worst]
         # ---- throughput and FLOP utilisation ----
@@ -462,19 +525,15 @@ class CostModel:
             fits=peak <= gpu.memory_GiB, peak_memory_gib=peak, memory_capacity_gib=gpu.memory_GiB,
             memory_gib=breakdowns[worst], time_s=time_s, bubble_fraction=bubble / iteration if iteration else 0.0,
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
-            in_flight=flights, method=method, sim=sim, notes=notes)
+            in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,
+            rank_comm_bytes=rank_traffic)
 
 
-def _overlapped(t: float, window: float, last_bucket: float) -> float:
-    """Exposed time of a bucketed gradient collective that starts during the last backward.
-
-    Buckets fill as the backward runs, so all but the last bucket can hide behind it (PyTorch DDP,
-    Li et al. 2020, VLDB, Sec. 3.2.3); what cannot hide is the excess over the window, and at least
-    the last bucket's own collective (``last_bucket``: the time of min(bytes, bucket size)).
-    """
-    if t <= 0:
+def _replicated_params(layer) -> float:
+    """Parameters of a block that tensor parallelism leaves whole on every rank (norms, row-parallel biases)."""
+    if not layer.params or not layer.param_bytes:
         return 0.0
-    return max(t - window, last_bucket)
+    return (layer.param_bytes - layer.param_bytes_sharded) * layer.params / layer.param_bytes
 
 
 def _check_stages(stages: list[list[int]], n_blocks: int, lay: Layout) -> None:

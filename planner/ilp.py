@@ -43,19 +43,45 @@ from dataclasses import dataclass
 import pulp
 
 from . import comm
-from .costmodel import ADAM_BYTES_PER_PARAM, DDP_BUCKET_BYTES, CostModel, Prediction
+from .concerns import Exposure, RankLoad
+from .costmodel import CostModel, Prediction
+from .dp_sync import optimizer_step
 from .errors import InvalidLayout
 from .layout import Layout
-from .memory import FRAGMENTATION, framework_allowance, state_bytes_per_param
+from .memory import state_bytes, untracked_bytes
 from .placement import placement
 from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
 
 MODES_TRANSFORMER = ("none", "selective", "full")
 MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
-# CBC's time per layout. Beyond it CBC returns its best split so far (warm-started from the balanced
-# split, so never worse than that); the exact pricing and local search then take over, and the
-# plan records that optimality was not proven.
+# The solver's time per layout. Beyond it the solver returns its best split so far (CBC is warm-started
+# from the balanced split, so never worse than that); the exact pricing and local search then take over,
+# and the plan records that optimality was not proven.
 SOLVER_TIME_LIMIT_S = 0.3
+# Solvers tried in this order for each ILP; the next takes over when one fails to run (benchmarks/bench_plan.py
+# --solvers compares them on the benchmark workloads).
+SOLVER_ORDER = ("cbc", "highs")
+
+
+class SolverFailed(Exception):
+    """No solver could solve an ILP (each one's reason, joined)."""
+
+
+def _run_solver(prob: pulp.LpProblem, name: str, warm: bool, cutoff: float | None, cbc_options: list[str]) -> None:
+    """Solve ``prob`` with CBC (PuLP's bundled binary, in a process of its own; warm-started, ``cutoff`` on the
+    scaled objective) or HiGHS (highspy, in this process; ``cutoff`` as its objective bound)."""
+    if name == "cbc":
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=warm, gapRel=1e-9,
+                                     gapAbs=0.0, options=cbc_options))
+        return
+    if name == "highs":
+        if not pulp.HiGHS().available():
+            raise pulp.PulpSolverError("highspy is not installed")
+        params = {"objective_bound": cutoff} if cutoff is not None else {}
+        prob.solve(pulp.HiGHS(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, gapRel=1e-9, gapAbs=0.0, threads=1,
+                              **params))
+        return
+    raise AssertionError(f"unknown solver {name}")
 
 
 @dataclass
@@ -72,12 +98,35 @@ def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None) -> tuple
     return tuple(u for u in modes if allowed is None or u in allowed)
 
 
-def _secant(f, x0: float) -> tuple[float, float]:
-    """(intercept, slope) of f through x0 and 2·x0: collective times are α + bytes/β, so this is exact."""
-    x0 = max(x0, 1.0)
-    y0, y1 = f(x0), f(2 * x0)
-    slope = (y1 - y0) / x0
-    return y0 - slope * x0, slope
+def _exposure_expression(prob: pulp.LpProblem, items: list[Exposure], load: RankLoad, guess: RankLoad, p: int,
+                         name: str):
+    """The waited-for seconds of ``items`` (concerns.Exposure) as LP rows over ``load``: each collective's
+    time by its secant at the balanced split's message size (exact for α-β links), each max by an
+    auxiliary variable, a bucketed floor min(message, bucket) by a binary that picks its regime."""
+    total = 0
+    for j, e in enumerate(items):
+        time = e.sync.secant(e.sync.nbytes(guess))
+        piece = time.at(load) - e.hidden.at(load)
+        if e.floor == "none":
+            total += e.count * piece
+            continue
+        aux = pulp.LpVariable(f"exposed_{name}_{j}", lowBound=0 if e.floor == "zero" else None)
+        prob += aux >= piece, f"exposed_{name}_{j}_piece"
+        if e.floor == "bucket":
+            nbytes = e.sync.bytes_affine().at(load)
+            most = max(e.sync.nbytes(guess) * p, e.bucket_bytes) * 2  # above any rank's message
+            x0 = max(min(e.sync.nbytes(guess), e.bucket_bytes), 1.0)  # the last bucket's time, by its secant
+            y0, y1 = e.last_bucket_time(x0), e.last_bucket_time(2 * x0)
+            slope = (y1 - y0) / x0
+            big = pulp.LpVariable(f"exceeds_bucket_{name}_{j}", cat="Binary")
+            mb = 1 / 2**20  # rows in MiB, for CBC's numerics
+            prob += nbytes * mb <= (e.bucket_bytes + most * big) * mb, f"bucket_regime_up_{name}_{j}"
+            prob += nbytes * mb >= e.bucket_bytes * mb * big, f"bucket_regime_down_{name}_{j}"
+            whole = y0 - slope * x0 + slope * nbytes  # a message under one bucket: all of it is last
+            prob += aux >= whole - (y0 + slope * most) * big, f"small_message_{name}_{j}"
+            prob += aux >= e.last_bucket_time(e.bucket_bytes) * big, f"last_bucket_{name}_{j}"
+        total += e.count * aux
+    return total
 
 
 class StageILP:
@@ -96,7 +145,7 @@ class StageILP:
         # "none" too: embeddings and the head are never recomputed, whatever the stage's mode
         self.cost = {(i, u): model.block_cost(i, lay, self.place, u) for i in range(self.n)
                      for u in {*modes, "none"}}
-        self.repeated = model._repeated(lay)
+        self.repeated = model.repeated_blocks(lay)
 
     # ---- data helpers ----
     def _inner_chunk_order(self, r: int) -> list[int]:
@@ -130,7 +179,7 @@ class StageILP:
             prob += pulp.lpSum(yr[r, u] for u in self.modes) == 1, f"one_mode_rank_{r}"
         y = {(s, u): yr[rank_of[s], u] for s in range(S) for u in self.modes}
         # Per-stage linear expressions: F, B, W, compute-only fwd/bwd, activations, params, p2p.
-        F, B, W, Fc, Bc, A, P, C = ({s: 0 for s in range(S)} for _ in range(8))
+        F, B, W, Fc, Bc, A, P, C, R = ({s: 0 for s in range(S)} for _ in range(9))
         work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
         big_params = pulp.LpVariable("largest_block_params", lowBound=0)
         if self.repeated:
@@ -155,6 +204,7 @@ class StageILP:
                     Bc[s] += (c.bwd_input + c.bwd_weight) * cnt[s, u]
                     A[s] += c.act_bytes * cnt[s, u]
                     P[s] += c.params * cnt[s, u]
+                    R[s] += c.replicated * cnt[s, u]
                     prob += work_vars[s] >= c.act_working * y[s, u], f"working_{s}_{u}"
                 for i in ends.get(s, []):
                     c = self.cost[(i, "none")]  # embeddings and the head are never recomputed
@@ -165,6 +215,9 @@ class StageILP:
                     Bc[s] += c.bwd_input + c.bwd_weight
                     A[s] += c.act_bytes
                     P[s] += c.params
+                    R[s] += c.replicated
+                    if c.act_working:  # the loss's backward (head), the embedding's whole-vocabulary gradient
+                        prob += work_vars[s] >= c.act_working, f"working_{s}_end_{i}"
                 if s < S - 1:  # every stage but the last ends in a layer (or the embedding): same tensor
                     C[s] = self.boundary(s, 1)
             tied = self.prof.layers[-1].tied_params
@@ -198,6 +251,7 @@ class StageILP:
                         Bc[s] += (c.bwd_input + c.bwd_weight) * x[i, s, u]
                         A[s] += c.act_bytes * x[i, s, u]
                         P[s] += c.params * x[i, s, u]
+                        R[s] += c.replicated * x[i, s, u]
                         prob += work_vars[s] >= c.act_working * x[i, s, u], f"working_{i}_{s}_{u}"
                         prob += big_params >= c.params * x[i, s, u], f"largest_block_{i}_{s}_{u}"
             for i in range(self.n - 1):
@@ -246,86 +300,40 @@ class StageILP:
             makespan = (m + beta) * Tmax
         z = pulp.LpVariable("iteration_before_optimizer", lowBound=0)
         o = pulp.LpVariable("optimizer_step", lowBound=0)
-        gpu, cluster = work.cluster.gpu, work.cluster
-        g_elem = 4 if lay.dtype == "fp32" else 2
-        busy = self.place.gpus_per_node_busy
-        guess = max(sum(self.cost[(i, self.modes[0])].params for i in range(self.n)) / p, 1.0) * g_elem
-        w_b, g_b, o_b = state_bytes_per_param(lay.dtype)
-        hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
-        tied = self.prof.layers[-1].tied_params
+        gpu = work.cluster.gpu
+        # where the collectives' secants are taken: every rank with 1/p of the model (the balanced split)
+        guess = RankLoad(params=max(sum(self.cost[(i, self.modes[0])].params for i in range(self.n)) / p, 1.0),
+                         replicated=sum(self.cost[(i, self.modes[0])].replicated for i in range(self.n)) / p)
+        step = optimizer_step(self.model, lay)
+        states = state_bytes(work.framework, lay)
         drain = 0
         for r in range(p):
-            params = pulp.lpSum(P[s] for s in ranks[r])
-            grads = g_elem * params
             rank_b = pulp.lpSum(B[s] for s in ranks[r])
             rank_w = pulp.lpSum(W[s] for s in ranks[r])
-            window = rank_b + rank_w if work.overlap_dp else 0
-            exposed = pulp.LpVariable(f"dp_exposed_{r}", lowBound=0)
-            const = 0.0
-            if p > 1 and r in (0, p - 1) and tied:
-                emb = tied / lay.tp * g_elem
-                const = comm.ring_all_reduce(emb, 2, comm.network_share(cluster, busy)
-                                             if self.place.pp_cross_node else cluster.intra_node)
-            if lay.dp_mode == "ps":
-                in_node = lay.world_size <= cluster.gpus_per_node
-                a, k = _secant(lambda b, in_node=in_node: comm.parameter_server_sync(
-                    b, lay.num_gpus, lay.ps_servers, cluster, in_node, busy), guess)
-                steps = 1 if lay.ps_staleness == 0 else lay.dp  # server optimizer steps per round (as CostModel)
-                sync = a + k * grads + steps * params / lay.ps_servers * ADAM_BYTES_PER_PARAM / hbm
-                prob += exposed >= (sync - lay.ps_staleness * makespan if lay.ps_staleness else sync) + const, \
-                    f"ps_sync_{r}"
-            elif lay.dp > 1:
-                sync = (lambda b: comm.all_reduce(b, self.place.dp, cluster, busy)) if lay.zero == 0 else (
-                    lambda b: comm.gather(b, self.place.dp, cluster, busy))
-                a, k = _secant(sync, guess)
-                t = a + k * grads
-                if lay.zero == 0:
-                    extra = 0
-                elif lay.zero == 3:  # parameters (training dtype: the gradients' bytes) gathered per micro-batch
-                    hide_f = pulp.LpVariable(f"zero3_fwd_gather_{r}", lowBound=0)
-                    hide_b = pulp.LpVariable(f"zero3_bwd_gather_{r}", lowBound=0)
-                    prob += hide_f >= t - pulp.lpSum(Fc[s] for s in ranks[r]), f"zero3_fwd_{r}"
-                    prob += hide_b >= t - pulp.lpSum(Bc[s] for s in ranks[r]), f"zero3_bwd_{r}"
-                    extra = m * (hide_f + hide_b)
-                else:
-                    extra = t  # updated parameter shards gathered after the step
-                # The last bucket cannot hide: its collective carries min(grads, bucket) bytes. A binary
-                # picks the regime (grads above the bucket size or not), keeping the piece exact.
-                bucket = DDP_BUCKET_BYTES
-                big = pulp.LpVariable(f"grads_exceed_bucket_{r}", cat="Binary")
-                total_grads = max(guess * p, bucket) * 2
-                mb = 1 / 2**20  # rows in MiB, for CBC's numerics
-                prob += grads * mb <= (bucket + total_grads * big) * mb, f"bucket_regime_up_{r}"
-                prob += grads * mb >= bucket * mb * big, f"bucket_regime_down_{r}"
-                t_big = sync(bucket)
-                prob += exposed >= t - window + extra + const, f"dp_overlap_{r}"
-                prob += exposed >= t + extra + const - (a + k * total_grads) * big, f"dp_small_grads_{r}"
-                prob += exposed >= t_big * big + extra + const, f"dp_last_bucket_{r}"
-            else:
-                prob += exposed >= const, f"no_dp_{r}"
+            load = RankLoad(params=pulp.lpSum(P[s] for s in ranks[r]), fwd=pulp.lpSum(Fc[s] for s in ranks[r]),
+                            bwd=pulp.lpSum(Bc[s] for s in ranks[r]), window=rank_b + rank_w, makespan=makespan,
+                            replicated=pulp.lpSum(R[s] for s in ranks[r]))
+            # the stages' split changes only the root unit's size without a pipeline, which has no ILP
+            items = self.model.rank_dp_items(lay, self.place, r, root=0.0)
+            exposed = _exposure_expression(prob, items, load, guess, p, f"rank_{r}")
             prob += z >= makespan - drain + exposed, f"rank_end_{r}"
             drain = drain + (0 if self.schedule == "zb-v" else (rank_b + rank_w) / v)
-            opt_params = 0 if lay.dp_mode == "ps" else (params / lay.dp if lay.zero >= 1 else params)
-            prob += o >= opt_params * ADAM_BYTES_PER_PARAM / hbm, f"optimizer_{r}"
-            # memory of rank r
-            w_, g_, o_ = w_b, g_b, o_b
-            if lay.dp_mode == "ps":
-                o_ = 0
-            else:
-                o_ = o_ / lay.dp if lay.zero >= 1 else o_
-                g_ = g_ / lay.dp if lay.zero >= 2 else g_
-                w_ = w_ / lay.dp if lay.zero >= 3 else w_
+            prob += o >= step.at(load), f"optimizer_{r}"
+            # memory of rank r (memory.rank_memory, linear)
             flights = in_flight(self.schedule, p, v, m)[r]
             acts = pulp.lpSum(flights.get(s, 0) * A[s] for s in ranks[r])
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:
                 prob += working >= work_vars[s], f"working_rank_{r}_stage_{s}"
-            states = (w_ + g_ + o_) * params
-            other = framework_allowance(gpu) + FRAGMENTATION * (states + acts + working)
-            if lay.zero == 3:
-                other += 2 * big_params * g_elem
+            grads = states.grads * load.params
+            if not self.model.grads_at_activation_peak(lay, ranks[r], flights):
+                arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
+                prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
+                grads = arriving
+            tensors = (states.weights + states.optimizer) * load.params + states.unit_weights * big_params + grads \
+                + acts + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
-            prob += (states + acts + working + other) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
+            prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
         scale = 1.0 / max(self._rough_time(), 1e-12)
         prob += (z + o) * scale
@@ -337,8 +345,17 @@ class StageILP:
             # than the few nodes they save (llama2-70b on 64 GPUs: the search's ILPs ~30% less CPU, same plans;
             # benchmarks/bench_plan.py)
             options += ["cuts off", "heuristics off"]
-        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, warmStart=start is not None,
-                                     gapRel=1e-9, gapAbs=0.0, options=options))
+        failures = []
+        for name in SOLVER_ORDER:
+            try:
+                _run_solver(prob, name, warm=start is not None, cutoff=cutoff_s * scale if cutoff_s else None,
+                            cbc_options=options)
+                break
+            except (pulp.PulpSolverError, OSError, RuntimeError) as e:  # a solver that could not run, or crashed
+                failures.append(f"{name}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
+        else:
+            raise SolverFailed("; ".join(failures))
+        self.solver = name
         if prob.sol_status == pulp.LpSolutionOptimal:
             status_name = "optimal"
         elif prob.sol_status == pulp.LpSolutionIntegerFeasible:
@@ -455,7 +472,12 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
     if needs_beta and warm is not None:  # start from the bubble of the split CBC starts from
         beta = _bubble_beta(model, lay, model.evaluate(lay, warm[0], warm[1]))
     for _ in range(3 if needs_beta else 1):
-        stages, st_modes, status, obj = ilp.solve(beta, warm, cutoff_s)
+        try:
+            stages, st_modes, status, obj = ilp.solve(beta, warm, cutoff_s)
+        except SolverFailed as e:
+            if best is not None:
+                break  # a later refinement failed: keep the split already found
+            return _without_solver(model, lay, modes, warm, str(e), local_search)
         last_status, last_obj = status, obj
         if not stages:
             if cutoff_s is not None and best is None:
@@ -479,6 +501,27 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
         # leave a gap between the ILP and the exact model: climb on the exact model (cheap for few stages).
         best = _polish(model, lay, best, modes, max_rounds=50 if lay.num_stages <= 16 else 3)
     best.ilp_status, best.ilp_objective = last_status, last_obj
+    return best
+
+
+def _without_solver(model: CostModel, lay: Layout, modes: tuple[str, ...], warm, reason: str,
+                    local_search: bool) -> Partition:
+    """When no solver ran: the split the solver would have started from (or the time-balanced one in the
+    fastest uniform mode that fits), polished on the exact model; its status says why."""
+    from .costmodel import default_stages
+
+    tried = [warm] if warm is not None else []
+    for u in modes:
+        tried.append((default_stages(model, lay.replace(recompute=u)), [u] * lay.num_stages))
+    fitting = [(split, pred) for split in tried if (pred := model.evaluate(lay, split[0], split[1])).fits]
+    if not fitting:
+        raise InvalidLayout(_oom_message(model, lay, modes, "no solver ran"), "out of memory")
+    (stages, st_modes), pred = min(fitting, key=lambda item: item[1].iteration_time_s)
+    status = f"solver failed ({reason}): balanced split, polished"
+    best = Partition(stages, st_modes, pred, status, None)
+    if local_search:
+        best = _polish(model, lay, best, modes, max_rounds=50 if lay.num_stages <= 16 else 3)
+    best.ilp_status = status
     return best
 
 
@@ -545,7 +588,7 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
         rank_of = [stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in range(lay.num_stages)]
         n_blocks = sum(len(s) for s in best.stages)
         for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of):
-            if lay.virtual_stages > 1 and not chunks_balanced(stages, n_blocks, model._repeated(lay)):
+            if lay.virtual_stages > 1 and not chunks_balanced(stages, n_blocks, model.repeated_blocks(lay)):
                 continue
             pred = model.evaluate(lay, stages, st_modes)
             if pred.fits and pred.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):

@@ -20,6 +20,8 @@ modules save.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from paraplan.hardware_specs import GPUSpec
 from paraplan.profiler import LayerProfile
 
@@ -53,11 +55,18 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_o
     return weights, grads, opt
 
 
-def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, recompute: str, attention: str
-                           ) -> float:
-    """Bytes one rank keeps for one micro-batch of ``b`` samples through this block until its backward."""
+def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, recompute: str, attention: str,
+                           gathered_inputs: bool = False) -> float:
+    """Bytes one rank keeps for one micro-batch of ``b`` samples through this block until its backward.
+
+    ``gathered_inputs``: under sequence parallelism the column-parallel linears keep the input they were
+    given — with DTensor's PrepareModuleInput (this executor) the all-gathered, whole-sequence tensor, not
+    the rank's shard (Megatron keeps the shard and gathers it again in backward)."""
     if recompute == "full":
         return layer.input_bytes * b / (tp if sp else 1)
+    extra = 0.0
+    if sp and gathered_inputs and tp > 1:
+        extra = sum(ib for style, ib, _, _ in layer.region_io if style in ("region", "vocab_head")) * b * (1 - 1 / tp)
     if recompute == "selective" or attention == "flash":
         total, sharded = layer.activation_bytes_selective, layer.activation_bytes_selective_sharded
         if recompute == "none":  # a flash kernel keeps its output (and a small log-sum-exp) for backward
@@ -71,7 +80,7 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
         sharded_extra = 0.0 if recompute == "selective" else 1.5 * layer.fwd_ops.core_scores_bytes
         total, sharded = total + replicated_extra + sharded_extra, sharded + sharded_extra
     replicated = total - sharded
-    return b * (sharded / tp + (replicated / tp if sp else replicated))
+    return b * (sharded / tp + (replicated / tp if sp else replicated)) + extra
 
 
 def _elem(layer: LayerProfile) -> int:
@@ -81,3 +90,105 @@ def _elem(layer: LayerProfile) -> int:
 
 def framework_allowance(gpu: GPUSpec) -> float:
     return FRAMEWORK_GIB["cpu" if gpu.is_cpu else "gpu"] * GiB
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes a rank keeps per parameter it holds, by kind, at its memory peak; ``unit_weights``: bytes per
+    parameter of its largest FSDP unit, twice (gathered copies live at once under ZeRO 3: the unit that
+    runs and the one prefetched)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    unit_weights: float = 0.0
+
+    @property
+    def per_param(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes(framework, lay) -> StateBytes:
+    """Model-state bytes per parameter for ``lay`` under ``framework`` (planner/framework.py).
+
+    ``executor`` (FSDP2 mixed precision, executor/data_parallel.py): fp32 master weights (4 B, sharded over
+    dp by ZeRO 2/3), a 16-bit copy for compute (2 B: replicated ZeRO 0/1 cast it, ZeRO 2 gathers it once and
+    keeps it until the step's last backward, ZeRO 3 gathers a unit at a time), fp32 gradients (4 B; sharded
+    by ZeRO 2/3, whose reduce-scatter runs every micro-batch — except under ZB-V, which accumulates them
+    unsharded), Adam's two fp32 moments (8 B, sharded by ZeRO 1-3). In fp32 there is no copy.
+    ``zero``: ZeRO's accounting (:func:`model_state_bytes`).
+    """
+    dp, zero = lay.dp, lay.zero
+    if lay.dp_mode == "ps":
+        zero = 0
+    if framework.states != "executor":
+        w, g, o = model_state_bytes(1.0, lay.dtype, zero, dp, optimizer_on_servers=lay.dp_mode == "ps")
+        elem = 4 if lay.dtype == "fp32" else 2
+        return StateBytes(w, g, o, unit_weights=2 * elem if zero == 3 and dp > 1 else 0.0)
+    mixed = lay.dtype != "fp32"
+    sharded = zero >= 2 and dp > 1
+    weights = 4 / dp if sharded else 4.0
+    copy = 2.0 if mixed else 4.0  # what FSDP2 gathers for compute
+    unit = 0.0
+    if zero == 3 and dp > 1:
+        unit = 2 * copy
+    elif sharded or mixed:
+        weights += copy
+    grads = 4 / dp if sharded else 4.0
+    if sharded and lay.pp > 1 and lay.schedule == "zb-v":
+        # ZB-V accumulates unsharded: fp32 sums (4 B) plus, in mixed precision, the 16-bit gradients of the
+        # weight-gradient passes not yet folded into them (2 B); the fp32 shards appear only after the step
+        grads = 4.0 + (2.0 if mixed else 0.0)
+    optimizer = 0.0 if lay.dp_mode == "ps" else (8 / dp if zero >= 1 else 8.0)
+    return StateBytes(weights, grads, optimizer, unit_weights=unit)
+
+
+def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
+                grads_arrive_after: float | None = None) -> dict[str, float]:
+    """Bytes by kind on a rank holding ``params`` parameters (largest unit ``unit_params``) and keeping
+    ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
+    what no tensor shows — the framework allowance and the allocator's fragmentation (``other``).
+
+    ``grads_arrive_after``: when the activation peak comes before the rank's first backward has produced
+    gradients (one micro-batch, or the pipeline's warm-up peak), the bytes of activations that first backward
+    frees as the gradients appear: the gradients then add only what exceeds them (None: gradients are
+    there at the activation peak — accumulated from earlier micro-batches)."""
+    grads = params * states.grads
+    if grads_arrive_after is not None:
+        grads = max(0.0, grads - grads_arrive_after)
+    out = {"params": params * states.weights + unit_params * states.unit_weights, "grads": grads,
+           "optimizer": params * states.optimizer, "activations": activations}
+    out["other"] = untracked_bytes(gpu, sum(out.values()))
+    return out
+
+
+def untracked_bytes(gpu: GPUSpec, tensor_bytes: float) -> float:
+    """What a process holds beyond its tensors: the framework allowance (CUDA context, workspaces) and the
+    caching allocator's fragmentation on top of ``tensor_bytes``."""
+    return framework_allowance(gpu) + FRAGMENTATION * tensor_bytes
+
+
+def loss_bytes(tokens: float, vocab: int, tp: int, framework, pipelined: bool) -> tuple[float, float]:
+    """(kept, working): what the cross-entropy of one micro-batch of ``tokens`` tokens holds beyond the
+    log-probabilities the profile saves, traced in the executor's dry run (executor/trace.py):
+
+    - working, live while its backward runs: without tensor parallelism (``F.cross_entropy`` on fp32
+      logits) nll_loss's and log_softmax's gradients, fp32 each: 8·T·V bytes; with it (torch's
+      ``loss_parallel`` on vocabulary shards) the gradient buffer, the exponentials and their sum: 12·T·V/t;
+    - kept until its backward, per micro-batch in flight: on a pipeline's last stage the schedule holds the
+      stage's output, the 16-bit logits: 2·T·V/t.
+    Megatron's fused vocab-parallel cross-entropy computes its gradient in the buffer it saved: nothing more.
+    """
+    if framework.states != "executor":
+        return 0.0, 0.0
+    shard = tokens * vocab / tp
+    return (2 * shard if pipelined else 0.0), (8 * shard if tp == 1 else 12 * shard)
+
+
+def embedding_grad_bytes(spec, tp: int, dtype: str, framework) -> float:
+    """Live while a vocabulary-parallel embedding's backward runs under this executor: DTensor computes the
+    weight gradient over the whole vocabulary (V·h in the compute dtype) before keeping its shard (traced:
+    ``embedding_dense_backward`` returns (V, h) on every tensor-parallel rank)."""
+    if framework.states != "executor" or tp == 1 or not spec.is_transformer:
+        return 0.0
+    return spec.vocab_size * spec.hidden_size * (4 if dtype == "fp32" else 2)

@@ -175,7 +175,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
                   f"{q.time_s['dp_comm']:.3g} s |")
     md += ["", "## The search", "",
            f"{len(result.candidates):,} candidate layouts in {result.search_time_s:.2f} s "
-           f"({result.ilp_solves} stage-split ILPs solved with PuLP/CBC):", ""]
+           f"({result.ilp_solves} stage-split ILPs solved through PuLP):", "",
+           *(f"- note: {n}" for n in result.notes), *([""] if result.notes else [])]
     labels = {"ok": "priced exactly with their ILP stage split", "priced": "priced at a balanced split only "
               "(over 5% behind the top plans, or the ILP's bound showed no split beats them)",
               "pruned": "pruned by a lower bound that cannot beat the top plans",

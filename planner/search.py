@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 
 from paraplan.models import TransformerSpec
 
-from .costmodel import ADAM_BYTES_PER_PARAM, CostModel, Prediction
+from .concerns import RankLoad
+from .costmodel import CostModel, Prediction
+from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
 from .ilp import best_partition, modes_for
 from .layout import Layout
-from .memory import framework_allowance, model_state_bytes
-from .placement import placement
+from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .schedules import in_flight
 from .workload import Workload
 
@@ -46,6 +47,7 @@ class Candidate:
     stages: list[list[int]] | None = None
     stage_recompute: list[str] | None = None
     no_fit: frozenset[str] = frozenset()  # recomputation modes whose memory lower bound exceeds the GPU
+    solver: str = ""  # how the ILP ended for this layout (optimal, time limit, or why no solver ran)
 
     @property
     def time_s(self) -> float:
@@ -53,7 +55,7 @@ class Candidate:
 
     def status_text(self) -> str:
         if self.status == "ok":
-            return "ok"
+            return f"ok ({self.solver})" if self.solver.startswith("solver failed") else "ok"
         if self.status == "oom":
             return self.reason
         if self.status == "pruned":
@@ -144,29 +146,35 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     micro-batches as the schedule's least-loaded stage, plus the framework allowance.
     """
     work = model.work
-    place = placement(work.cluster, lay.dp, lay.tp, lay.pp)
-    tables = {u: model._table(lay, place, u) for u in modes}
-    base = model._table(lay, place, "none").sums  # fwd, bwd_in, bwd_w, recompute, tp_fwd, tp_bwd, acts, params
-    params = base[7][-1]
+    totals = {u: model.totals(lay, u) for u in {*modes, "none"}}
+    base = totals["none"]
+    params = base["params"]
     head = work.profile(lay.dtype).layers[-1]
     if head.tied_params:  # a tied embedding/head weight: one copy where both ends share a rank (the least)
-        params -= head.tied_params * model._table(lay, place, "none").costs[-1].params / head.params
-    acts = {u: t.sums[6][-1] for u, t in tables.items()}
-    working = {u: max(t.working) for u, t in tables.items()}
+        params -= head.tied_params * base["head_params"] / head.params
+    acts = {u: totals[u]["act_bytes"] for u in modes}
+    working = {u: totals[u]["working"] for u in modes}
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
     gpu = work.cluster.gpu
-    states = sum(model_state_bytes(params, lay.dtype, lay.zero, lay.dp, lay.dp_mode == "ps"))
     schedule = lay.schedule if p > 1 else "1f1b"
-    least = [min(d.values()) if d else 1 for d in in_flight(schedule, p, v, m)]
-    allowance = framework_allowance(gpu)
+    flights = in_flight(schedule, p, v, m)
+    least = [min(d.values()) if d else 1 for d in flights]
+    # model states over the whole model, per rank (memory.state_bytes): gradients only where they are sure to
+    # meet the activation peak (CostModel.grads_at_activation_peak), the rest always
+    per = state_bytes(work.framework, lay)
+    states = [params * (per.weights + per.optimizer
+                        + (per.grads if model.grads_at_activation_peak(lay, tuple(d), d) else 0.0))
+              for d in flights]
+    allowance = untracked_bytes(gpu, 0.0)
     # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
-    times = {u: sum(t.sums[k][-1] for k in (0, 1, 2, 3, 4, 5)) for u, t in tables.items()}
-    total = base[0][-1] + base[1][-1] + base[2][-1] + base[4][-1] + base[5][-1]
-    room = gpu.memory_bytes - allowance
+    timed = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd")
+    times = {u: sum(totals[u][k] for k in timed) for u in modes}
+    total = sum(base[k] for k in ("fwd", "bwd_input", "bwd_weight", "tp_fwd", "tp_bwd"))
+    room = (gpu.memory_bytes - allowance) / (1 + FRAGMENTATION)
     cheapest = min(times, key=times.get)
     if forced_recomputation and len(modes) > 1 and \
-            1.0 / sum(1.0 / (states + f * acts[cheapest]) for f in least) > room:
-        total = max(total, recomputation_bound(times, acts, states, least, room))
+            1.0 / sum(1.0 / (st + f * acts[cheapest]) for st, f in zip(states, least, strict=True)) > room:
+        total = max(total, recomputation_bound(times, acts, min(states), least, room))
     per_rank = total / p
     if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
         pipe = (m - 1) * per_rank + total
@@ -174,12 +182,14 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
         pipe = m * per_rank + (p - 1) / v * per_rank
     else:
         pipe = m * per_rank
-    opt_params = 0.0 if lay.dp_mode == "ps" else (params / p / lay.dp if lay.zero >= 1 else params / p)
-    opt = opt_params * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+    opt = optimizer_step(model, lay).at(RankLoad(params=params / p))
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
-    # phi_r·(states + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
-    # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states + f_r·acts).
-    memory = {u: 1.0 / sum(1.0 / (states + f * acts[u]) for f in least) + working[u] + allowance for u in modes}
+    # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
+    # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
+    memory = {}
+    for u in modes:
+        tensors = 1.0 / sum(1.0 / (st + f * acts[u]) for st, f in zip(states, least, strict=True)) + working[u]
+        memory[u] = tensors + untracked_bytes(gpu, tensors)
     return pipe + opt, memory
 
 
@@ -365,6 +375,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                     continue
                 cand.status, cand.prediction = "ok", part.prediction
                 cand.stages, cand.stage_recompute = part.stages, part.recompute
+                cand.solver = part.ilp_status
                 cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
                 heapq.heappush(best_times, -part.prediction.iteration_time_s)
                 if len(best_times) > top_k:
@@ -374,8 +385,13 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         if cand.status == "pruned":
             cand.reason = f"{top_k} ({final:.4g} s)" if final else ""
     ranked = sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.time_s)
+    failed = [c for c in candidates if c.solver.startswith("solver failed")]
+    notes = [f"{len(failed)} layout{'s' if len(failed) > 1 else ''} priced without an ILP solver (it failed to "
+             f"run: {failed[0].solver.split('(', 1)[1].rsplit(')', 1)[0]}); each keeps its balanced split, "
+             "polished by local search"] if failed else []
     return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
-                        search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model)
+                        search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model,
+                        notes=notes)
 
 
 def _summary_mode(modes: list[str]) -> str:

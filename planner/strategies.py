@@ -1,6 +1,7 @@
 """Strategies as users write them on the command line: ``"tp=8,pp=4,dp=2,zero=1"``.
 
-Keys: dp, tp, pp, mb (micro-batch), schedule, v (virtual stages), zero, recompute, sp (sequence
+Keys: dp, tp, pp, cp (context parallel), ep and etp (expert and expert-tensor parallel),
+mb (micro-batch), schedule, v (virtual stages), zero, recompute, sp (sequence
 parallelism: 1/0, true/false), dp_mode (allreduce | ps), ps (parameter servers), staleness, head (a
 class-sharded classifier over this many data-parallel ranks: hybrid parallelism for resnet/vgg/mlp).
 Degrees left out follow from the GPU count: tp and pp default to 1, dp to gpus / (tp x pp).
@@ -11,10 +12,11 @@ from __future__ import annotations
 from .errors import PlanError
 from .layout import DP_MODES, RECOMPUTE, SCHEDULES, Layout
 
-_INT_KEYS = {"dp", "tp", "pp", "mb", "micro_batch", "v", "virtual_stages", "zero", "ps", "ps_servers", "staleness",
-             "head"}
+_INT_KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "mb", "micro_batch", "v", "virtual_stages", "zero", "ps",
+             "ps_servers", "staleness", "head"}
 _ALIASES = {"micro_batch": "mb", "virtual_stages": "v", "ps_servers": "ps", "sequence_parallel": "sp"}
-KEYS = ("dp", "tp", "pp", "mb", "schedule", "v", "zero", "recompute", "sp", "dp_mode", "ps", "staleness", "head")
+KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "mb", "schedule", "v", "zero", "recompute", "sp", "dp_mode", "ps",
+        "staleness", "head")
 
 
 def parse_strategy(text: str) -> dict:
@@ -53,17 +55,17 @@ def parse_strategy(text: str) -> dict:
 
 def strategy_layout(fields: dict, gpus: int | None, global_batch: int, dtype: str, text: str) -> Layout:
     """The Layout a parsed strategy describes on ``gpus`` GPUs (degrees left out are derived)."""
-    tp, pp = fields.get("tp", 1), fields.get("pp", 1)
+    tp, pp, cp = fields.get("tp", 1), fields.get("pp", 1), fields.get("cp", 1)
     if "dp" in fields:
         dp = fields["dp"]
     elif gpus is not None:
-        if gpus % (tp * pp):
-            raise PlanError(f"--strategy {text!r}: tp x pp = {tp * pp} does not divide the {gpus} GPUs")
-        dp = gpus // (tp * pp)
+        if gpus % (tp * pp * cp):
+            raise PlanError(f"--strategy {text!r}: cp x tp x pp = {cp * tp * pp} does not divide the {gpus} GPUs")
+        dp = gpus // (tp * pp * cp)
     else:
         dp = 1
-    if gpus is not None and dp * tp * pp != gpus:
-        raise PlanError(f"--strategy {text!r}: dp x tp x pp = {dp * tp * pp}, not the {gpus} GPUs compared")
+    if gpus is not None and dp * cp * tp * pp != gpus:
+        raise PlanError(f"--strategy {text!r}: dp x cp x tp x pp = {dp * cp * tp * pp}, not the {gpus} GPUs compared")
     v = fields.get("v", 1)
     schedule = fields.get("schedule", "interleaved-1f1b" if v > 1 else "1f1b")
     return Layout(dp=dp, tp=tp, pp=pp, micro_batch=fields.get("mb", 1), global_batch=global_batch,
@@ -71,4 +73,4 @@ def strategy_layout(fields: dict, gpus: int | None, global_batch: int, dtype: st
                   recompute=fields.get("recompute", "none"), sequence_parallel=fields.get("sp", False), dtype=dtype,
                   dp_mode=fields.get("dp_mode", "ps" if "ps" in fields else "allreduce"),
                   ps_servers=fields.get("ps", 1), ps_staleness=fields.get("staleness", 0),
-                  head_parallel=fields.get("head", 1))
+                  head_parallel=fields.get("head", 1), cp=cp, ep=fields.get("ep", 1), etp=fields.get("etp", 1))

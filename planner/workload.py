@@ -16,8 +16,9 @@ from paraplan.models import ModelSpec, load_model_spec, tokens_per_sample
 from paraplan.profiler import ModelProfile, profile_for_planning
 from paraplan.profiler.measurements import find_measurement
 
-from .compute import ATTENTION_KERNELS
 from .errors import PlanError
+from .framework import PARAPLAN, Framework
+from .framework import framework as framework_profile
 
 
 @dataclass
@@ -27,9 +28,7 @@ class Workload:
     cluster_ref: str
     cluster: ClusterSpec
     global_batch: int
-    attention: str = "flash"  # flash (fused SDPA, what torch runs) or unfused (Megatron 2021-22)
-    overlap_dp: bool = True  # gradient buckets reduced during the last backward (DDP, FSDP)
-    overlap_tp: bool = False  # TP all-reduce of input gradients hidden behind weight-gradient GEMMs (Megatron)
+    framework: Framework = PARAPLAN  # the software stack priced (planner/framework.py)
     _profiles: dict[str, ModelProfile] = field(default_factory=dict, repr=False)
     _measurements: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
     _tp_calls: dict[tuple, int] = field(default_factory=dict, repr=False)
@@ -37,8 +36,9 @@ class Workload:
 
     @classmethod
     def create(cls, model: str | ModelSpec, cluster: str | ClusterSpec, global_batch: int,
-               seq_length: int | None = None, nodes: int | None = None, attention: str = "flash",
-               overlap_dp: bool = True, overlap_tp: bool = False) -> Workload:
+               seq_length: int | None = None, nodes: int | None = None, framework: str | Framework = "paraplan",
+               attention: str | None = None, overlap_dp: bool | None = None,
+               overlap_tp: bool | None = None) -> Workload:
         spec = load_model_spec(model) if isinstance(model, str) else model
         if spec.family == "custom":
             raise PlanError(f"{spec.name}: planning needs a zoo model or spec file (a callable's module has no "
@@ -51,12 +51,23 @@ class Workload:
             cluster.with_nodes(nodes) if nodes else cluster)
         if global_batch <= 0:
             raise PlanError(f"--global-batch must be positive, got {global_batch}")
-        if attention not in ATTENTION_KERNELS:
-            raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+        fw = framework_profile(framework, attention, overlap_dp, overlap_tp)
         model_ref = model if isinstance(model, str) else spec.name
         cluster_ref = cluster if isinstance(cluster, str) else cl.name
         return cls(model_ref=model_ref, spec=spec, cluster_ref=cluster_ref, cluster=cl, global_batch=global_batch,
-                   attention=attention, overlap_dp=overlap_dp, overlap_tp=overlap_tp)
+                   framework=fw)
+
+    @property
+    def attention(self) -> str:
+        return self.framework.attention
+
+    @property
+    def overlap_dp(self) -> bool:
+        return self.framework.overlap_dp
+
+    @property
+    def overlap_tp(self) -> bool:
+        return self.framework.overlap_tp
 
     @property
     def seq_length(self) -> int | None:

@@ -6,7 +6,8 @@ Rules (Megatron-LM, Shoeybi et al. 2019 Sec. 3; sequence parallelism, Korthikant
 - A ``region`` (attention, MLP) all-reduces its output in forward (the ``g`` operator) and its input
   gradient in backward (the ``f`` operator); with sequence parallelism each all-reduce becomes an
   all-gather before the region plus a reduce-scatter after it, in both passes.
-- A vocabulary-parallel embedding all-reduces (SP: reduce-scatters) its output in forward.
+- A vocabulary-parallel embedding all-reduces (SP: reduce-scatters) its output in forward; under SP its
+  output gradient is all-gathered over the sequence in backward.
 - A vocabulary-parallel output layer with its parallel cross-entropy all-reduces three fp32 numbers
   per token in forward (max, sum of exponentials, target logit) and its input gradient in backward.
 Collective sizes are those of the full tensor; the cost model turns them into time per algorithm.
@@ -19,7 +20,12 @@ from .records import Collective, TPView
 FP32 = 4
 
 
-def region_collectives(style: str, in_bytes: int, out_bytes: int, tokens: int, sp: bool) -> list[Collective]:
+def region_collectives(style: str, in_bytes: int, out_bytes: int, tokens: int, sp: bool,
+                       embedding_sp: str = "reduce_scatter") -> list[Collective]:
+    """The collectives of one region per micro-batch. ``embedding_sp``: how a vocabulary-parallel embedding
+    hands its output to the sequence-parallel region — Megatron reduce-scatters it; DTensor's
+    RowwiseParallel (this executor) all-reduces it and each rank keeps its shard. Either way the gradient
+    comes back all-gathered over the sequence."""
     if style == "region":
         if sp:
             return [Collective("all_gather", "fwd", in_bytes, "region input"),
@@ -29,7 +35,10 @@ def region_collectives(style: str, in_bytes: int, out_bytes: int, tokens: int, s
         return [Collective("all_reduce", "fwd", out_bytes, "region output"),
                 Collective("all_reduce", "bwd", in_bytes, "input grad")]
     if style == "vocab_embedding":
-        return [Collective("reduce_scatter" if sp else "all_reduce", "fwd", out_bytes, "embedding output")]
+        if not sp:
+            return [Collective("all_reduce", "fwd", out_bytes, "embedding output")]
+        return [Collective(embedding_sp, "fwd", out_bytes, "embedding output"),
+                Collective("all_gather", "bwd", out_bytes, "output grad")]
     if style in ("vocab_head", "class_sharded"):
         out = [Collective("all_reduce", "fwd", 3 * FP32 * tokens, "parallel cross-entropy"),
                Collective("all_reduce", "bwd", in_bytes, "input grad")]

@@ -230,13 +230,27 @@ def test_zero3_moves_one_and_a_half_times_plain_dp(write):
     """ZeRO-3: all-gather parameters in forward and backward, reduce-scatter gradients = 1.5x the
     all-reduce volume (Rajbhandari et al. 2020, Sec. 7.2.2). Priced without overlap on a network so
     slow that compute hides nothing, so the exposed times compare as the volumes do."""
-    work = Workload.create("gpt3-1.3b", write("slow.yaml", SLOW_NET), 8, overlap_dp=False)
+    work = Workload.create("gpt3-1.3b", write("slow.yaml", SLOW_NET), 8, framework="megatron-2021")
     model = CostModel(work)
     times = {}
     for z in (0, 3):
         lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=8, zero=z)
         times[z] = model.evaluate(lay, default_stages(model, lay)).time_s["dp_comm"]
     assert times[3] / times[0] == pytest.approx(1.5, rel=0.02)
+
+
+def test_executor_zero3_moves_what_its_all_reduce_moves(write):
+    """This executor (executor/data_parallel.py) reduces gradients in fp32 but gathers bf16 weights: ZeRO-3's
+    reduce-scatter (4 B) and two all-gathers (2 x 2 B) per parameter carry what the fp32 all-reduce of
+    ZeRO-0 carries (2 x 4 B: ring reduce-scatter + all-gather), so on a network that hides nothing the
+    two take the same time (one micro-batch)."""
+    work = Workload.create("gpt3-1.3b", write("slow.yaml", SLOW_NET), 8, overlap_dp=False)
+    model = CostModel(work)
+    times = {}
+    for z in (0, 3):
+        lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=8, zero=z)
+        times[z] = model.evaluate(lay, default_stages(model, lay)).time_s["dp_comm"]
+    assert times[3] / times[0] == pytest.approx(1.0, rel=0.02)
 
 
 def test_balanced_stages_minimise_the_heaviest():

@@ -17,8 +17,10 @@ from paraplan.planner.schedules import stage_rank
 from paraplan.planner.search import enumerate_layouts, lower_bound, search
 from paraplan.planner.workload import Workload
 
+# 8 blocks; a small vocabulary, so that the layers' activations (what recomputation trades) outweigh the
+# logits' (what it cannot)
 SMALL_GPT = dict(name="gpt-small", family="gpt", num_layers=6, hidden_size=1024, num_attention_heads=16,
-                 vocab_size=32000, seq_length=1024)  # 8 blocks
+                 vocab_size=8192, seq_length=1024)
 # A cluster whose GPUs are small enough that memory binds: some layouts need recomputation or ZeRO.
 TIGHT = """name: tight
 gpu: {name: small, memory_GiB: 2, hbm_GBps: 900, peak_tflops: {fp32: 20, tf32: null, bf16: 150, fp16: 150, fp8: null}}
@@ -44,7 +46,7 @@ def brute_force(model: CostModel, lay: Layout) -> float:
     rank_of = [stage_rank(schedule, s, lay.pp) for s in range(lay.num_stages)]
     best = float("inf")
     for stages in _partitions(n, lay.num_stages):
-        if lay.virtual_stages > 1 and not chunks_balanced(stages, n, model._repeated(lay)):
+        if lay.virtual_stages > 1 and not chunks_balanced(stages, n, model.repeated_blocks(lay)):
             continue
         for per_rank in itertools.product(modes, repeat=lay.pp):
             pred = model.evaluate(lay, stages, [per_rank[r] for r in rank_of])
@@ -113,7 +115,7 @@ def test_search_equals_exhaustive_enumeration(small):
 def test_memory_binding_makes_the_ilp_mix_recomputation(small):
     """Where memory binds, stages may recompute differently — something uniform settings cannot do."""
     model = CostModel(small)
-    lay = Layout(dp=1, tp=2, pp=4, micro_batch=2, global_batch=16, schedule="1f1b", sequence_parallel=True)
+    lay = Layout(dp=1, tp=4, pp=2, micro_batch=4, global_batch=16, schedule="1f1b", sequence_parallel=True)
     part = best_partition(model, lay)
     uniform = []
     for u in modes_for(model):

@@ -12,7 +12,8 @@ from paraplan.planner.workload import Workload
 
 def workload_from_args(args, global_batch: int | None = None) -> Workload:
     return Workload.create(args.model, args.cluster, global_batch or args.global_batch, seq_length=args.seq_len,
-                           nodes=args.nodes)
+                           nodes=args.nodes, framework=args.framework, attention=args.attention,
+                           overlap_dp=args.overlap_dp, overlap_tp=args.overlap_tp)
 
 
 def ensure_calibrated(args, work: Workload, validating: bool = False) -> Workload:
@@ -43,4 +44,5 @@ def layout_from_args(args, work: Workload) -> Layout:
                   schedule=args.schedule, virtual_stages=args.virtual_stages, zero=args.zero,
                   recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   dtype=args.dtype or work.default_dtype(), dp_mode=args.dp_mode, ps_servers=args.ps_servers,
-                  ps_staleness=args.ps_staleness, head_parallel=args.head_parallel)
+                  ps_staleness=args.ps_staleness, head_parallel=args.head_parallel, cp=args.cp, ep=args.ep,
+                  etp=args.etp)

@@ -128,6 +128,8 @@ def _rendezvous_port(args) -> int:
 
 
 def run(args) -> int:
+    if args.dry_run:
+        return dry_run(args)
     if not 0 <= args.node_rank < args.nnodes:
         raise ExecutionError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     job = Job.load(args.plan)
@@ -169,4 +171,21 @@ def run(args) -> int:
                 print_json(json.load(f))
         else:
             print_json({"node_rank": args.node_rank, "nnodes": args.nnodes, "finished": True})
+    return 0
+
+
+def dry_run(args) -> int:
+    """``execute --dry-run``: trace the plan's ranks (executor/dry_run.py) and show traced beside predicted."""
+    from paraplan.executor.dry_run import dry_run as trace_plan
+
+    from .dry_run_table import print_dry_run
+    from .output import stderr
+
+    job = Job.load(args.plan)
+    progress = (lambda line: None) if args.json else (lambda line: stderr.print(line, markup=False, highlight=False))
+    result = trace_plan(job, plan_device_type(job.plan), progress=progress)
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        print_dry_run(result.to_dict(), job)
     return 0

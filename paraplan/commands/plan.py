@@ -12,9 +12,8 @@ from paraplan.planner.refine import simulate_ranked
 from paraplan.planner.report import plan_object, write_report
 from paraplan.planner.scaling import ScalingReplans
 from paraplan.planner.search import SearchResult, search
-from paraplan.planner.workload import Workload
 
-from .common import calibration_labels, ensure_calibrated
+from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
 
 DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
@@ -59,7 +58,7 @@ def run(args) -> int:
                               ("--global-batch", args.global_batch)) if v is None]
     if missing:
         raise PlanError(f"give {', '.join(missing)} too (or no arguments at all for the built-in example)")
-    work = Workload.create(args.model, args.cluster, args.global_batch, seq_length=args.seq_len, nodes=args.nodes)
+    work = workload_from_args(args)
     gpus = args.gpus or work.cluster.num_gpus
     if args.train_tokens is not None and args.train_tokens <= 0:
         raise PlanError(f"--train-tokens must be positive, got {args.train_tokens:g}")
@@ -88,6 +87,7 @@ def run(args) -> int:
     scaling = (lambda: replans.points(result.best)) if replans else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
     calibrated, notes, suffix = calibration_labels(work)
+    notes = notes + result.notes
     if args.json:
         print_json({"best": {**plan_object(result, result.best), "calibrated": calibrated},
                     "top_k": [{**plan_object(result, c), "calibrated": calibrated} for c in result.ranked],

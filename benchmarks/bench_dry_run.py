@@ -1,0 +1,99 @@
+"""Predicted vs traced memory and communication over a spread of plans (the executor's dry run).
+
+Each plan goes through ``paraplan simulate --write-plan`` and ``paraplan execute --dry-run --json``, as a
+user would run them; the script prints, per traced rank, the peak memory traced (tensors, and with the
+allowance both sides add) beside the cost model's prediction, and the worst error over the kinds of
+traffic. Run: .venv/bin/python benchmarks/bench_dry_run.py [--quick] [--big]
+
+--quick runs the spread the tests assert (tests/test_dry_run.py); --big adds the README's llama2-70b plan
+on 64 H100s and a 70B ZeRO-3 plan (minutes each on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "paraplan"]
+MODEL = str(ROOT / "benchmarks" / "data" / "llama-small.yaml")
+GPT = str(ROOT / "benchmarks" / "data" / "gpt-small.yaml")
+
+# (model, cluster, global batch, layout flags): GPT and LLaMA; ZeRO 0-3; TP with and without SP; PP with
+# 1F1B, interleaved and ZB-V; recomputation none / selective / full; with and without accumulation.
+SPREAD = [
+    (MODEL, 16, "--dp 2 --tp 1 --pp 1 --micro-batch 8"),
+    (MODEL, 16, "--dp 2 --tp 1 --pp 1 --micro-batch 2 --zero 1"),
+    (MODEL, 16, "--dp 2 --tp 1 --pp 1 --micro-batch 2 --zero 2"),
+    (MODEL, 16, "--dp 2 --tp 1 --pp 1 --micro-batch 2 --zero 3 --recompute full"),
+    (MODEL, 16, "--dp 1 --tp 2 --pp 1 --micro-batch 4"),
+    (MODEL, 16, "--dp 2 --tp 2 --pp 1 --micro-batch 2 --sequence-parallel --recompute selective"),
+    (MODEL, 16, "--dp 1 --tp 2 --pp 2 --micro-batch 2 --zero 0 --sequence-parallel"),
+    (GPT, 16, "--dp 2 --tp 1 --pp 2 --micro-batch 1 --zero 1"),
+    (GPT, 16, "--dp 1 --tp 2 --pp 2 --micro-batch 1 --schedule interleaved-1f1b --virtual-stages 2"),
+    (MODEL, 16, "--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2"),
+]
+BIG = [
+    ("llama2-70b", 512, "--nodes 8 --dp 8 --tp 4 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2 "
+                        "--sequence-parallel"),
+    ("llama2-70b", 64, "--nodes 4 --dp 32 --tp 1 --pp 1 --micro-batch 1 --zero 3 --recompute full"),
+]
+
+
+def dry_run(model: str, batch: int, flags: str, folder: str) -> dict:
+    plan = os.path.join(folder, "plan.json")
+    cmd = [*CLI, "simulate", "--model", model, "--cluster", "dgx-h100", "--global-batch", str(batch),
+           *flags.split(), "--write-plan", plan, "--json"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run([*CLI, "execute", "--plan", plan, "--dry-run", "--json"], check=True, capture_output=True,
+                         text=True)
+    return json.loads(out.stdout)
+
+
+def errors(rank: dict) -> tuple[float, float, float]:
+    """(peak error, tensor error, worst traffic error) of the prediction relative to the trace."""
+    other = rank["memory_gib"]["other"]
+    predicted_tensors = rank["predicted_memory_gib"] - rank["predicted_memory_breakdown_gib"]["other"]
+    tensor_err = predicted_tensors / rank["tensor_peak_gib"] - 1
+    peak_err = rank["predicted_memory_gib"] / (rank["tensor_peak_gib"] + other) - 1
+    total = sum(rank["comm_bytes"].values())
+    worst = 0.0
+    for kind, got in rank["comm_bytes"].items():
+        want = rank["predicted_comm_bytes"][kind]
+        if max(got, want) > 0.01 * total:  # kinds under 1% of the rank's traffic: absolute, not relative
+            worst = max(worst, abs(want / got - 1) if got else float("inf"))
+    return peak_err, tensor_err, worst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--big", action="store_true")
+    args = ap.parse_args()
+    cases = [(m, b, f) for m, b, f in SPREAD] + (BIG if args.big else [])
+    print(f"{'plan':70s} {'rank':>5s} {'traced':>8s} {'pred':>8s} {'peak':>7s} {'tensors':>8s} {'traffic':>8s} "
+          f"{'secs':>5s}")
+    worst = [0.0, 0.0, 0.0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, batch, flags in cases:
+            t0 = time.perf_counter()
+            result = dry_run(model, batch, flags, tmp)
+            secs = time.perf_counter() - t0
+            name = f"{Path(model).stem} {flags}"
+            for r in result["ranks"]:
+                peak, tensors, traffic = errors(r)
+                worst = [max(w, abs(x)) for w, x in zip(worst, (peak, tensors, traffic), strict=True)]
+                print(f"{name[:70]:70s} {r['rank']:5d} {r['peak_memory_gib']:8.2f} {r['predicted_memory_gib']:8.2f} "
+                      f"{100 * peak:+6.1f}% {100 * tensors:+7.1f}% {100 * traffic:7.1f}% {secs:5.0f}", flush=True)
+    print(f"worst: peak {100 * worst[0]:.1f}%, tensors alone {100 * worst[1]:.1f}%, traffic {100 * worst[2]:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One definition per cost concern, used exactly by the evaluator and in linear form by the ILP.
+
+Each concern of a pipeline rank — the data-parallel gradient sync and ZeRO's gathers, the tied
+embedding's all-reduce, the parameter servers' round, the optimizer step, the model states in memory —
+is written here once, as data over the rank's *load*: its parameters, its forward and backward compute
+per micro-batch, its last backward (the overlap window) and the pipeline's makespan. The cost model
+(costmodel.evaluate) evaluates them exactly on numbers; the stage ILP (ilp.py) evaluates the same
+objects on its LP expressions, where each collective's time becomes its secant (exact for α-β links)
+and each ``max`` an auxiliary variable; the search's lower bound (search.py) takes the same per-parameter
+coefficients. (calculon's "one small class per concern" is the model.)
+
+Vocabulary:
+- :class:`Affine`: c + a·params + f·fwd + b·bwd + w·window + k·makespan + r·replicated over a rank's load;
+- :class:`Sync`: one collective whose message is affine in the rank's load (bytes), with its exact
+  time function and the kind of traffic it is (all_reduce, all_gather, reduce_scatter, send_recv);
+- :class:`Exposure`: ``count`` times what of a Sync the rank waits for: max(floor, time - hidden), with
+  ``hidden`` the compute it overlaps and ``floor`` 0 (it may hide entirely), nothing (it may not), or the
+  time of its last bucket, min(message, bucket) (bucketed overlap: DDP, FSDP units).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+LOAD_FIELDS = ("params", "fwd", "bwd", "window", "makespan", "replicated")
+
+
+@dataclass
+class RankLoad:
+    """What one pipeline rank holds and computes (numbers, or the ILP's LP expressions)."""
+
+    params: object = 0.0  # parameters held (tensor-parallel shard; a tied weight once)
+    fwd: object = 0.0  # forward compute per micro-batch, seconds (no communication)
+    bwd: object = 0.0  # backward compute per micro-batch, seconds
+    window: object = 0.0  # the last micro-batch's backward on this rank (what a bucketed sync overlaps)
+    makespan: object = 0.0  # the pipeline's makespan (asynchronous parameter servers overlap it)
+    replicated: object = 0.0  # of params, those tensor parallelism leaves whole (norms, row-parallel biases)
+
+
+@dataclass(frozen=True)
+class Affine:
+    const: float = 0.0
+    params: float = 0.0
+    fwd: float = 0.0
+    bwd: float = 0.0
+    window: float = 0.0
+    makespan: float = 0.0
+    replicated: float = 0.0
+
+    def at(self, load: RankLoad):
+        out = self.const
+        for name in LOAD_FIELDS:
+            coef = getattr(self, name)
+            if coef:
+                out = out + coef * getattr(load, name)
+        return out
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A message of ``const_bytes + per_param·params + per_replicated·replicated`` bytes (affine in the
+    rank's load) through ``time`` (seconds for n bytes), plus ``extra`` seconds (e.g. a server's update)."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv
+    time: Callable[[float], float]
+    per_param: float = 0.0
+    const_bytes: float = 0.0
+    per_replicated: float = 0.0
+    extra: Affine = field(default_factory=Affine)
+
+    def nbytes(self, load: RankLoad):
+        return self.bytes_affine().at(load)
+
+    def bytes_affine(self) -> Affine:
+        return Affine(const=self.const_bytes, params=self.per_param, replicated=self.per_replicated)
+
+    def seconds(self, load: RankLoad) -> float:
+        return self.time(self.nbytes(load)) + self.extra.at(load)
+
+    def secant(self, guess_bytes: float) -> Affine:
+        """Time as affine in the rank's load: the transfer's secant through ``guess_bytes`` and twice that
+        (exact when the time is α + bytes/β), plus the extra seconds."""
+        x0 = max(guess_bytes, 1.0)
+        y0, y1 = self.time(x0), self.time(2 * x0)
+        slope = (y1 - y0) / x0
+        b = self.bytes_affine()
+        e = self.extra
+        return Affine(const=y0 - slope * x0 + slope * b.const + e.const, params=slope * b.params + e.params,
+                      fwd=e.fwd, bwd=e.bwd, window=e.window, makespan=e.makespan,
+                      replicated=slope * b.replicated + e.replicated)
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """``count`` x max(floor, sync time - hidden): the part of a collective the rank waits for."""
+
+    sync: Sync
+    count: float = 1.0
+    hidden: Affine = field(default_factory=Affine)
+    floor: str = "none"  # "zero": may hide entirely; "none": never below its time - hidden; "bucket": see below
+    bucket_bytes: float = 0.0  # floor "bucket": at least the time of min(message, bucket_bytes)
+    bucket_time: Callable[[float], float] | None = None  # that last bucket's collective (default: the sync's)
+
+    @property
+    def last_bucket_time(self) -> Callable[[float], float]:
+        return self.bucket_time or self.sync.time
+
+    def seconds(self, load: RankLoad) -> float:
+        t = self.sync.seconds(load) - self.hidden.at(load)
+        if self.floor == "zero":
+            t = max(0.0, t)
+        elif self.floor == "bucket":  # the last bucket's collective, min(message, bucket), cannot hide
+            t = max(t, self.last_bucket_time(min(self.sync.nbytes(load), self.bucket_bytes)))
+        return self.count * t
+
+    def traffic(self, load: RankLoad) -> tuple[str, float]:
+        return self.sync.kind, self.count * self.sync.nbytes(load)
+
+
+def exposed_seconds(items: list[Exposure], load: RankLoad) -> float:
+    return sum(e.seconds(load) for e in items)
+
+
+def traffic(items: list[Exposure], load: RankLoad) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for e in items:
+        kind, nbytes = e.traffic(load)
+        out[kind] = out.get(kind, 0.0) + nbytes
+    return out

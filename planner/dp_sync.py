@@ -1,0 +1,181 @@
+"""Data-parallel gradient sync, ZeRO's gathers, the tied embedding and parameter servers: what each
+pipeline rank sends and waits for per iteration, as :class:`~paraplan.planner.concerns.Exposure` items.
+
+By framework (planner/framework.py):
+
+- ``executor`` states (this project's executor, data_parallel.py; per rank of P parameters, fp32
+  gradients, bf16 weights gathered):
+  - ZeRO 0/1: all-reduce of 4·P bytes once per step. Without a pipeline it overlaps the last micro-batch's
+    backward layer by layer (FSDP2's replicate units; DDP's 25 MiB buckets when training in fp32) and the
+    last unit — the chunk's embedding and head — cannot hide; with one, torch's schedule reduces after
+    its last backward, exposed. ZeRO 1 then broadcasts each owner's updated fp32 weights: 4·P bytes,
+    priced as the all-gather they add up to.
+  - ZeRO 2/3: a reduce-scatter of 4·P bytes after every micro-batch's backward, hidden behind the rank's
+    backward compute; ZeRO 2 gathers the bf16 weights (2·P) once per step before the first forward, ZeRO 3
+    for every forward and again for every backward, each hidden behind that pass's compute. Under ZB-V
+    the gradients are reduced once, after the last backward (pipeline.py), exposed.
+- ``zero`` states (Megatron-LM, DeepSpeed): ZeRO 0 all-reduces, ZeRO 1-3 reduce-scatter, the gradients
+  (``Framework.grad_bytes`` per element) once per step, overlapping the last backward when the stack
+  overlaps (bucketed, 25 MiB last bucket); ZeRO 1/2 all-gather the updated 16-bit weights after the step,
+  ZeRO 3 before each micro-batch's forward and backward.
+- A tied embedding split over the first and last pipeline stage: its gradient (V·h/t elements)
+  all-reduced between the two end ranks, exposed (Megatron's embedding group; executor/tied.py).
+- Parameter servers: push and pull through k servers and their optimizer updates (comm.parameter_server_sync),
+  overlapping ``staleness`` iterations when asynchronous.
+"""
+
+from __future__ import annotations
+
+from . import comm
+from .concerns import Affine, Exposure, Sync
+from .layout import Layout
+from .placement import Placement, consecutive_group
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+# Optimizer step traffic per parameter of the shard a rank updates (Adam):
+# - "zero" states (Megatron): fp32 master weights, momentum and variance read and written (24 B), the fp32
+#   gradient read (4 B), the 16-bit weights written (2 B), the gradient-norm clip reading the gradient
+#   again and zeroing writing it (8 B);
+# - "executor" states (torch AdamW on fp32 weights, no clipping, gradients freed): weights, momentum and
+#   variance read and written (24 B), the gradient read (4 B).
+ADAM_BYTES_PER_PARAM = {"zero": 38, "executor": 28}
+
+
+def grad_bytes(work, lay: Layout) -> int:
+    """Bytes per gradient element reduced across data-parallel ranks."""
+    if lay.dtype == "fp32":
+        return 4
+    return 4 if work.framework.states == "executor" else work.framework.grad_bytes
+
+
+def weight_bytes(lay: Layout) -> int:
+    """Bytes per weight element gathered (ZeRO 2/3) in the training dtype."""
+    return 4 if lay.dtype == "fp32" else 2
+
+
+def executor_uses_ddp(lay: Layout) -> bool:
+    """The executor's DistributedDataParallel case (data_parallel.uses_ddp): fp32, ZeRO 0/1, no tp or pp."""
+    return lay.dtype == "fp32" and lay.zero <= 1 and lay.pp == 1 and lay.tp == 1
+
+
+def dp_exposures(model, lay: Layout, place: Placement, rank: int, root_params: float,
+                 tied_elements: float, head_params: float = 0.0) -> list[Exposure]:
+    """What pipeline rank ``rank`` sends and waits for per iteration for data parallelism.
+
+    ``root_params``: the rank's parameters outside transformer layers (the embedding/head unit);
+    ``tied_elements``: the tied embedding's elements on this rank when it is split across the pipeline's
+    ends (0 otherwise); ``head_params``: a class-sharded classifier's parameters on this rank (hybrid).
+    """
+    work = model.work
+    fw, cluster, busy = work.framework, work.cluster, place.gpus_per_node_busy
+    ge, wb = grad_bytes(work, lay), weight_bytes(lay)
+    m = lay.num_micro_batches
+    items: list[Exposure] = []
+    if tied_elements and lay.pp > 1:
+        link = comm.network_share(cluster, busy) if place.pp_cross_node else cluster.intra_node
+        items.append(Exposure(Sync("all_reduce", lambda n: comm.ring_all_reduce(n, 2, link),
+                                   const_bytes=tied_elements * ge)))
+    if lay.dp_mode == "ps":
+        return items + [_parameter_servers(model, lay, place, ge)]
+    if lay.dp == 1:
+        return items
+    all_reduce = lambda n: comm.all_reduce(n, place.dp, cluster, busy)  # noqa: E731
+    gather = lambda n: comm.gather(n, place.dp, cluster, busy)  # noqa: E731
+    window = Affine(window=1.0) if work.overlap_dp else Affine()
+    if lay.head_parallel > 1:  # trunk over every dp rank, each classifier shard over its dp/k holders
+        shard = consecutive_group(cluster, lay.dp // lay.head_parallel, lay.head_parallel)
+        head = head_params * ge
+        both = lambda n: comm.all_reduce(n - head, place.dp, cluster, busy) + comm.all_reduce(  # noqa: E731
+            head, shard, cluster, busy)
+        return items + [Exposure(Sync("all_reduce", both, per_param=ge), hidden=window, floor="bucket",
+                                 bucket_bytes=DDP_BUCKET_BYTES, bucket_time=all_reduce)]
+    if fw.states == "executor":
+        return items + _executor(lay, all_reduce, gather, window, ge, wb, m, root_params)
+    return items + _zero_accounting(lay, fw, all_reduce, gather, window, ge, wb, m)
+
+
+def _executor(lay: Layout, all_reduce, gather, window: Affine, ge: int, wb: int, m: int,
+              root_params: float) -> list[Exposure]:
+    if lay.zero <= 1:
+        if lay.pp == 1:
+            last = DDP_BUCKET_BYTES if executor_uses_ddp(lay) else root_params * ge
+            items = [Exposure(Sync("all_reduce", all_reduce, per_param=ge), hidden=window, floor="bucket",
+                              bucket_bytes=last)]
+        else:  # torch pipelining reduces after the step's last backward
+            items = [Exposure(Sync("all_reduce", all_reduce, per_param=ge))]
+        if lay.zero == 1:  # owners broadcast their updated fp32 weights
+            items.append(Exposure(Sync("all_gather", gather, per_param=4)))
+        return items
+    gathers = Sync("all_gather", gather, per_param=wb)
+    fwd, bwd = Affine(fwd=1.0), Affine(bwd=1.0)
+    if lay.pp > 1 and lay.schedule == "zb-v":  # gradients reduced once, after the last backward
+        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge))]
+    else:
+        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), count=m, hidden=bwd, floor="zero")]
+    if lay.zero == 2:
+        items.append(Exposure(gathers, hidden=fwd, floor="zero"))
+    else:
+        items += [Exposure(gathers, count=m, hidden=fwd, floor="zero"),
+                  Exposure(gathers, count=m, hidden=bwd, floor="zero")]
+    return items
+
+
+def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: int,
+                     m: int) -> list[Exposure]:
+    if lay.zero == 0:
+        return [Exposure(Sync("all_reduce", all_reduce, per_param=ge), hidden=window, floor="bucket",
+                         bucket_bytes=DDP_BUCKET_BYTES)]
+    items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), hidden=window, floor="bucket",
+                      bucket_bytes=DDP_BUCKET_BYTES)]
+    gathers = Sync("all_gather", gather, per_param=wb)
+    if lay.zero == 3:  # weights gathered for every micro-batch's forward and backward
+        items += [Exposure(gathers, count=m, hidden=Affine(fwd=1.0), floor="zero"),
+                  Exposure(gathers, count=m, hidden=Affine(bwd=1.0), floor="zero")]
+    else:
+        items.append(Exposure(gathers))  # updated weight shards gathered after the step
+    return items
+
+
+def _parameter_servers(model, lay: Layout, place: Placement, ge: int) -> Exposure:
+    """Push and pull through ``ps_servers`` servers, and the servers' optimizer updates: once per round
+    when synchronous, once per worker's push when asynchronous (executor/ps_protocol.py)."""
+    work = model.work
+    cluster, gpu = work.cluster, work.cluster.gpu
+    in_node = lay.world_size <= cluster.gpus_per_node
+    steps = 1 if lay.ps_staleness == 0 else lay.dp
+    hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    update = Affine(params=steps * ADAM_BYTES_PER_PARAM[work.framework.states] / lay.ps_servers / hbm)
+    sync = Sync("send_recv", lambda n: comm.parameter_server_sync(n, lay.num_gpus, lay.ps_servers, cluster, in_node,
+                                                                   place.gpus_per_node_busy),
+                per_param=ge, extra=update)
+    if lay.ps_staleness:
+        return Exposure(sync, hidden=Affine(makespan=float(lay.ps_staleness)), floor="zero")
+    return Exposure(sync)
+
+
+def optimizer_step(model, lay: Layout) -> Affine:
+    """Seconds of one rank's optimizer step, affine in its parameters: Adam's memory traffic over the shard
+    it updates (all of them, 1/dp with ZeRO, none when parameter servers update), plus the framework's
+    per-step host cost."""
+    work = model.work
+    gpu = work.cluster.gpu
+    if lay.dp_mode == "ps":
+        share = 0.0
+    else:
+        share = 1.0 / lay.dp if lay.zero >= 1 else 1.0
+    per_param = share * ADAM_BYTES_PER_PARAM[work.framework.states] / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+    return Affine(const=gpu.efficiency.framework("step"), params=per_param)
+
+
+def sequence_parallel_weight_sync(model, lay: Layout, place: Placement) -> Exposure:
+    """Under sequence parallelism each tensor-parallel rank computes the gradient of the weights it keeps
+    whole (norms, row-parallel biases) from its own tokens only, and DTensor all-reduces it over the
+    tensor-parallel group: once per step in fp32 — or, in a pipeline whose ZeRO 2/3 stages reduce every
+    micro-batch (executor/pipeline.py), after each micro-batch's backward, in the 16-bit compute dtype
+    (both traced by the dry run)."""
+    cluster = model.work.cluster
+    sync = lambda n: comm.all_reduce(n, place.tp, cluster, place.gpus_per_node_busy)  # noqa: E731
+    every = lay.pp > 1 and lay.zero >= 2 and lay.dp > 1 and lay.schedule != "zb-v"
+    if every:
+        return Exposure(Sync("all_reduce", sync, per_replicated=weight_bytes(lay)), count=lay.num_micro_batches)
+    return Exposure(Sync("all_reduce", sync, per_replicated=4.0))
