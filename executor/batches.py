@@ -127,8 +127,8 @@ class BatchSource:
     def _token_batch(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.seq_length or self.spec.seq_length
         tokens = corpus_tokens(self.spec.vocab_size)  # (n,)
-        if tokens.numel() < s + 2:
-            raise ValueError(f"the corpus holds {tokens.numel()} tokens, fewer than a sample of {s + 1}")
+        if tokens.numel() < s + 2:  # longer samples than the bundled corpus: read it round and round
+            tokens = tokens.repeat(-(-(s + 2) // tokens.numel()))  # (>= s + 2,)
         starts = torch.randint(0, tokens.numel() - s - 1, (self.global_batch,), generator=gen)  # (B,)
         mine = starts[self.rows()]  # (B/dp,)
         windows = tokens[mine[:, None] + torch.arange(s + 1)]  # (B/dp, s+1)

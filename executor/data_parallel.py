@@ -36,10 +36,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
+# False: never DistributedDataParallel, FSDP2's replicate instead (the same weights, gradients and traffic).
+# The dry run sets it: DDP's reducer needs real collectives, which a fake process group does not give.
+DDP_ALLOWED = True
+
+
 def uses_ddp(zero: int, dp: int, mp_dtype: torch.dtype | None, pipelined: bool, tensor_parallel: bool,
              expert_parallel: bool = False) -> bool:
     """DistributedDataParallel (applied after materialising) rather than an FSDP2 wrapper (applied on meta)."""
-    return dp > 1 and zero <= 1 and mp_dtype is None and not pipelined and not tensor_parallel and not expert_parallel
+    return DDP_ALLOWED and dp > 1 and zero <= 1 and mp_dtype is None and not pipelined and not tensor_parallel \
+        and not expert_parallel
 
 
 def shard_dp(module: nn.Module, zero: int, dp_mesh: DeviceMesh, mp_dtype: torch.dtype | None,
@@ -75,8 +81,10 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> n
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
+    # every rank initialised its weights identically (chunks.materialize: from the seed and each weight's
+    # name), so DDP's start-up check and broadcast of them are skipped (init_sync=False)
     return DistributedDataParallel(module, device_ids=device_ids, process_group=dp_mesh.get_group(),
-                                   gradient_as_bucket_view=True)
+                                   gradient_as_bucket_view=True, init_sync=False)
 
 
 def _per_layer(module: nn.Module, wrap, wrap_experts=lambda m: None) -> nn.Module:

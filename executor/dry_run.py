@@ -249,9 +249,13 @@ def dry_run(job: Job, device_type: str, progress=lambda text: None, processes: i
 
 
 def _quiet_worker() -> None:
-    """One thread per tracing process (they run side by side), and torch's distributed warnings off."""
+    """One thread per tracing process (they run side by side), torch's distributed warnings off, and
+    FSDP2's replicate where the executor would use DDP (data_parallel.DDP_ALLOWED)."""
     import logging
 
+    from . import data_parallel
+
+    data_parallel.DDP_ALLOWED = False
     torch.set_num_threads(1)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
 

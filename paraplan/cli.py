@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
     p.add_argument("--train-tokens", type=float, help="tokens to train on: adds time-to-train and cost")
     p.add_argument("--no-charts", action="store_true", help="skip the charts (faster)")
+    p.add_argument("--verify", action="store_true",
+                   help="dry-run the top plan with the executor's own code (execute --dry-run): a plan whose traced "
+                        "peak exceeds the GPU is dropped for the next (minutes for a large model)")
     _add_common(p)
 
     p = sub.add_parser("compare", help="several strategies and the optimum side by side")

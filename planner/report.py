@@ -44,6 +44,20 @@ def calibration_lines(work) -> list[str]:
     return lines
 
 
+def _trace_line(result: SearchResult, best: Candidate) -> str:
+    """What the executor's dry run said of the chosen plan (plan --verify), or how to have it."""
+    rejected = [c for c in result.candidates if c.status == "traced oom"]
+    before = (f" It replaced {len(rejected)} faster plan{'s' if len(rejected) > 1 else ''} whose traced peak exceeds "
+              f"the GPU ({', '.join(f'{c.layout.short()}: {c.traced_peak_gib:.1f} GiB' for c in rejected)}).") \
+        if rejected else ""
+    if best.traced_peak_gib is None:
+        return ("Memory not checked by the executor's dry run: `paraplan plan --verify`, or `paraplan execute --plan "
+                "plan.json --dry-run`, traces what the executor allocates for this plan.")
+    p = best.prediction
+    return (f"The executor's dry run (`execute --dry-run`) traced a peak of {best.traced_peak_gib:.1f} GiB vs "
+            f"{p.peak_memory_gib:.1f} GiB predicted, of {p.memory_capacity_gib:g} GiB.{before}")
+
+
 def write_candidates_csv(result: SearchResult, path: str) -> None:
     cols = ["rank", "dp", "tp", "pp", "micro_batch", "num_micro_batches", "schedule", "virtual_stages", "zero",
             "sequence_parallel", "recompute", "status", "iteration_time_s", "tokens_per_s", "mfu",
@@ -163,6 +177,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
           f"{p.memory_gib['params']:.1f}, grads {p.memory_gib['grads']:.1f}, optimizer {p.memory_gib['optimizer']:.1f},"
           f" activations {p.memory_gib['activations']:.1f}, other {p.memory_gib['other']:.1f}) |",
           f"| stages | {', '.join(str(len(s)) for s in best.stages)} blocks |", "",
+          _trace_line(result, best), "",
           *_money(result, p, train_tokens), "",
           "Why this layout:", "", *[f"- {x}" for x in _why(result)], "",
           "## Top plans", "",

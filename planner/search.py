@@ -49,6 +49,7 @@ class Candidate:
     no_fit: frozenset[str] = frozenset()  # recomputation modes whose memory lower bound exceeds the GPU
     solver: str = ""  # how the ILP ended for this layout (optimal, time limit, or why no solver ran)
 
+    traced_peak_gib: float | None = None  # the executor's dry run of its plan (plan --verify), where run
     @property
     def time_s(self) -> float:
         return self.prediction.iteration_time_s if self.prediction is not None else float("inf")
@@ -59,6 +60,8 @@ class Candidate:
         if self.status == "oom":
             return self.reason
         if self.status == "pruned":
+        if self.status == "traced oom":
+            return f"out of memory by the executor's dry run: traced peak {self.traced_peak_gib:.1f} GiB"
             return f"ok (not solved: its lower bound {self.lower_bound_s:.4g} s cannot beat the top {self.reason})"
         if self.status == "priced" and self.reason == "bound":
             return "ok (balanced split only: the ILP's bound shows no split of it beats the top plans)"
@@ -86,6 +89,11 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
     @property
+    def reject_traced(self, cand: Candidate, traced_peak_gib: float) -> None:
+        """The executor's dry run found ``cand`` over the GPU's memory: it leaves the ranking."""
+        cand.status, cand.traced_peak_gib = "traced oom", traced_peak_gib
+        self.ranked = [c for c in self.ranked if c is not cand]
+
     def num_feasible(self) -> int:
         """Candidates that are valid and not known to run out of memory."""
         return sum(1 for c in self.candidates if c.status not in ("oom", "invalid"))

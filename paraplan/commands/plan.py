@@ -12,6 +12,7 @@ from paraplan.planner.refine import simulate_ranked
 from paraplan.planner.report import plan_object, write_report
 from paraplan.planner.scaling import ScalingReplans
 from paraplan.planner.search import SearchResult, search
+from paraplan.planner.workload import Workload
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
@@ -84,6 +85,11 @@ def run(args) -> int:
     finally:
         if bar:
             bar.stop()
+    if args.verify:
+        verify_by_dry_run(result, work, args.json)
+        if result.best is None:
+            raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
+                c.status_text() for c in result.candidates if c.status == "traced oom"))
     scaling = (lambda: replans.points(result.best)) if replans else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
     calibrated, notes, suffix = calibration_labels(work)
@@ -117,3 +123,31 @@ def run(args) -> int:
     stdout.print(f"searched {len(result.candidates):,} layouts ({result.num_feasible:,} not rejected) in "
                  f"{result.search_time_s:.2f} s, {result.ilp_solves} ILPs; report: {files['report']}")
     return 0
+
+
+def verify_by_dry_run(result: SearchResult, work: Workload, quiet: bool) -> None:
+    """Dry-run the ranked plans in order (executor/dry_run.py) until one fits by its trace; each that does
+    not leaves the ranking. The winner records its traced peak for the report."""
+    import tempfile
+
+    from paraplan.executor.dry_run import dry_run
+    from paraplan.executor.job import Job
+    from paraplan.executor.machine import plan_device_type
+    from paraplan.planner.report import write_plan
+
+    say = (lambda line: None) if quiet else (lambda line: stderr.print(line, markup=False, highlight=False))
+    for cand in list(result.ranked):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "plan.json")
+            write_plan(result, cand, path)
+            job = Job.load(path)
+            say(f"verifying {cand.layout.short()} with the executor's dry run")
+            traced = dry_run(job, plan_device_type(job.plan), progress=say).to_dict()
+        cand.traced_peak_gib = traced["peak_memory_gib"]
+        if traced["fits"] is not False:
+            say(f"traced peak {traced['peak_memory_gib']:.1f} GiB vs {cand.prediction.peak_memory_gib:.1f} GiB "
+                f"predicted: fits")
+            return
+        say(f"traced peak {traced['peak_memory_gib']:.1f} GiB exceeds the GPU's {work.cluster.gpu.memory_GiB:g} "
+            "GiB: trying the next plan")
+        result.reject_traced(cand, traced["peak_memory_gib"])

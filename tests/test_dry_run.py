@@ -1,0 +1,120 @@
+"""The executor's dry run (issue 12): the plan's own code at full world size on a fake process group, and the
+cost model's prediction beside it — peak memory within 10% on every traced rank, bytes within 5% per kind.
+
+The spread (benchmarks/bench_dry_run.py's) covers GPT and LLaMA, ZeRO 0-3, tensor parallelism with and
+without sequence parallelism, pipelines under 1F1B, interleaving and ZB-V, recomputation none / selective /
+full, with and without gradient accumulation. Sizes are small (4 layers, h=1024) so that tracing is quick; the
+model states, activations, logits and collectives all matter at that size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from paraplan.executor.dry_run import dry_run
+from paraplan.executor.job import Job
+
+_spec = importlib.util.spec_from_file_location("bench_dry_run", ROOT / "benchmarks" / "bench_dry_run.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+CLI = [sys.executable, "-m", "paraplan"]
+
+
+def _plan(tmp_path, model: str, batch: int, flags: str) -> str:
+    path = str(tmp_path / "plan.json")
+    p = subprocess.run([*CLI, "simulate", "--model", model, "--cluster", "dgx-h100", "--global-batch", str(batch),
+                        *flags.split(), "--write-plan", path, "--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return path
+
+
+@pytest.mark.parametrize("case", bench.SPREAD, ids=lambda c: f"{c[0].rsplit('/', 1)[-1][:-5]} {c[2]}")
+def test_prediction_matches_the_trace(tmp_path, case):
+    model, batch, flags = case
+    job = Job.load(_plan(tmp_path, model, batch, flags))
+    result = dry_run(job, "cuda").to_dict()
+    assert len(result["ranks"]) == job.layout.pp  # one traced rank per pipeline stage
+    for rank in result["ranks"]:
+        peak_err, _, traffic_err = bench.errors(rank)
+        assert abs(peak_err) <= 0.10, (rank["rank"], rank["peak_memory_gib"], rank["predicted_memory_gib"])
+        assert traffic_err <= 0.05, (rank["rank"], rank["comm_bytes"], rank["predicted_comm_bytes"])
+        assert rank["flops"] > 0
+
+
+def test_cli_contract_and_table(tmp_path):
+    plan = _plan(tmp_path, "gpt-tiny", 8, "--dp 2 --tp 1 --pp 2 --micro-batch 2")
+    p = subprocess.run([*CLI, "execute", "--plan", plan, "--dry-run", "--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["dry_run"] is True and r["world_size"] == 4 and r["fits"] is True
+    assert [x["pp_rank"] for x in r["ranks"]] == [0, 1]
+    for x in r["ranks"]:
+        assert set(x["memory_gib"]) == {"params", "grads", "optimizer", "activations", "other"}
+        assert set(x["comm_bytes"]) == set(x["predicted_comm_bytes"]) == set(bench_kinds())
+        assert x["comm_bytes"]["send_recv"] > 0  # the pipeline's sends and receives
+    assert r["peak_memory_gib"] == max(x["peak_memory_gib"] for x in r["ranks"])
+    p = subprocess.run([*CLI, "execute", "--plan", plan, "--dry-run"], capture_output=True, text=True)
+    assert p.returncode == 0 and "traced peak" in p.stdout and "all_reduce" in p.stdout
+
+
+def bench_kinds():
+    return ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def test_a_plan_the_executor_cannot_run_fails_in_one_line(tmp_path):
+    plan = _plan(tmp_path, "gpt-tiny", 8, "--dp 1 --tp 2 --pp 1 --micro-batch 2")
+    data = json.loads(open(plan).read())
+    data["tp"] = 3  # the executor shards whole heads: 3 does not divide gpt-tiny's 4
+    with open(plan, "w") as f:
+        json.dump(data, f)
+    p = subprocess.run([*CLI, "execute", "--plan", plan, "--dry-run"], capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "tp 3" in p.stderr
+
+
+def test_plan_verify_drops_a_plan_whose_trace_does_not_fit(tmp_path, monkeypatch):
+    """plan --verify: the first plan's traced peak exceeds the GPU, so the next one is chosen and the report says
+    both (the dry run is stubbed here with a verdict; the tests above check the dry run itself)."""
+    import paraplan.executor.dry_run as dr
+    from paraplan.commands.plan import verify_by_dry_run
+    from paraplan.planner.search import search
+    from paraplan.planner.workload import Workload
+
+    work = Workload.create("gpt-tiny", "dgx-h100", 16, nodes=1)
+    result = search(work, 2, top_k=3)
+    first = result.best
+    verdicts = iter([False, True])
+
+    class Traced:
+        def __init__(self, fits):
+            self.fits = fits
+
+        def to_dict(self):
+            return {"fits": self.fits, "peak_memory_gib": 99.0 if not self.fits else 1.0}
+
+    monkeypatch.setattr(dr, "dry_run", lambda job, device, progress: Traced(next(verdicts)))
+    verify_by_dry_run(result, work, quiet=True)
+    assert result.best is not first and first.status == "traced oom"
+    assert result.best.traced_peak_gib == 1.0
+    assert "99.0 GiB" in first.status_text()
+
+
+@pytest.mark.slow
+def test_the_readme_demo_plan_fits_by_its_trace(tmp_path):
+    """The README's example: llama2-70b on 8 DGX H100 nodes, global batch 512 — the planner's pick dry-runs
+    at full world size (64 ranks) and fits 80 GiB by the trace, within 10% of the prediction."""
+    out = tmp_path / "report"
+    p = subprocess.run([*CLI, "plan", "--out", str(out), "--no-charts", "--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    job = Job.load(str(out / "plan.json"))
+    result = dry_run(job, "cuda").to_dict()
+    assert result["world_size"] == 64 and result["fits"] is True
+    for rank in result["ranks"]:
+        assert abs(bench.errors(rank)[0]) <= 0.10
