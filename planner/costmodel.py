@@ -305,6 +305,10 @@ class CostModel:
         """Is the model embedding + identical layers + head (the ILP's integer-count form)?"""
         layers = self.work.profile(lay.dtype).layers
         return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
+    def host_cost(self, event: str) -> float:
+        """Seconds the framework costs on the host per ``event`` (calibrated; 0 where not measured)."""
+        return self._framework[event]
+
                 and len({x.signature for x in layers[1:-1]}) == 1)
 
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:

@@ -232,16 +232,23 @@ def recomputation_bound(times: dict[str, float], acts: dict[str, float], states:
 def _layout_key(x: Layout) -> tuple:
     """What tells enumerated layouts apart (recomputation is the ILP's choice, not the layout's)."""
     return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel,
-            x.head_parallel)
+            x.head_parallel, x.cp, x.ep, x.etp)
 
 
-def _dominated_by(lay: Layout, valid: set[tuple]) -> str | None:
-    """A layout that another valid layout matches in time with less memory, under this cost model:
-    sequence parallelism on (same collective volume, less memory and less replicated work), ZeRO-2 over
-    ZeRO-1 (same traffic, sharded gradients), 1F1B over GPipe (same bubble, fewer micro-batches in flight)."""
-    if lay.tp > 1 and not lay.sequence_parallel and _layout_key(lay.replace(sequence_parallel=True)) in valid:
+def _dominated_by(lay: Layout, valid: set[tuple], model: CostModel) -> str | None:
+    """A layout that another valid layout matches in time with less memory, under this cost model — only
+    where the two cost exactly the same time (sound pruning):
+    - 1F1B over GPipe: the same bubble, fewer micro-batches in flight, the same everything else;
+    - sequence parallelism on, and ZeRO-2 over ZeRO-1, only under ZeRO's accounting (Megatron-style stacks)
+      without measured per-call host costs: there the collective volumes are equal (all-reduce = reduce-
+      scatter + all-gather) and only memory differs. This executor's SP adds a per-step sync of the weights
+      TP keeps whole and its ZeRO-2 reduce-scatters every micro-batch, and a calibrated machine charges each
+      SP module call and FSDP unit: then both variants are priced, never pruned."""
+    free = model.work.framework.states == "zero"
+    if lay.tp > 1 and not lay.sequence_parallel and free and not model.host_cost("tp_module") \
+            and _layout_key(lay.replace(sequence_parallel=True)) in valid:
         return "sequence parallelism on"
-    if lay.zero == 1 and _layout_key(lay.replace(zero=2)) in valid:
+    if lay.zero == 1 and free and not model.host_cost("fsdp_unit") and _layout_key(lay.replace(zero=2)) in valid:
         return "ZeRO-2"
     if lay.schedule == "gpipe" and _layout_key(lay.replace(schedule="1f1b")) in valid:
         return "1f1b"
@@ -308,7 +315,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     capacity = work.cluster.gpu.memory_bytes
     alive: list[Candidate] = []
     for cand in valid:
-        better = _dominated_by(cand.layout, keys)
+        better = _dominated_by(cand.layout, keys, model)
         if better:
             cand.status, cand.reason = "dominated", better
             continue

@@ -112,6 +112,40 @@ def test_search_equals_exhaustive_enumeration(small):
     assert all(a.time_s <= b.time_s for a, b in itertools.pairwise(result.ranked))
 
 
+# The tight cluster once `paraplan calibrate` has measured a framework's host costs per event: every
+# sequence-parallel module call and FSDP unit now costs time, so pruning SP-off for SP-on, or ZeRO-1 for
+# ZeRO-2, as "the same time with less memory" would be unsound (issue 12).
+CALIBRATED = TIGHT.replace(
+    "peak_tflops: {fp32: 20, tf32: null, bf16: 150, fp16: 150, fp8: null}}",
+    "peak_tflops: {fp32: 20, tf32: null, bf16: 150, fp16: 150, fp8: null}, efficiency: {matmul: {default: "
+    "[[1.0e+6, 0.02], [1.0e+9, 0.3], [1.0e+12, 0.7]]}, memory_bound: 0.8, op_overhead_us: 4.0, framework_us: "
+    "{step: 900, micro_batch: 150, tp_module: 40, fsdp_unit: 120, pp_action: 60}}}")
+
+
+@pytest.mark.parametrize("framework", ["paraplan", "megatron-2021"])
+def test_search_equals_exhaustive_enumeration_on_a_calibrated_cluster(write, framework):
+    """With measured host costs the search (exhaustive mode) still equals brute force over every layout and
+    split — under this executor's accounting and under ZeRO's (where, uncalibrated, it prunes by dominance)."""
+    work = Workload.create(spec_from_mapping(SMALL_GPT, "test"), write("calibrated.yaml", CALIBRATED), 16,
+                           framework=framework)
+    assert work.cluster.gpu.efficiency.framework("tp_module") > 0
+    model = CostModel(work)
+    exhaustive = float("inf")
+    for lay in enumerate_layouts(work, 8, "bf16"):
+        if lay.micro_batch > 1:
+            continue
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        exhaustive = min(exhaustive, brute_force(model, lay))
+    layouts = [lay for lay in enumerate_layouts(work, 8, "bf16") if lay.micro_batch == 1]
+    result = search(work, 8, top_k=3, refine_slack=None, layouts=layouts)
+    assert result.best.time_s == pytest.approx(exhaustive, rel=1e-9)
+    assert not any(c.status == "dominated" and c.reason in ("sequence parallelism on", "ZeRO-2")
+                   for c in result.candidates)
+
+
 def test_memory_binding_makes_the_ilp_mix_recomputation(small):
     """Where memory binds, stages may recompute differently — something uniform settings cannot do."""
     model = CostModel(small)
