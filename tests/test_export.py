@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import types
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ import pytest
 
 from conftest import ROOT, assert_one_line_error, run_cli
 from paraplan.cli import main
-from paraplan.models import TransformerSpec, load_model_spec
+from paraplan.models import TransformerSpec, count_parameters, load_model_spec
 from paraplan.planner.exports import ExportRefused, export_plan, report_lines
 from paraplan.planner.exports.common import StageShape
 from paraplan.planner.exports.megatron import layout_string, stage_args
@@ -287,6 +288,9 @@ def parse_torchtitan(tools, toml_text: str | None, tmp_path: Path, world_size: i
         path = tmp_path / "torchtitan.toml"
         path.write_text(toml_text)
         args = ["--job.config_file", str(path)]
+        assets = tomllib.loads(toml_text)["model"]["hf_assets_path"]
+    else:
+        assets = args[list(args).index("--model.hf_assets_path") + 1]
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
@@ -294,7 +298,7 @@ def parse_torchtitan(tools, toml_text: str | None, tmp_path: Path, world_size: i
     cwd = os.getcwd()
     try:
         os.chdir(tmp_path)  # the flavor's HF assets folder is relative; torchtitan warns when it is missing
-        (tmp_path / "assets" / "hf" / "Llama-3.1-8B").mkdir(parents=True, exist_ok=True)
+        (tmp_path / assets).mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             cfg = config_manager().parse_args(list(args))
@@ -307,6 +311,92 @@ def parse_torchtitan(tools, toml_text: str | None, tmp_path: Path, world_size: i
                          cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
                          ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world_size)
     return cfg, dims
+
+
+# torchtitan's data, tokenizer and metrics plumbing needs packages its CPU test install lacks (tokenizers, datasets,
+# torchdata, tensorboard), and its MoE kernels need triton: stand-ins where those do not import, so that the
+# models, their args and train specs (all real) import.
+TORCHTITAN_STAND_INS = ("torchtitan.components.tokenizer", "torchtitan.components.dataloader",
+                        "torchtitan.components.metrics", "torchtitan.hf_datasets.text_datasets",
+                        "torchtitan.models.moe.kernels")
+
+
+@pytest.fixture(scope="module")
+def torchtitan_models(torchtitan_config):
+    """torchtitan's model registry (get_train_spec, register_train_spec's table), with stand-ins for the
+    training-only modules that do not import here."""
+    def stand_in(name: str) -> types.ModuleType:
+        module = types.ModuleType(name)
+
+        def placeholder(attr: str):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return type(attr, (), {})
+
+        module.__getattr__ = placeholder
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script_method, used by torch modules it loads
+        for name in TORCHTITAN_STAND_INS:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                sys.modules[name] = stand_in(name)
+        from torchtitan.protocols import train_spec
+
+        for model in ("llama3", "llama4", "qwen3", "deepseek_v3"):
+            importlib.import_module(f"torchtitan.models.{model}")
+    return train_spec
+
+
+def check_flavor_module(registry, module_path: Path, cfg, spec: TransformerSpec, forward: bool = False):
+    """Import the exported flavor module as torchtitan's trainer does (custom_import, then get_train_spec and the
+    flavor's args updated from the job config), build the model on the meta device and check it has the plan's
+    parameter count (``forward``: then run it); returns the train spec and the model."""
+    import torch
+
+    assert cfg.experimental.custom_import == module_path.stem
+    found = importlib.util.spec_from_file_location(module_path.stem, module_path)
+    module = importlib.util.module_from_spec(found)
+    try:
+        found.loader.exec_module(module)
+        train_spec = registry.get_train_spec(cfg.model.name)
+    finally:
+        registry._extra_train_specs.pop(cfg.model.name, None)  # each test registers its own
+    assert (module.NAME, module.FLAVOR) == (cfg.model.name, cfg.model.flavor) == (module.NAME, spec.name)
+    args = train_spec.model_args[cfg.model.flavor]
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = train_spec.model_cls(args)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(spec) == module.NUM_PARAMETERS
+    assert cfg.parallelism.pipeline_parallel_degree == 1 or train_spec.pipelining_fn is not None
+    if forward:  # a real step's forward pass on the CPU (torchtitan's MoE routing needs a GPU: dense models only)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+            logits = model(torch.randint(0, spec.vocab_size, (2, cfg.training.seq_len)))  # (b, s, V)
+        assert logits.shape == (2, cfg.training.seq_len, spec.vocab_size) and torch.isfinite(logits).all()
+    return train_spec, model
+
+
+def _tiny_plan(path: Path, model: str, *layout: str, batch: str = "16") -> Plan:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["simulate", "--model", model, "--cluster", "dgx-h100", "--global-batch", batch, "--micro-batch",
+                     "2", *layout, "--write-plan", str(path), "--json"])
+    assert code == 0
+    return Plan.read(str(path))
+
+
+def export_torchtitan(tmp_path: Path, plan: Plan, name: str, tools) -> tuple[subprocess.CompletedProcess, object]:
+    """``paraplan export --to torchtitan --out <tmp>/<name>.toml`` of ``plan``, and torchtitan's reading of it."""
+    plan_path = tmp_path / f"{name}.json"
+    plan.write(str(plan_path))
+    p = cli("export", "--plan", str(plan_path), "--to", "torchtitan", "--out", str(tmp_path / f"{name}.toml"))
+    assert p.returncode == 0, p.stderr
+    cfg, _ = parse_torchtitan(tools, (tmp_path / f"{name}.toml").read_text(), tmp_path, plan.layout.world_size)
+    return p, cfg
 
 
 def test_torchtitan_reads_the_3d_and_zero3_plans(plans, tmp_path, torchtitan_config):
@@ -370,13 +460,151 @@ def test_torchtitan_command_line_form_is_the_same_config(plans, tmp_path, torcht
     assert from_cli.parallelism.tensor_parallel_degree == plan.layout.tp
 
 
-def test_torchtitan_refuses_models_without_a_flavor_and_fp16(plans):
+def test_torchtitan_trains_any_dense_llama_through_a_flavor_module(plans, tmp_path, torchtitan_config,
+                                                                  torchtitan_models):
+    """A model without a registered flavor: the TOML names a flavor module written beside it, which registers
+    torchtitan's llama3 with the plan's exact shape (layers, widths, heads, SwiGLU width, vocabulary)."""
+    plan = _tiny_plan(tmp_path / "p.json", "llama-tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--schedule",
+                      "1f1b", "--sequence-parallel")
+    p, cfg = export_torchtitan(tmp_path, plan, "job", torchtitan_config)
+    assert str(tmp_path / "job_model.py") in p.stdout and "PYTHONPATH=" + str(tmp_path) in p.stdout
+    assert "hf_assets_path (./assets/hf/llama-tiny)" in p.stderr  # the tokenizer it needs: said
+    assert (cfg.model.name, cfg.model.flavor, cfg.experimental.custom_import) == ("paraplan_llama3", "llama-tiny",
+                                                                                  "job_model")
+    spec = load_model_spec("llama-tiny")
+    train_spec, model = check_flavor_module(torchtitan_models, tmp_path / "job_model.py", cfg, spec, forward=True)
+    assert model.layers["0"].feed_forward.w1.weight.shape == (spec.ffn_size, spec.hidden_size)
+    assert model.layers["0"].attention.wk.weight.shape == (spec.kv_heads * spec.head_dim, spec.hidden_size)
+    assert model.freqs_cis.shape == (plan.seq_length or spec.seq_length, spec.head_dim // 2)
+    assert [sum(n.startswith("layers.") for n in part) for part in cfg.parallelism.module_fqns_per_model_part] == \
+        [sum(n.startswith("layers.") for n in s) for s in plan.stages]
+    # plain RoPE, base 10000, as paraplan's LLaMA: the scaling is off
+    args = train_spec.model_args["llama-tiny"]
+    assert (args.rope_theta, args.rope_scaling_args.scaling_factor, args.norm_eps) == (10000.0, 1.0, 1e-5)
+
+    # a full-size model: LLaMA 2 7B's SwiGLU width 11008 is no llama3 flavor's; built exactly
+    z3, _ = plans["z3"]
+    llama2 = z3.replace(model="llama2-7b", model_spec=load_model_spec("llama2-7b").to_dict())
+    _, cfg = export_torchtitan(tmp_path, llama2, "llama2", torchtitan_config)
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "llama2_model.py", cfg, load_model_spec("llama2-7b"))
+    assert model.layers["0"].feed_forward.w1.weight.shape == (11008, 4096)
+
+
+def test_torchtitan_flavor_widths_are_exact():
+    from paraplan.planner.exports.torchtitan_model import ffn_settings, ffn_width
+
+    assert ffn_settings(4096, 14336) == (1.3, 1024)  # Llama 3 8B, as torchtitan's own flavor states it
+    for dim, width in [(128, 352), (4096, 11008), (5120, 13824), (256, 768), (96, 1), (100, 999), (7168, 18432)]:
+        assert ffn_width(dim, *ffn_settings(dim, width)) == width, (dim, width)
+
+
+def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, torchtitan_config, torchtitan_models):
+    """Experts in every layer -> llama4 (with pipelines); tied embeddings, q/k norms or an own head size ->
+    qwen3 (no pipelines in torchtitan 0.2.2); latent attention -> deepseek_v3. Each builds the plan's count."""
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+
+    mixtral = _tiny_plan(tmp_path / "m.json", "mixtral-tiny", "--dp", "2", "--tp", "1", "--pp", "2", "--ep", "2")
+    p, cfg = export_torchtitan(tmp_path, mixtral, "mixtral", torchtitan_config)
+    assert cfg.model.name == "paraplan_llama4" and cfg.parallelism.expert_parallel_degree == 2
+    assert "no auxiliary load-balancing loss" in p.stderr
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "mixtral_model.py", cfg,
+                                   load_model_spec("mixtral-tiny"))
+    assert all(layer.moe_enabled for layer in model.layers.values())
+
+    deepseek = _tiny_plan(tmp_path / "d.json", "deepseek-tiny", "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "2")
+    p, cfg = export_torchtitan(tmp_path, deepseek, "deepseek", torchtitan_config)
+    assert cfg.model.name == "paraplan_deepseek_v3" and "multi-token-prediction" in p.stderr
+    spec = load_model_spec("deepseek-tiny")
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "deepseek_model.py", cfg, spec)
+    assert [layer.moe_enabled for layer in model.layers.values()] == [i >= spec.dense_layers
+                                                                      for i in range(spec.num_layers)]
+    moe = model.layers["1"].moe
+    assert (moe.router.score_func, moe.router.route_scale, moe.router.top_k) == ("sigmoid", 2.5, 2)
+    # latent attention without experts, under a pipeline: deepseek_v3 with every layer dense
+    keep = ("family", "num_layers", "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "ffn_hidden_size", "vocab_size", "seq_length")
+    mla = {k: v for k, v in spec.to_dict().items() if k in keep}
+    (tmp_path / "mla.yaml").write_text(json.dumps(mla))
+    plan = _tiny_plan(tmp_path / "mla.json", str(tmp_path / "mla.yaml"), "--dp", "2", "--tp", "1", "--pp", "3",
+                      "--schedule", "1f1b", batch="12")
+    _, cfg = export_torchtitan(tmp_path, plan, "mla", torchtitan_config)
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "mla_model.py", cfg,
+                                   load_model_spec(str(tmp_path / "mla.yaml")), forward=True)
+    assert cfg.model.name == "paraplan_deepseek_v3" and not any(layer.moe_enabled for layer in model.layers.values())
+
+    qwen_moe = {"family": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_kv_heads": 2,
+                "head_dim": 48, "qk_norm": True, "ffn_hidden_size": 384, "moe_ffn_hidden_size": 64, "num_experts": 4,
+                "experts_per_token": 2, "vocab_size": 1024, "seq_length": 128}
+    for name, fields, layout in [("qwen-moe", qwen_moe, ("--ep", "2")),
+                                 ("qwen-tied", {**qwen_moe, "num_experts": 0, "experts_per_token": None,
+                                                "moe_ffn_hidden_size": None, "tied_embeddings": True}, ())]:
+        fields = {k: v for k, v in fields.items() if v is not None and not (k == "num_experts" and v == 0)}
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(fields))
+        plan = _tiny_plan(tmp_path / f"{name}.json", str(tmp_path / f"{name}.yaml"), "--dp", "2", "--tp", "2",
+                          "--pp", "1", "--sequence-parallel", *layout)
+        _, cfg = export_torchtitan(tmp_path, plan, name, torchtitan_config)
+        assert cfg.model.name == "paraplan_qwen3"
+        spec = load_model_spec(str(tmp_path / f"{name}.yaml"))
+        train_spec, model = check_flavor_module(torchtitan_models, tmp_path / f"{name.replace('-', '_')}_model.py",
+                                                cfg, spec, forward=not spec.is_moe)
+        assert model.layers["0"].attention.q_norm is not None and model.layers["0"].attention.head_dim == 48
+        if spec.is_moe:  # torchtitan's qwen3 updates no expert bias: the module asks for it
+            assert train_spec.build_optimizers_fn is build_optimizers_with_moe_load_balancing
+        else:
+            assert model.output.weight is model.tok_embeddings.weight  # tied
+            piped = plan.replace(layout=plan.layout.replace(pp=2, tp=1, dp=2))
+            with pytest.raises(ExportRefused, match=r"tied embeddings and q/k RMSNorm and head size 48 .* with "
+                                                    r"pipeline parallelism \(pp 2\).*only qwen3"):
+                export_plan(piped, "torchtitan", spec=spec)
+
+
+def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
+    """gpt and bert: no torchtitan model has their architecture (training a LLaMA instead would void the plan);
+    dense first layers without latent attention; fp16; a sequence torchtitan cannot split."""
+    gpt = _tiny_plan(tmp_path / "gpt.json", "gpt-tiny", "--dp", "2", "--tp", "1", "--pp", "1")
+    p = cli("export", "--plan", str(tmp_path / "gpt.json"), "--to", "torchtitan", "--out", str(tmp_path / "g.toml"))
+    assert_one_line_error(p, "torchtitan cannot express a gpt model (gpt-tiny: learned position embeddings, "
+                          "LayerNorm, GELU MLP", "--to megatron or deepspeed")
+    assert p.returncode == 2 and not p.stdout and not list(tmp_path.glob("g*.toml")) + list(tmp_path.glob("g*.py"))
+    assert_one_line_error(cli("export", "--plan", str(tmp_path / "gpt.json"), "--to", "torchtitan-cli"), "gpt model")
     plan, _ = plans["z3"]
-    llama2 = plan.replace(model="llama2-7b", model_spec=load_model_spec("llama2-7b").to_dict())
-    with pytest.raises(ExportRefused, match=r"torchtitan cannot express model llama2-7b .*no llama3 flavor"):
-        export_plan(llama2, "torchtitan")
+    bert = plan.replace(model="bert-large", model_spec=load_model_spec("bert-large").to_dict())
+    with pytest.raises(ExportRefused, match="bert model .* causal decoders only"):
+        export_plan(bert, "torchtitan")
+    dense_first = {"name": "dense-first", **{k: v for k, v in load_model_spec("mixtral-tiny").to_dict().items()
+                                             if k != "name"}, "dense_layers": 1}
+    with pytest.raises(ExportRefused, match=r"dense first layers .* without latent attention"):
+        export_plan(gpt.replace(model="dense-first", model_spec=dense_first), "torchtitan")
     with pytest.raises(ExportRefused, match="dtype fp16"):
         export_plan(plan.replace(layout=plan.layout.replace(dtype="fp16")), "torchtitan")
+    with pytest.raises(ExportRefused, match=r"sequence length 8192 with tp 1 and cp 3"):
+        export_plan(plan.replace(layout=plan.layout.replace(cp=3, dp=1)), "torchtitan")
+
+
+def test_torchtitan_command_line_form_takes_the_same_flavor_module(tmp_path, torchtitan_config, torchtitan_models):
+    plan = _tiny_plan(tmp_path / "p.json", "llama-tiny", "--dp", "4", "--tp", "1", "--pp", "1")
+    out = tmp_path / "run" / "tt.sh"
+    out.parent.mkdir()
+    p = cli("export", "--plan", str(tmp_path / "p.json"), "--to", "torchtitan-cli", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "run" / "tt_model.py").exists()
+    check_shell(out)
+    got = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\n" "$PYTHONPATH" "${TORCHTITAN_ARGS[@]}"', "_",
+                          str(out)], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": "/elsewhere"}).stdout.splitlines()
+    assert got[0] == f"{out.parent}:/elsewhere"  # torchtitan imports the module from the script's folder
+    cfg, _ = parse_torchtitan(torchtitan_config, None, tmp_path, plan.layout.world_size, got[1:])
+    check_flavor_module(torchtitan_models, tmp_path / "run" / "tt_model.py", cfg, load_model_spec("llama-tiny"))
+    from_toml, _ = parse_torchtitan(torchtitan_config, export_plan(plan, "torchtitan", filename="tt.toml").text,
+                                    tmp_path, plan.layout.world_size)
+    from_toml.job.config_file = None
+    assert cfg.to_dict() == from_toml.to_dict()
+    # printed, not written: the TOML alone, and a note that its module needs --out
+    p = cli("export", "--plan", str(tmp_path / "p.json"), "--to", "torchtitan")
+    assert p.returncode == 0 and 'custom_import = "torchtitan_model"' in p.stdout
+    assert "needs torchtitan_model.py beside it" in p.stderr and not (ROOT / "torchtitan_model.py").exists()
+    r = json.loads(cli("export", "--plan", str(tmp_path / "p.json"), "--to", "torchtitan", "--json").stdout)
+    assert r["values"]["model"] == "paraplan_llama3" and "register_train_spec(" in r["files"]["torchtitan_model.py"]
 
 
 # ---------------------------------------------------------------- deepspeed

@@ -1,5 +1,8 @@
 """``paraplan export``: a plan as Megatron-LM arguments, a torchtitan TOML, a DeepSpeed JSON or a Slurm script.
 
+A file that needs another beside it (torchtitan's flavor module, for a model torchtitan has no flavor of) is
+written with it under ``--out``; printed to stdout, only the main file is, and a note says so.
+
 What the target cannot express is refused in one line naming the feature (exit 2); what it runs
 differently from the plan is a note on stderr. For Slurm the plan is first checked the way ``execute``
 checks it, since the script runs ``paraplan execute`` on every node.
@@ -36,18 +39,29 @@ def run(args) -> int:
 
         Job.load(args.plan)  # what execute would refuse on every node, refused here
         options["execute_flags"] = execute_flags()
+    if args.to.startswith("torchtitan") and args.out:
+        options["filename"] = args.out  # names the flavor module written beside it
     result = export_plan(plan, args.to, args.plan, **options)
     for note in result.notes:
         sys.stderr.write(f"paraplan export: note: {note}\n")
+    # files the main one needs go beside it (torchtitan's flavor module); without --out they are not written
+    files = {os.path.join(os.path.dirname(args.out), name) if args.out else name: text
+             for name, text in result.files.items()}
+    if files and not args.out:
+        sys.stderr.write(f"paraplan export: note: the {args.to} file needs {', '.join(files)} beside it (it registers "
+                         "the model); --out FILE writes both\n")
     launch = result.launch.replace(result.filename, args.out) if args.out else result.launch
     if args.out:
         _write(args.out, result.text, executable=result.filename.endswith((".sh", ".sbatch")))
+        for path, text in files.items():
+            _write(path, text, executable=False)
     if args.json:
         print_json({"target": result.target, "plan": args.plan, "out": args.out, "launch": launch,
-                    "where": result.where, "notes": result.notes, "values": result.values, "text": result.text})
+                    "where": result.where, "notes": result.notes, "values": result.values, "text": result.text,
+                    "files": files})
     elif args.out:
-        sys.stdout.write(f"wrote {args.out} ({args.to}); launch" + (f" {result.where}" if result.where else "")
-                         + f": {launch}\n")
+        sys.stdout.write(f"wrote {' and '.join([args.out, *files])} ({args.to}); launch"
+                         + (f" {result.where}" if result.where else "") + f": {launch}\n")
     else:
         sys.stdout.write(result.text)
     return 0

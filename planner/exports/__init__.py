@@ -2,8 +2,9 @@
 
 ``export_plan(plan, target)`` returns an :class:`Export` (the file's text, a suggested name, the launch
 command and notes on what the target runs differently), or raises :class:`ExportRefused` naming the
-feature the target cannot express. One module per target: megatron, torchtitan (a TOML), torchtitan_cli
-(the same as command-line overrides), deepspeed, slurm.
+feature the target cannot express. One module per target: megatron, torchtitan (a TOML; torchtitan_model
+picks torchtitan's model and writes the flavor module a model without a torchtitan flavor needs, which
+``Export.files`` carries), torchtitan_cli (the same as command-line overrides), deepspeed, slurm.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ class Export:
     notes: list[str] = field(default_factory=list)
     where: str = ""  # where the launch command runs, e.g. "on each of the 2 nodes" ("" = once)
     values: dict[str, Any] = field(default_factory=dict)  # the plan's figures as the file states them
+    files: dict[str, str] = field(default_factory=dict)  # files the main one needs, beside it: name -> text
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
 """torchtitan: the plan as a TOML job file for torchtitan 0.2's ConfigManager (``--job.config_file``).
 
-torchtitan builds its models from registered flavors, so the plan's model must have the shape of one
-(FLAVORS, from torchtitan 0.2.2 torchtitan/models/llama3/__init__.py); its own config manager parsing
-the file is the test (tests/test_export.py).
+torchtitan builds its models from registered flavors. A model with the shape of one of its llama3 flavors
+uses it; any other model it can express gets a flavor module beside the TOML, which torchtitan imports
+(``[experimental] custom_import``) to register that flavor with the plan's exact shape
+(torchtitan_model.py says which torchtitan model takes which model, and what it refuses). Its own config
+manager parsing the file, and the module registering a model of the plan's parameter count, are the tests
+(tests/test_export.py).
 
 Mapping (plan -> torchtitan):
 - tp, pp, cp, ep, etp -> [parallelism] tensor_parallel_degree, pipeline_parallel_degree,
@@ -17,12 +20,15 @@ Mapping (plan -> torchtitan):
   micro-batch, and global_batch_size: torchtitan accumulates gradients over the rest.
 - recompute -> [activation_checkpoint] mode (selective as per-op SAC); dtype bf16/fp32 ->
   mixed_precision_param; fp8 -> the quantize.linear.float8 converter.
-Refused: models without a torchtitan flavor, fp16, parameter servers, class-sharded heads.
+Refused: models no torchtitan model expresses (gpt, bert, ...), fp16, a sequence length torchtitan cannot split
+over tp x 2cp, parameter servers, class-sharded heads.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 
 from paraplan.models import ModelSpec
 
@@ -36,74 +42,98 @@ from .common import (
     require_transformer,
     uniform_recompute,
 )
+from .torchtitan_model import FLAVORS, TORCHTITAN_SOURCE, TitanModel, module_name, module_text, titan_model
 
 TARGET = "torchtitan"
-TORCHTITAN_SOURCE = "torchtitan 0.2.2"
-# flavor -> (layers, hidden, heads, kv heads, SwiGLU ffn size as built, vocabulary), with its HF assets folder
-FLAVORS = {
-    "debugmodel": ((6, 256, 16, 16, 768, 2048), "./tests/assets/tokenizer"),
-    "8B": ((32, 4096, 32, 8, 14336, 128256), "./assets/hf/Llama-3.1-8B"),
-    "70B": ((80, 8192, 64, 8, 28672, 128256), "./assets/hf/Llama-3.1-70B"),
-    "405B": ((126, 16384, 128, 8, 53248, 128256), "./assets/hf/Llama-3.1-405B"),
-}
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zb-v": "ZBVZeroBubble"}
 PRECISION = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}
 
+__all__ = ["FLAVORS", "TORCHTITAN_SOURCE", "export", "job_config", "model_files", "to_toml"]
 
-def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
+
+def export(plan: Plan, plan_path: str, spec: ModelSpec, filename: str = "torchtitan.toml") -> Export:
+    """``filename``: where the TOML goes (its folder takes the flavor module, its stem names it)."""
     refuse_ps_and_sharded_heads(plan, TARGET)
-    config, notes = job_config(plan, spec)
+    module = module_name(filename)
+    config, notes, model = job_config(plan, spec, module)
     lines = [f"# {x}" for x in header_lines(plan, plan_path, f"torchtitan job config ({TORCHTITAN_SOURCE})")]
+    lines += [f"# {x}" for x in model_lines(model, module)]
+    lines += [f"# Note: {n}" for n in notes]
     lines += ["# Run: torchrun ... -m torchtitan.train --job.config_file <this file>", ""]
     text = "\n".join(lines) + "\n" + to_toml(config)
     place = placement(plan)
     nodes = place.nodes or 1
-    launch = (f"torchrun --nnodes {nodes} --nproc-per-node {place.per_node or place.world_size} "
+    launch = (python_path(filename, model)
+              + f"torchrun --nnodes {nodes} --nproc-per-node {place.per_node or place.world_size} "
               + ("--rdzv-backend c10d --rdzv-endpoint <first-node>:29500 " if nodes > 1 else "")
-              + "-m torchtitan.train --job.config_file torchtitan.toml")
+              + f"-m torchtitan.train --job.config_file {filename}")
     par, tr = config["parallelism"], config["training"]
-    return Export(target=TARGET, text=text, filename="torchtitan.toml", launch=launch, notes=notes,
+    return Export(target=TARGET, text=text, filename=filename, launch=launch, notes=notes,
                   where=f"on each of the {nodes} nodes" if nodes > 1 else "",
-                  values={"tp": par["tensor_parallel_degree"], "pp": par["pipeline_parallel_degree"],
+                  values={"model": model.name, "flavor": model.flavor,
+                          "tp": par["tensor_parallel_degree"], "pp": par["pipeline_parallel_degree"],
                           "dp": par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"],
-                          "local_batch_size": tr["local_batch_size"], "global_batch_size": tr["global_batch_size"]})
+                          "local_batch_size": tr["local_batch_size"], "global_batch_size": tr["global_batch_size"]},
+                  files=model_files(model, plan, plan_path, filename, module))
 
 
-def flavor_of(spec) -> str:
-    shape = (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.ffn_size,
-             spec.vocab_size)
-    if spec.family == "llama" and not spec.tied and not getattr(spec, "num_experts", 0):
-        for name, (flavor_shape, _) in FLAVORS.items():
-            if shape == flavor_shape:
-                return name
-    raise ExportRefused(TARGET, f"model {spec.name} ({spec.family}, layers {shape[0]}, hidden {shape[1]}, heads "
-                        f"{shape[2]}/{shape[3]}, ffn {shape[4]}, vocab {shape[5]})",
-                        f"{TORCHTITAN_SOURCE} builds registered flavors only, and no llama3 flavor "
-                        f"({', '.join(FLAVORS)}) has this shape")
+def model_lines(model: TitanModel, module: str) -> list[str]:
+    """Comment lines saying which torchtitan model the file trains."""
+    if not model.needs_module:
+        return [f"Model: torchtitan's registered {model.name} flavor {model.flavor}, the plan's shape (its RoPE: "
+                "base 500000 with Llama 3.1 scaling; paraplan's executor uses base 10000, on which no planned figure "
+                "depends)"]
+    return [f"Model: the plan's {model.flavor} as a flavor of torchtitan's {model.base}, registered by {module}.py "
+            f"(keep it beside this file, that folder on PYTHONPATH: custom_import)"]
 
 
-def job_config(plan: Plan, spec: ModelSpec) -> tuple[dict, list[str]]:
-    """The TOML's sections as nested dicts, and the notes on what torchtitan runs differently."""
+def model_files(model: TitanModel, plan: Plan, plan_path: str, filename: str, module: str) -> dict[str, str]:
+    """The flavor module, named relative to the job file's folder ({} when torchtitan has the flavor)."""
+    if not model.needs_module:
+        return {}
+    return {f"{module}.py": module_text(model, plan, plan_path, os.path.basename(filename), module)}
+
+
+def python_path(filename: str, model: TitanModel) -> str:
+    """The launch command's PYTHONPATH prefix that lets torchtitan import the flavor module ("" if none)."""
+    if not model.needs_module:
+        return ""
+    return f"PYTHONPATH={shlex.quote(os.path.dirname(filename) or '.')}${{PYTHONPATH:+:$PYTHONPATH}} "
+
+
+def job_config(plan: Plan, spec: ModelSpec, module: str = "torchtitan_model") -> tuple[dict, list[str], TitanModel]:
+    """The TOML's sections as nested dicts, the notes on what torchtitan runs differently, and the model
+    (``module``: the flavor module's import name, where the model needs one)."""
     spec = require_transformer(spec, TARGET, "torchtitan")
     lay = plan.layout
     if lay.dtype not in PRECISION:
         raise ExportRefused(TARGET, f"dtype {lay.dtype}", "torchtitan trains in bfloat16 or float32 "
                             "(training.mixed_precision_param), with float8 as a converter")
-    flavor = flavor_of(spec)
-    notes: list[str] = []
-    model = {"name": "llama3", "flavor": flavor, "hf_assets_path": FLAVORS[flavor][1]}
-    if lay.dtype == "fp8":
-        model["converters"] = ["quantize.linear.float8"]
     seq = plan.seq_length or spec.seq_length
+    divisor = lay.tp * 2 * lay.cp
+    if seq % divisor:
+        raise ExportRefused(TARGET, f"sequence length {seq} with tp {lay.tp} and cp {lay.cp}",
+                            f"torchtitan splits each sequence over tp x 2cp = {divisor} (sequence and context "
+                            "parallelism), which must divide it")
+    model = titan_model(plan, spec)
+    notes = list(model.notes)
+    if model.needs_module:
+        notes.append(f"torchtitan reads its tokenizer from [model] hf_assets_path ({model.hf_assets_path}): put a "
+                     f"Hugging Face tokenizer there whose ids fit the model's vocabulary ({spec.vocab_size})")
+    section = {"name": model.name, "flavor": model.flavor, "hf_assets_path": model.hf_assets_path}
+    if lay.dtype == "fp8":
+        section["converters"] = ["quantize.linear.float8"]
     training = {"local_batch_size": lay.global_batch // lay.dp if lay.pp > 1 else lay.micro_batch,
                 "global_batch_size": lay.global_batch, "seq_len": seq,
                 "mixed_precision_param": PRECISION[lay.dtype]}
-    config = {"job": {"description": f"paraplan: {plan.model} {lay.short()}"}, "model": model,
+    config = {"job": {"description": f"paraplan: {plan.model} {lay.short()}"}, "model": section,
               "training": training, "parallelism": parallelism(plan, notes),
               "activation_checkpoint": activation_checkpoint(plan, notes)}
     if lay.dtype == "fp8":
         config["quantize"] = {"linear": {"float8": {"filter_fqns": ["output"]}}}
-    return config, notes
+    if model.needs_module:
+        config["experimental"] = {"custom_import": module}
+    return config, notes, model
 
 
 def parallelism(plan: Plan, notes: list[str]) -> dict:
@@ -115,8 +145,12 @@ def parallelism(plan: Plan, notes: list[str]) -> dict:
         replicate, shard = 1, lay.dp
         reshard = "default" if lay.zero == 3 else "never"
         if lay.zero < 3 and lay.dp > 1:
-            notes.append(f"ZeRO-{lay.zero} runs as FSDP2 without resharding after forward (torchtitan has no "
-                         "ZeRO-1/2 and its DDP runs only without other parallelism): parameters are sharded too")
+            why, sharded = ("torchtitan has no ZeRO-1/2 and its DDP runs only without other parallelism",
+                            "parameters are sharded too")
+            if lay.zero == 0:
+                why, sharded = ("torchtitan's DDP runs only without other parallelism",
+                                "parameters, gradients and optimizer states are sharded")
+            notes.append(f"ZeRO-{lay.zero} runs as FSDP2 without resharding after forward ({why}): {sharded}")
     par: dict = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard}
     if reshard:
         par["fsdp_reshard_after_forward"] = reshard
@@ -140,7 +174,7 @@ def parallelism(plan: Plan, notes: list[str]) -> dict:
 
 
 def _fqns(names: list[str]) -> list[str]:
-    """paraplan block names -> torchtitan llama3 module FQNs."""
+    """paraplan block names -> the module FQNs of torchtitan's llama3, llama4 and deepseek_v3."""
     out: list[str] = []
     for n in names:
         out += {"embed": ["tok_embeddings"], "head": ["norm", "output"]}.get(n, [n])

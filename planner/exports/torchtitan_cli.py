@@ -3,8 +3,10 @@ in a bash fragment (source it and pass "${TORCHTITAN_ARGS[@]}", or run it to sta
 
 torchtitan 0.2's ConfigManager reads these overrides with tyro (lists comma-separated, a list of lists
 as one comma-separated value per inner list); tests/test_export.py checks that it builds the same config
-as from the TOML. (torchtitan 0.3 dropped TOML for ``--module``/``--config`` registry functions plus
-overrides; its section names differ in places, so this form is for 0.2.)
+as from the TOML. A model torchtitan has no flavor for gets the same flavor module as with the TOML,
+beside the script, which puts that folder on PYTHONPATH. (torchtitan 0.3 dropped TOML for
+``--module``/``--config`` registry functions plus overrides; its section names differ in places, so this
+form is for 0.2.)
 """
 
 from __future__ import annotations
@@ -15,34 +17,46 @@ from paraplan.models import ModelSpec
 
 from ..plan import Plan
 from .common import Export, header_lines, placement, refuse_ps_and_sharded_heads
-from .torchtitan import TORCHTITAN_SOURCE, job_config
+from .torchtitan import TORCHTITAN_SOURCE, job_config, model_files, model_lines
+from .torchtitan_model import module_name
 
 TARGET = "torchtitan-cli"
 
 
-def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
+def export(plan: Plan, plan_path: str, spec: ModelSpec, filename: str = "torchtitan.sh") -> Export:
+    """``filename``: where the script goes (its folder takes the flavor module, its stem names it)."""
     refuse_ps_and_sharded_heads(plan, TARGET)
-    config, notes = job_config(plan, spec)
+    module = module_name(filename)
+    config, notes, model = job_config(plan, spec, module)
     pairs = cli_pairs(config)
     place = placement(plan)
     nodes = place.nodes or 1
     lines = ["#!/usr/bin/env bash"]
     what = f"torchtitan command-line overrides ({TORCHTITAN_SOURCE})"
     lines += [f"# {x}" for x in header_lines(plan, plan_path, what)]
+    lines += [f"# {x}" for x in model_lines(model, module)]
+    lines += [f"# Note: {n}" for n in notes]
     lines += ["# Source this file and pass \"${TORCHTITAN_ARGS[@]}\" to torchtitan.train, or run it: it starts this",
               "# node's ranks with torchrun (on several nodes, on each with NNODES and RDZV_ENDPOINT=host:port).", "",
               "TORCHTITAN_ARGS=("]
     lines += [f"    {flag} " + " ".join(_quote(v) for v in values) for flag, values in pairs]
-    lines += [")", "", 'if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then',
+    lines += [")", ""]
+    if model.needs_module:
+        lines += [f"# torchtitan imports {module} (beside this file) to register the model: this folder goes on "
+                  "PYTHONPATH", 'PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"',
+                  "export PYTHONPATH", ""]
+    lines += ['if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then',
               f"    exec torchrun --nnodes \"${{NNODES:-{nodes}}}\" "
               f"--nproc-per-node {place.per_node or place.world_size} \\",
               "        --rdzv-backend c10d --rdzv-endpoint \"${RDZV_ENDPOINT:-localhost:29500}\" "
               "--rdzv-id \"${RDZV_ID:-paraplan}\" \\",
               "        -m torchtitan.train \"${TORCHTITAN_ARGS[@]}\"", "fi", ""]
-    return Export(target=TARGET, text="\n".join(lines), filename="torchtitan.sh",
-                  launch=("RDZV_ENDPOINT=<first-node>:29500 " if nodes > 1 else "") + "bash torchtitan.sh",
+    return Export(target=TARGET, text="\n".join(lines), filename=filename,
+                  launch=("RDZV_ENDPOINT=<first-node>:29500 " if nodes > 1 else "") + f"bash {filename}",
                   notes=notes, where=f"on each of the {nodes} nodes" if nodes > 1 else "",
-                  values={"args": [x for flag, values in pairs for x in (flag, *values)]})
+                  values={"model": model.name, "flavor": model.flavor,
+                          "args": [x for flag, values in pairs for x in (flag, *values)]},
+                  files=model_files(model, plan, plan_path, filename, module))
 
 
 def cli_pairs(config: dict, prefix: str = "") -> list[tuple[str, list[str]]]:
