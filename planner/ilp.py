@@ -49,8 +49,8 @@ from .dp_sync import optimizer_step
 from .errors import InvalidLayout
 from .layout import Layout
 from .memory import state_bytes, untracked_bytes
-from .placement import placement
-from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
+from .placement import layout_placement
+from .schedules import closed_form_makespan, in_flight, linear_makespan, rank_stages, stage_rank
 
 MODES_TRANSFORMER = ("none", "selective", "full")
 MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
@@ -292,10 +292,9 @@ class StageILP:
         Tmax = pulp.LpVariable("slowest_rank_time", lowBound=0)
         for r in range(p):
             prob += Tmax >= T[r], f"slowest_rank_{r}"
-        if self.schedule in ("gpipe", "1f1b"):
-            makespan = (m - 1) * Tmax + pulp.lpSum(T.values())
-        elif self.schedule == "interleaved-1f1b" and m >= p:
-            makespan = m * Tmax + (p - 1) / v / p * pulp.lpSum(T.values())
+        linear = linear_makespan(self.schedule, p, v, m)  # the cost model's closed form (schedules.py)
+        if linear is not None:
+            makespan = linear[0] * Tmax + linear[1] * pulp.lpSum(T.values())
         else:
             makespan = (m + beta) * Tmax
         z = pulp.LpVariable("iteration_before_optimizer", lowBound=0)

@@ -184,11 +184,10 @@ def closed_form_makespan(schedule: str, pp: int, v: int, m: int, rank_time: list
       running the schedule's own order on uniform stages for min(m, 2p) micro-batches (cached).
     """
     slow = max(rank_time)
-    if schedule in ("gpipe", "1f1b"):
-        return (m - 1) * slow + sum(rank_time)
-    mean = sum(rank_time) / pp
-    if schedule == "interleaved-1f1b" and m >= pp:
-        return m * slow + (pp - 1) / v * mean
+    linear = linear_makespan(schedule, pp, v, m)
+    if linear is not None:
+        per_slowest, per_total = linear
+        return per_slowest * slow + per_total * sum(rank_time)
     r = max(range(pp), key=lambda i: rank_time[i])
     t_f, t_w = rank_fwd[r] / v, rank_bwd_weight[r] / v  # per stage (chunk)
     t_b = rank_time[r] / v - t_f - t_w
@@ -197,6 +196,17 @@ def closed_form_makespan(schedule: str, pp: int, v: int, m: int, rank_time: list
     # of the iteration even when m = p).
     unit = _uniform_makespan(schedule, pp, v, m0, round(t_f / slow, 3), round(t_b / slow, 3), round(t_w / slow, 3))
     return m * slow + (unit - m0) * slow
+
+
+def linear_makespan(schedule: str, pp: int, v: int, m: int) -> tuple[float, float] | None:
+    """(a, b) with makespan = a x slowest rank time + b x the ranks' summed time, where the closed form
+    is that linear (gpipe, 1f1b; interleaved with m >= p); None where it needs the simulated bubble.
+    The stage ILP builds its objective from the same coefficients."""
+    if schedule in ("gpipe", "1f1b"):
+        return m - 1, 1.0
+    if schedule == "interleaved-1f1b" and m >= pp:
+        return m, (pp - 1) / v / pp
+    return None
 
 
 @lru_cache(maxsize=4096)
