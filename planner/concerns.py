@@ -10,7 +10,8 @@ and each ``max`` an auxiliary variable; the search's lower bound (search.py) tak
 coefficients. (calculon's "one small class per concern" is the model.)
 
 Vocabulary:
-- :class:`Affine`: c + a·params + f·fwd + b·bwd + w·window + k·makespan + r·replicated over a rank's load;
+- :class:`Affine`: c + a·params + f·fwd + b·bwd + w·window + k·makespan + r·replicated + e·experts
+  + s·moe_shared over a rank's load;
 - :class:`Sync`: one collective whose message is affine in the rank's load (bytes), with its exact
   time function and the kind of traffic it is (all_reduce, all_gather, reduce_scatter, send_recv);
 - :class:`Exposure`: ``count`` times what of a Sync the rank waits for: max(floor, time - hidden), with
@@ -23,19 +24,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-LOAD_FIELDS = ("params", "fwd", "bwd", "window", "makespan", "replicated")
+LOAD_FIELDS = ("params", "fwd", "bwd", "window", "makespan", "replicated", "experts", "moe_shared")
 
 
 @dataclass
 class RankLoad:
     """What one pipeline rank holds and computes (numbers, or the ILP's LP expressions)."""
 
-    params: object = 0.0  # parameters held (tensor-parallel shard; a tied weight once)
+    params: object = 0.0  # parameters held (tensor-parallel shard; a tied weight once), routed experts aside
     fwd: object = 0.0  # forward compute per micro-batch, seconds (no communication)
     bwd: object = 0.0  # backward compute per micro-batch, seconds
     window: object = 0.0  # the last micro-batch's backward on this rank (what a bucketed sync overlaps)
     makespan: object = 0.0  # the pipeline's makespan (asynchronous parameter servers overlap it)
     replicated: object = 0.0  # of params, those tensor parallelism leaves whole (norms, row-parallel biases)
+    # Mixture of experts (planner/moe.py): the routed-expert parameters held (its ep x etp shard; synced over the
+    # expert-data-parallel group, not dp), and of params the MoE weights replicated over tensor-parallel ranks
+    # that each route their own tokens (router, shared experts; routed experts when ep = 1): summed over tp.
+    experts: object = 0.0
+    moe_shared: object = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class Affine:
     window: float = 0.0
     makespan: float = 0.0
     replicated: float = 0.0
+    experts: float = 0.0
+    moe_shared: float = 0.0
 
     def at(self, load: RankLoad):
         out = self.const
@@ -59,21 +67,25 @@ class Affine:
 
 @dataclass(frozen=True)
 class Sync:
-    """A message of ``const_bytes + per_param·params + per_replicated·replicated`` bytes (affine in the
-    rank's load) through ``time`` (seconds for n bytes), plus ``extra`` seconds (e.g. a server's update)."""
+    """A message of ``const_bytes + per_param·params + per_replicated·replicated + per_expert·experts +
+    per_moe_shared·moe_shared`` bytes (affine in the rank's load) through ``time`` (seconds for n bytes), plus
+    ``extra`` seconds (e.g. a server's update)."""
 
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv
     time: Callable[[float], float]
     per_param: float = 0.0
     const_bytes: float = 0.0
     per_replicated: float = 0.0
+    per_expert: float = 0.0
+    per_moe_shared: float = 0.0
     extra: Affine = field(default_factory=Affine)
 
     def nbytes(self, load: RankLoad):
         return self.bytes_affine().at(load)
 
     def bytes_affine(self) -> Affine:
-        return Affine(const=self.const_bytes, params=self.per_param, replicated=self.per_replicated)
+        return Affine(const=self.const_bytes, params=self.per_param, replicated=self.per_replicated,
+                      experts=self.per_expert, moe_shared=self.per_moe_shared)
 
     def seconds(self, load: RankLoad) -> float:
         return self.time(self.nbytes(load)) + self.extra.at(load)
@@ -88,7 +100,8 @@ class Sync:
         e = self.extra
         return Affine(const=y0 - slope * x0 + slope * b.const + e.const, params=slope * b.params + e.params,
                       fwd=e.fwd, bwd=e.bwd, window=e.window, makespan=e.makespan,
-                      replicated=slope * b.replicated + e.replicated)
+                      replicated=slope * b.replicated + e.replicated, experts=slope * b.experts + e.experts,
+                      moe_shared=slope * b.moe_shared + e.moe_shared)
 
 
 @dataclass(frozen=True)

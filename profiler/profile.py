@@ -92,9 +92,13 @@ def _param_bytes(block: nn.Module, fqn: str, style_of: Callable[[str], str | Non
     return n, total, sharded
 
 
+def _moes(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if hasattr(m, "inactive_parameters") and hasattr(m, "experts")]
+
+
 def _expert_params(module: nn.Module) -> tuple[int, int]:
     """(routed-expert parameters, those a token does not use) of the MoE blocks in ``module``."""
-    moes = [m for m in module.modules() if hasattr(m, "inactive_parameters") and hasattr(m, "experts")]
+    moes = _moes(module)
     return (sum(p.numel() for m in moes for p in m.experts.parameters()),
             sum(m.inactive_parameters() for m in moes))
 
@@ -201,7 +205,8 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
         tied_params=tied, fwd_ops=trace.fwd_ops, bwd_ops=trace.bwd_ops, param_bytes_sharded=psharded,
         activation_bytes_sharded=trace.saved_bytes_sharded, activation_bytes_selective=trace.saved_bytes_selective,
         activation_bytes_selective_sharded=trace.saved_bytes_selective_sharded, region_io=trace.region_io,
-        expert_params=experts, inactive_params=inactive)
+        expert_params=experts, inactive_params=inactive, activation_bytes_moe=trace.saved_bytes_moe,
+        moe_params=sum(p.numel() for m in _moes(block) for p in m.parameters()))
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,

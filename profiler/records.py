@@ -52,6 +52,13 @@ class OpMix:
     kernels_core: int = 0
     core_scores_bytes: int = 0  # the attention score matrix (b, a, s, s): what a fused softmax reads and writes
     core_output_bytes: int = 0  # the attention core's output (b, a, s, d): what a fused (flash) kernel saves
+    # Mixture of experts: per GEMM, 0 outside an MoE block, 1 inside it (router, dispatch, shared experts), 2 in
+    # its routed experts (what expert parallelism regroups); the bytes moved and kernels run inside each.
+    gemm_moe: list[int] = field(default_factory=list)
+    other_bytes_moe: int = 0  # inside MoE blocks, routed experts included
+    other_bytes_expert: int = 0  # inside the routed experts
+    kernels_moe: int = 0
+    kernels_expert: int = 0
 
 
 @dataclass
@@ -79,6 +86,8 @@ class LayerProfile:
     # token does not use ((E - k)/E of them); both 0 for dense blocks. Active parameters = params - inactive.
     expert_params: int = 0
     inactive_params: int = 0
+    moe_params: int = 0  # all parameters of the block's MoE blocks: router, routed and shared experts
+    activation_bytes_moe: int = 0  # of activation_bytes (and of the selective ones), saved inside MoE blocks
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

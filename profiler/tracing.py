@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from paraplan.models import in_attention_core, unfused_attention
+from paraplan.models.moe import GroupedExperts, MoE
 
 from .records import OpMix
 
@@ -43,9 +44,11 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 class _OpRecorder(TorchDispatchMode):
     """Records each kernel's FLOPs (torch's formulas) or bytes moved, and who produced each tensor."""
 
-    def __init__(self, sharded_now: Callable[[], bool]):
+    def __init__(self, sharded_now: Callable[[], bool], moe_now: Callable[[], int] = lambda: 0):
         super().__init__()
         self.sharded_now = sharded_now
+        self.moe_now = moe_now  # 0 outside an MoE block, 1 inside it, 2 inside its routed experts
+        self.moe_of: dict[int, int] = {}  # storage -> where it was produced (moe_now's values)
         self.mix = OpMix()
         self.producer: dict[int, tuple[bool, bool]] = {}  # storage -> (sharded, produced in attention core)
         self.core_inputs: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, sharded) fed into the core
@@ -56,7 +59,7 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if getattr(func, "is_view", False) or func.overloadpacket in (torch.ops.aten.detach,):
             return out
-        sharded, core = self.sharded_now(), in_attention_core()
+        sharded, core, moe = self.sharded_now(), in_attention_core(), self.moe_now()
         outs, ins = _tensors(out), _tensors(args)
         packet = func.overloadpacket
         if packet in flop_registry:
@@ -64,6 +67,7 @@ class _OpRecorder(TorchDispatchMode):
             self.mix.gemm_flops.append(int(flops))
             self.mix.gemm_sharded.append(sharded)
             self.mix.gemm_core.append(core)
+            self.mix.gemm_moe.append(moe)
             if core:
                 self.mix.core_scores_bytes = max(self.mix.core_scores_bytes, _nbytes(outs))
                 self.mix.core_output_bytes = _nbytes(outs)  # the last core GEMM's output is the core's
@@ -72,8 +76,12 @@ class _OpRecorder(TorchDispatchMode):
             self.mix.other_bytes += moved
             self.mix.other_bytes_sharded += moved if sharded else 0
             self.mix.other_bytes_core += moved if core else 0
+            self.mix.other_bytes_moe += moved if moe else 0
+            self.mix.other_bytes_expert += moved if moe == 2 else 0
         self.mix.kernels += 1
         self.mix.kernels_core += int(core)
+        self.mix.kernels_moe += int(moe > 0)
+        self.mix.kernels_expert += int(moe == 2)
         if core:
             for t in ins:
                 key = _storage_key(t)
@@ -81,6 +89,7 @@ class _OpRecorder(TorchDispatchMode):
                     self.core_inputs[key] = (t.untyped_storage().nbytes(), self.producer.get(key, (sharded, False))[0])
         for t in outs:
             self.producer[_storage_key(t)] = (sharded, core)
+            self.moe_of[_storage_key(t)] = moe
             self.keep_alive.append(t)
         return out
 
@@ -99,6 +108,7 @@ class BlockTrace:
     input_bytes: int
     output_bytes: int
     region_io: list[tuple[str, int, int, int]] = field(default_factory=list)  # (style, in/out bytes, tokens)
+    saved_bytes_moe: int = 0  # saved inside MoE blocks (none of it in the attention core: selective keeps it)
 
 
 class _ModuleStack:
@@ -108,11 +118,16 @@ class _ModuleStack:
         self.stack: list[str | None] = []
         self.handles = []
         self.region_io: list[tuple[str, int, int, int]] = []
+        self.moe: list[int] = []  # 1 inside an MoE block, 2 inside its routed experts (innermost last)
         for name, mod in block.named_modules():
             fqn = f"{block_fqn}.{name}" if name else block_fqn
             style = style_of(fqn)
             self.handles.append(mod.register_forward_pre_hook(self._push(style)))
             self.handles.append(mod.register_forward_hook(self._pop(style)))
+            tag = 2 if isinstance(mod, GroupedExperts) else 1 if isinstance(mod, MoE) else 0
+            if tag:
+                self.handles.append(mod.register_forward_pre_hook(self._enter_moe(tag)))
+                self.handles.append(mod.register_forward_hook(self._leave_moe))
 
     def _push(self, style):
         def hook(mod, args):
@@ -127,6 +142,18 @@ class _ModuleStack:
                 tokens = ins[0].numel() // max(ins[0].shape[-1], 1) if ins and ins[0].dim() > 1 else 0
                 self.region_io.append((style, _nbytes(ins), _nbytes(_tensors(out)), tokens))
         return hook
+
+    def _enter_moe(self, tag: int):
+        def hook(mod, args):
+            self.moe.append(tag)
+        return hook
+
+    def _leave_moe(self, mod, args, out) -> None:
+        self.moe.pop()
+
+    def moe_now(self) -> int:
+        """0 outside an MoE block, 1 inside it (router, dispatch, shared experts), 2 in its routed experts."""
+        return self.moe[-1] if self.moe else 0
 
     def sharded(self) -> bool:
         for style in reversed(self.stack):
@@ -148,13 +175,16 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     """
     params = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
     stack = _ModuleStack(block, block_fqn, style_of)
-    recorder = _OpRecorder(stack.sharded)
+    recorder = _OpRecorder(stack.sharded, stack.moe_now)
     saved: dict[int, tuple[int, bool, bool]] = {}  # storage -> (bytes, sharded, produced in attention core)
+    saved_in_moe: set[int] = set()  # storages an MoE block saved (it sees its own tokens: see planner/moe.py)
 
     def pack(t: torch.Tensor):
         key = _storage_key(t)
         if key not in params and key not in saved:
             saved[key] = (t.untyped_storage().nbytes(), *recorder.producer.get(key, (False, False)))
+            if stack.moe_now():
+                saved_in_moe.add(key)
         return t
 
     try:
@@ -189,4 +219,5 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         saved_bytes=sum(b for b, _, _ in saved.values()),
         saved_bytes_sharded=sum(b for b, s, _ in saved.values() if s),
         saved_bytes_selective=sum(b for b, _ in kept), saved_bytes_selective_sharded=sum(b for b, s in kept if s),
-        input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io)
+        input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io,
+        saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe))

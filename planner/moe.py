@@ -1,0 +1,351 @@
+"""Mixture of experts under expert parallelism: what one rank computes, holds, sends and waits for.
+
+Folding (Megatron-Core's MoE parallel folding, Liu et al. 2025, arXiv:2504.14960; executor/parallel_dims.py):
+the dp·cp·tp ranks of a pipeline stage are cut again for the routed experts, expert tensor parallelism (etp)
+innermost, then expert parallelism (ep), then expert data parallelism, edp = dp·cp·tp / (ep·etp). A rank
+holds E/ep experts, each split over etp ranks: expert_params / (ep·etp) of a layer's routed-expert weights.
+With ep = etp = 1 this executor keeps the experts in the layer's own data-parallel unit (dense parameters,
+synced over dp·cp); Megatron-Core always syncs them over its expert-data-parallel group.
+
+Per MoE layer and micro-batch, on a rank holding T tokens of it (b/cp sequences' worth, 1/tp of them: every
+tensor-parallel rank routes its own share of the tokens, as this executor does with or without sequence
+parallelism and Megatron-Core does with the sequence parallelism it requires for MoE under TP):
+
+- compute (:func:`rank_view`): the router, the dispatch's permutations and the shared experts run on the
+  rank's T tokens (the profile's MoE work divided by tp, like a sharded region); the routed experts: E/ep of
+  them, each receiving the tokens the ep ranks route to it, ep·T·k/E on average (dropless, balanced), so the
+  same k·T token-expert products as without expert parallelism, in GEMMs ep times taller — the expert GEMM
+  efficiency is read at that per-expert token count (with Megatron-Core's grouped GEMM, at the sum over the
+  rank's experts: one kernel per projection). FLOPs per token count the active experts only (the profile
+  routes every token to k experts), so MFU is against the active parameters.
+- token imbalance: dropless top-k routing with an auxiliary loss balances the experts' load on average, not
+  exactly; the most loaded rank computes and receives more than the mean. ``Framework.moe_imbalance`` is that
+  max over the mean and multiplies the routed experts' GEMM time and the all-to-all time (not the bytes, which
+  are the mean; the dry run routes balanced). This executor routes for real: 1.25, the expert capacity
+  factor Switch Transformers train with (Fedus et al. 2022, JMLR, Sec. 2.2 and Table 1: the headroom over
+  the mean load that routing with an auxiliary loss is given, which a dropless layer's most loaded expert
+  then uses). Megatron-Bridge's published MoE benchmarks force-balance the tokens (their table's footnote,
+  benchmarks/data/published_moe.yaml): 1.0 there.
+- the token all-to-all (:func:`all_to_all`): dispatch and combine in forward, their transposes in backward,
+  each moving the rank's T·k token copies of h elements (16-bit: 2 bytes), of which (ep-1)/ep leave the rank
+  (pairwise exchange, Thakur, Rabenseifner and Gropp 2005: (p-1)/p·M·β plus latency); within a node over
+  NVLink, across nodes the share bound for other nodes through the node's network, shared by its busy GPUs;
+  the two paths run at once. Plus one all-to-all of E token counts (int64) per layer (the executor's
+  uneven-split exchange). Full recomputation repeats the forward's. With etp > 1 the received tokens are
+  all-gathered over the etp group (and the results reduce-scattered), both passes.
+- the executor's MoE under tensor parallelism without sequence parallelism: the block's output all-gathered
+  over tp in forward, its input gradient in backward (executor/expert_parallel.py); its auxiliary loss sums
+  the tokens per expert (b·E fp32) over the tp·cp ranks that split each sequence.
+- gradients (:func:`expert_exposures`): expert-parallel experts sync over edp, in dp_sync.py's style (the
+  executor: FSDP2 units over the edp mesh, by ZeRO stage; Megatron: its distributed optimizer over the
+  expert-data-parallel group); the MoE weights every tensor-parallel rank holds whole but trains on its own
+  tokens (router, shared experts, experts when ep = 1) have their gradients summed over tp by this executor
+  (:func:`tp_summed_exposure`).
+- memory (:func:`expert_states`): model states of the experts sharded by ZeRO over edp, not dp·cp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from paraplan.profiler import LayerProfile
+
+from . import comm
+from .concerns import Affine, Exposure, Sync
+from .layout import Layout
+from .memory import StateBytes, state_bytes
+from .placement import Placement, consecutive_group
+
+COUNT_BYTES = 8  # one int64 token count per expert in the executor's split-size exchange
+AUX_BYTES = 4  # the auxiliary loss's tokens per expert, fp32 (models/moe.py sequence_aux_loss)
+
+
+def is_moe(layer: LayerProfile) -> bool:
+    return layer.moe_params > 0
+
+
+def edp(lay: Layout) -> int:
+    """Expert data parallelism: the ranks of a stage holding the same expert shard."""
+    return lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp)
+
+
+def expert_parallel(lay: Layout, framework) -> bool:
+    """Are the routed experts units of their own, synced over edp (not the layer's dense parameters)?
+    Always under Megatron's states; in this executor only with ep or etp above 1."""
+    return framework.states != "executor" or lay.ep * lay.etp > 1
+
+
+def experts_on_rank(layer: LayerProfile, lay: Layout, framework) -> float:
+    """Routed-expert parameters of ``layer`` a rank holds as expert-parallel parameters (0 when they are dense)."""
+    if not layer.expert_params or not expert_parallel(lay, framework):
+        return 0.0
+    return layer.expert_params / (lay.ep * lay.etp)
+
+
+def tp_summed_on_rank(layer: LayerProfile, lay: Layout, framework) -> float:
+    """MoE weights replicated over tensor-parallel ranks that each route their own tokens, whose gradients this
+    executor sums over tp: router and shared experts, and the routed experts when they are not expert-parallel."""
+    if lay.tp == 1 or not layer.moe_params or framework.states != "executor":
+        return 0.0
+    return layer.moe_params - (layer.expert_params if expert_parallel(lay, framework) else 0)
+
+
+def params_on_rank(layer: LayerProfile, lay: Layout, tp_share: float, framework) -> float:
+    """All parameters of ``layer`` on one rank: the tensor-parallel share (``tp_share``: bytes kept over bytes)
+    of what is not expert-parallel, plus the rank's expert shard."""
+    experts = experts_on_rank(layer, lay, framework)
+    dense = layer.params * tp_share - (layer.expert_params if experts else 0.0)
+    return dense + experts
+
+
+def expert_degrees(spec, framework, stage_ranks: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs the search tries on a stage of ``stage_ranks`` = dp·cp·tp ranks: ep dividing both the
+    ranks and the experts; etp = 1 for this executor (it refuses etp > 1), and for the stacks that run expert
+    tensor parallelism also etp dividing the expert FFN width and the ranks left (Megatron-Core's
+    --expert-tensor-parallel-size)."""
+    experts = getattr(spec, "num_experts", 0) or 0
+    if not experts:
+        return [(1, 1)]
+    out = []
+    for ep in range(1, min(stage_ranks, experts) + 1):
+        if stage_ranks % ep or experts % ep:
+            continue
+        out.append((ep, 1))
+        if framework.states != "executor":
+            ffn = spec.moe_ffn_size
+            out += [(ep, etp) for etp in range(2, stage_ranks // ep + 1)
+                    if (stage_ranks // ep) % etp == 0 and ffn % etp == 0 and etp <= 8]
+    return out
+
+
+# ---- compute ----
+
+def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile:
+    """``layer`` (profiled at one sample, whole model on one rank) as one rank of ``lay`` runs it, for
+    compute.estimate_pass_times and memory.layer_activation_bytes: the MoE block's GEMMs, memory traffic and
+    saved activations split over tensor-parallel ranks like a sharded region (each routes its own tokens),
+    the routed experts regrouped as the rank's E/ep experts with ep times the tokens each, times the
+    imbalance (see the module docstring); the backward's weight-gradient traffic of the stacked expert
+    weights for the rank's experts (:func:`stacked_grad_traffic`)."""
+    if not is_moe(layer):
+        return layer
+    ep, imbalance, num_experts = lay.ep, framework.moe_imbalance, spec.num_experts
+    fwd, bwd = layer.fwd_ops, layer.bwd_ops
+    experts = [i for i, x in enumerate(fwd.gemm_moe) if x == 2]
+    per_expert = len(experts) // num_experts if num_experts else 0
+    keep = experts[:len(experts) // ep]  # the rank's E/ep experts (balanced: all alike)
+    flops, sharded, core = [], [], []
+    for f, s, c, m in zip(fwd.gemm_flops, fwd.gemm_sharded, fwd.gemm_core, fwd.gemm_moe, strict=True):
+        if m == 2:
+            continue
+        flops.append(f)
+        sharded.append(s or m > 0)
+        core.append(c)
+    routed = [fwd.gemm_flops[i] * ep * imbalance for i in keep]
+    if framework.moe_grouped_gemm and per_expert:  # one grouped GEMM per projection over the rank's experts
+        routed = [sum(routed[j::per_expert]) for j in range(per_expert)]
+    flops += routed
+    sharded += [True] * len(routed)
+    core += [False] * len(routed)
+    kernels_left = (fwd.kernels_expert * (1 - 1 / ep) if not framework.moe_grouped_gemm or not num_experts else
+                    fwd.kernels_expert * (1 - 1 / num_experts))
+    bwd_left = bwd.kernels * kernels_left / fwd.kernels if fwd.kernels else 0.0
+    new_fwd = dataclasses.replace(fwd, gemm_flops=flops, gemm_sharded=sharded, gemm_core=core,
+                                  gemm_moe=[0] * len(flops),
+                                  other_bytes_sharded=fwd.other_bytes_sharded + fwd.other_bytes_moe,
+                                  kernels=round(fwd.kernels - kernels_left))
+    # the executor's per-expert weight gradients, profiled with all E experts on one rank: E/ep of them here,
+    # none with a grouped GEMM (it writes each expert's gradient once, as the GEMM's own output)
+    elem = 4 if lay.dtype == "fp32" else 2
+    profiled = min(stacked_grad_traffic(spec, num_experts, elem), bwd.other_bytes_fixed)
+    kept = 0.0 if framework.moe_grouped_gemm else stacked_grad_traffic(spec, num_experts // ep, elem)
+    new_bwd = dataclasses.replace(bwd, kernels=round(bwd.kernels - bwd_left),
+                                  other_bytes=round(bwd.other_bytes - profiled + kept),
+                                  other_bytes_fixed=round(bwd.other_bytes_fixed - profiled + kept))
+    moe_saved = layer.activation_bytes_moe
+    return dataclasses.replace(layer, fwd_ops=new_fwd, bwd_ops=new_bwd,
+                               activation_bytes_sharded=layer.activation_bytes_sharded + moe_saved,
+                               activation_bytes_selective_sharded=layer.activation_bytes_selective_sharded + moe_saved)
+
+
+def stacked_grad_traffic(spec, local_experts: int, elem: int) -> float:
+    """Bytes the executor's backward moves for the weight gradients of a rank's ``local_experts`` experts,
+    held as stacked (E_l, in, out) tensors and indexed per expert (models/moe.py GroupedExperts): autograd's
+    select_backward writes each expert's slice gradient into a zero-filled whole-stack tensor (E_l·in·out
+    written, the slice copied in), and AccumulateGrad sums the E_l of them (each sum reads two stacks and
+    writes one): (4·E_l² - E_l)·in·out elements per stacked weight, ``elem`` bytes each. It grows with the
+    square of the experts a rank holds — what expert parallelism divides by ep² (profiled: within 1% of the
+    traced backward's weight-sized traffic of Qwen3-30B-A3B's 128 experts, 12% of Mixtral's 8)."""
+    mats = 3 if spec.family == "llama" else 2  # SwiGLU's w1, w3, w2; GELU's w1, w2
+    n = local_experts
+    return mats * (4 * n * n - n) * spec.hidden_size * spec.moe_ffn_size * elem
+
+
+# ---- communication ----
+
+def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
+    """One all-to-all where every rank of a group placed as ``span`` sends ``nbytes`` (its whole send buffer,
+    1/n of it to itself): (n-1)/n of it leaves the rank — (r-1)/n to the r-1 peers in its node over NVLink,
+    (n-r)/n to other nodes through its share of the node's network — both at once, each paying its link's
+    latency once (every peer is sent to at once, as NCCL's grouped send/receive does)."""
+    n = span.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    r = span.max_per_node
+    intra = cluster.intra_node
+    t_intra = (r - 1) / n * nbytes / intra.bandwidth_Bps + (intra.latency_s if r > 1 else 0.0)
+    if n == r:
+        return t_intra
+    net = comm.network_share(cluster, busy)
+    t_inter = (n - r) / n * nbytes / net.bandwidth_Bps + net.latency_s
+    return max(t_intra, t_inter)
+
+
+@dataclass(frozen=True)
+class EPCost:
+    """One MoE layer's expert-parallel and token-split communication for one micro-batch on one rank."""
+
+    fwd: float = 0.0  # seconds the forward waits for
+    bwd: float = 0.0  # seconds the backward waits for (full recomputation's repeated forward included)
+    traffic: dict[str, float] = field(default_factory=dict)  # bytes by collective kind (costmodel.COMM_KINDS)
+
+    @property
+    def seconds(self) -> float:
+        return self.fwd + self.bwd
+
+
+def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: float, mode: str) -> EPCost:
+    """The all-to-alls (and etp gathers) of MoE layer ``layer`` for a micro-batch of ``b`` whole sequences on
+    one rank (their 1/cp share, 1/tp of its tokens: see the module docstring), in recomputation ``mode``."""
+    if not is_moe(layer):
+        return EPCost()
+    work = model.work
+    spec, cluster, fw = work.spec, work.cluster, work.framework
+    busy = place.gpus_per_node_busy
+    elem = 4 if lay.dtype == "fp32" else 2
+    h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
+    tokens = b * work.tokens_per_sample / lay.tp  # this rank's tokens of the micro-batch (b already over cp)
+    repeat = 1 if mode == "full" else 0
+    traffic: dict[str, float] = {}
+    fwd = bwd = 0.0
+    if lay.ep > 1:
+        sent = tokens * k * h * elem  # every token copy the rank routes (balanced: also what it receives)
+        one = all_to_all(sent, consecutive_group(cluster, lay.ep, lay.etp), cluster, busy) * fw.moe_imbalance
+        counts = all_to_all(e * COUNT_BYTES, consecutive_group(cluster, lay.ep, lay.etp), cluster, busy)
+        fwd += 2 * one + counts
+        bwd += 2 * one
+        traffic["all_to_all"] = (4 + 2 * repeat) * sent + (1 + repeat) * e * COUNT_BYTES
+    if lay.etp > 1:  # received tokens gathered over the etp group, the results reduce-scattered; both passes
+        full = lay.etp * tokens * k * h * elem
+        group = consecutive_group(cluster, lay.etp)
+        one = comm.gather(full, group, cluster, busy) * fw.moe_imbalance
+        fwd += 2 * one
+        bwd += 2 * one
+        traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + repeat) * full
+        traffic["reduce_scatter"] = traffic.get("reduce_scatter", 0.0) + (2 + repeat) * full
+    if fw.states == "executor" and lay.tp > 1:
+        if not lay.sequence_parallel:  # the block's output all-gathered (forward), its input gradient (backward)
+            whole = b * work.tokens_per_sample * h * elem
+            one = comm.gather(whole, place.tp, cluster, busy)
+            fwd += one
+            bwd += one
+            traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + repeat) * whole
+    if fw.states == "executor" and lay.tp * lay.cp > 1 and spec.moe_aux_loss_coeff > 0:
+        hits = b * e * AUX_BYTES  # tokens per expert of each sequence, summed over the ranks sharing it
+        fwd += comm.all_reduce(hits, place.tp, cluster, busy)
+        traffic["all_reduce"] = traffic.get("all_reduce", 0.0) + (1 + repeat) * hits
+    return EPCost(fwd=fwd, bwd=bwd + repeat * fwd, traffic=traffic)
+
+
+# ---- gradients, optimizer, memory ----
+
+def expert_states(framework, lay: Layout) -> StateBytes:
+    """Model-state bytes per expert-parallel parameter: memory.state_bytes with ZeRO sharding over edp."""
+    return state_bytes(framework, lay.replace(dp=edp(lay), cp=1))
+
+
+def expert_exposures(model, lay: Layout, place: Placement, root_experts: float = 0.0) -> list[Exposure]:
+    """What a rank sends and waits for per iteration to sync its expert-parallel experts' gradients over the
+    edp ranks holding the same experts (ranks ep·etp apart), in dp_sync.py's style (dp_sync._executor and
+    _zero_accounting with the edp group and the rank's ``experts``). ``root_experts``: the experts of the
+    unit synced last (one layer's), which cannot hide behind the backward."""
+    from .dp_sync import DDP_BUCKET_BYTES, grad_bytes, weight_bytes
+
+    work = model.work
+    fw, cluster, busy = work.framework, work.cluster, place.gpus_per_node_busy
+    n = edp(lay)
+    if n <= 1 or lay.dp_mode == "ps" or not getattr(work.spec, "is_moe", False) or not expert_parallel(lay, fw):
+        return []
+    group = consecutive_group(cluster, n, lay.ep * lay.etp)
+    all_reduce = lambda nbytes: comm.all_reduce(nbytes, group, cluster, busy)  # noqa: E731
+    gather = lambda nbytes: comm.gather(nbytes, group, cluster, busy)  # noqa: E731
+    ge, wb, m = grad_bytes(work, lay), weight_bytes(lay), lay.num_micro_batches
+    window = Affine(window=1.0) if work.overlap_dp else Affine()
+    fwd, bwd = Affine(fwd=1.0), Affine(bwd=1.0)
+    if fw.states == "executor":
+        if lay.zero <= 1:
+            if lay.pp == 1:
+                items = [Exposure(Sync("all_reduce", all_reduce, per_expert=ge), hidden=window, floor="bucket",
+                                  bucket_bytes=root_experts * ge)]
+            else:  # torch pipelining reduces after the step's last backward
+                items = [Exposure(Sync("all_reduce", all_reduce, per_expert=ge))]
+            if lay.zero == 1:  # owners broadcast their updated fp32 experts over edp
+                items.append(Exposure(Sync("all_gather", gather, per_expert=4)))
+            return items
+        gathers = Sync("all_gather", gather, per_expert=wb)
+        if lay.pp > 1 and lay.schedule == "zb-v":
+            items = [Exposure(Sync("reduce_scatter", gather, per_expert=ge))]
+        else:
+            items = [Exposure(Sync("reduce_scatter", gather, per_expert=ge), count=m, hidden=bwd, floor="zero")]
+        if lay.zero == 2:
+            items.append(Exposure(gathers, hidden=fwd, floor="zero"))
+        else:
+            items += [Exposure(gathers, count=m, hidden=fwd, floor="zero"),
+                      Exposure(gathers, count=m, hidden=bwd, floor="zero")]
+        return items
+    # Megatron-Core: the expert-data-parallel group's buffers, like the dense ones (dp_sync._zero_accounting)
+    if lay.pp > 1 and fw.dp_sync_pipelined == "end":
+        window = Affine()
+    if lay.zero == 0:
+        return [Exposure(Sync("all_reduce", all_reduce, per_expert=ge), hidden=window, floor="bucket",
+                         bucket_bytes=DDP_BUCKET_BYTES)]
+    items = [Exposure(Sync("reduce_scatter", gather, per_expert=ge), hidden=window, floor="bucket",
+                      bucket_bytes=DDP_BUCKET_BYTES)]
+    gathers = Sync("all_gather", gather, per_expert=wb)
+    if lay.zero == 3:
+        items += [Exposure(gathers, count=m, hidden=fwd, floor="zero"),
+                  Exposure(gathers, count=m, hidden=bwd, floor="zero")]
+    elif getattr(fw, "overlap_param_gather", False):
+        items.append(Exposure(gathers, hidden=fwd, floor="bucket", bucket_bytes=DDP_BUCKET_BYTES))
+    else:
+        items.append(Exposure(gathers))
+    return items
+
+
+def tp_summed_exposure(model, lay: Layout, place: Placement) -> Exposure | None:
+    """This executor sums over the tensor-parallel group the gradients of the MoE weights every tp rank holds
+    whole but trains on its own tokens (router, shared experts; routed experts when ep = 1;
+    executor/expert_parallel.py SumGrads): one fp32 all-reduce after the step's backward, of the rank's
+    data-parallel shard under ZeRO 2/3 (FSDP2 has reduce-scattered them by then; ZB-V's pipeline accumulates
+    them whole). Traced by the dry run, pipelined or not."""
+    if lay.tp == 1 or model.work.framework.states != "executor" or not getattr(model.work.spec, "is_moe", False):
+        return None
+    cluster, data = model.work.cluster, lay.dp * lay.cp
+    sync = lambda n: comm.all_reduce(n, place.tp, cluster, place.gpus_per_node_busy)  # noqa: E731
+    sharded = lay.zero >= 2 and data > 1 and not (lay.pp > 1 and lay.schedule == "zb-v")
+    return Exposure(Sync("all_reduce", sync, per_moe_shared=4.0 / data if sharded else 4.0))
+
+
+def expert_optimizer_step(model, lay: Layout) -> Affine:
+    """Adam's memory traffic over the expert shard a rank updates (all its experts, 1/edp with ZeRO): the
+    expert side of dp_sync.optimizer_step."""
+    from .dp_sync import ADAM_BYTES_PER_PARAM
+
+    work = model.work
+    gpu = work.cluster.gpu
+    if lay.dp_mode == "ps" or not getattr(work.spec, "is_moe", False):
+        return Affine()
+    share = 1.0 / edp(lay) if lay.zero >= 1 else 1.0
+    return Affine(experts=share * ADAM_BYTES_PER_PARAM[work.framework.states]
+                  / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound))
