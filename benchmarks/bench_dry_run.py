@@ -26,7 +26,8 @@ MODEL = str(ROOT / "benchmarks" / "data" / "llama-small.yaml")
 GPT = str(ROOT / "benchmarks" / "data" / "gpt-small.yaml")
 
 # (model, cluster, global batch, layout flags): GPT and LLaMA; ZeRO 0-3; TP with and without SP; PP with
-# 1F1B, interleaved and ZB-V; recomputation none / selective / full; with and without accumulation.
+# 1F1B, interleaved and ZB-V; recomputation none / selective / full; with and without accumulation; context
+# parallelism.
 SPREAD = [
     (MODEL, 16, "--dp 2 --tp 1 --pp 1 --micro-batch 8"),
     (MODEL, 16, "--dp 2 --tp 1 --pp 1 --micro-batch 2 --zero 1"),
@@ -38,6 +39,12 @@ SPREAD = [
     (GPT, 16, "--dp 2 --tp 1 --pp 2 --micro-batch 1 --zero 1"),
     (GPT, 16, "--dp 1 --tp 2 --pp 2 --micro-batch 1 --schedule interleaved-1f1b --virtual-stages 2"),
     (MODEL, 16, "--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2"),
+    # context parallelism (planner/context_parallel.py): K/V all-gathers, the whole sequence's K/V kept by the
+    # attention kernel, ZeRO over dp x cp; with TP and SP, selective and full recomputation, a pipeline
+    (MODEL, 16, "--dp 1 --tp 1 --pp 1 --cp 4 --micro-batch 4 --recompute selective"),
+    (MODEL, 16, "--dp 1 --tp 2 --pp 1 --cp 2 --micro-batch 4 --sequence-parallel"),
+    (MODEL, 16, "--dp 2 --tp 1 --pp 1 --cp 2 --micro-batch 2 --zero 2 --recompute full"),
+    (GPT, 16, "--dp 1 --tp 1 --pp 2 --cp 2 --micro-batch 2"),
 ]
 BIG = [
     ("llama2-70b", 512, "--nodes 8 --dp 8 --tp 4 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2 "

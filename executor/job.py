@@ -104,6 +104,10 @@ class Job:
         if lay.dtype == "fp16":
             raise ExecutionError(f"{src}: fp16 training needs loss scaling, which the executor does not do; "
                                  "use bf16 (or fp32)")
+        if lay.dtype == "fp8":  # priced by the planner (planner/fp8.py); running it needs FP8 tensor cores
+            raise ExecutionError(f"{src}: fp8 plans are priced, not executed: FP8 GEMMs need an H100-class GPU and "
+                                 "torchao's float8 training, which this executor does not drive yet (a CPU has no "
+                                 "FP8 matmuls at all); run the same layout with --dtype bf16")
         if plan.stage_recompute is not None:
             bad = [m for m in plan.stage_recompute if m not in ("none", "selective", "full")]
             if bad:

@@ -17,7 +17,7 @@ from paraplan import __version__
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 RECOMPUTE = ("none", "selective", "full")
-DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
 
 

@@ -24,6 +24,9 @@ from paraplan.hardware_specs import GPUSpec
 from paraplan.profiler import LayerProfile
 
 ATTENTION_KERNELS = ("flash", "unfused")
+# A causal flash kernel computes the tiles on and below the diagonal: half the score matrix, plus half the
+# diagonal tiles (FlashAttention-2 skips the masked blocks), taken as one half for long sequences.
+CAUSAL_FLASH_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,31 @@ def _gemm(flops: float, gpu: GPUSpec, dtype: str) -> float:
     return flops / (gpu.peak_flops(dtype) * gpu.efficiency.matmul_fraction(flops, dtype))
 
 
+def gemm_dtype(dtype: str, layer_kind: str, core: bool) -> str:
+    """The dtype a GEMM runs in: under ``fp8`` only the transformer layers' linears run in FP8; the attention
+    core, the embedding and the output layer stay bf16 (planner/fp8.py)."""
+    if dtype == "fp8" and (core or layer_kind != "transformer_layer"):
+        return "bf16"
+    return dtype
+
+
 def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, sp: bool, gpu: GPUSpec, dtype: str,
-                        attention: str) -> PassTimes:
+                        attention: str, elementwise: float = 1.0, causal_fraction: float = 1.0) -> PassTimes:
     """Peak-and-efficiency estimate for a block profiled at one micro-batch, scaled to ``micro_batch_scale``.
 
     Tensor parallelism divides the GEMMs and memory traffic of the sharded modules by ``tp``;
-    sequence parallelism divides the replicated rest (norms, residual adds) too.
+    sequence parallelism divides the replicated rest (norms, residual adds) too. ``elementwise``: the
+    fraction of eager PyTorch's element-wise traffic and kernels a stack's fused kernels leave
+    (Framework.elementwise_traffic; the unfused attention's score and dropout traffic is modelled as such).
+    ``causal_fraction``: the share of the attention core's s x s work a causal kernel computes (a flash kernel
+    skips the tiles above the diagonal: about half, FlashAttention-2, Dao 2023, Sec. 3.1.1); its FLOPs are
+    still counted whole in the model FLOPs, as Megatron's formula counts them.
     """
     mix, b = layer.fwd_ops, micro_batch_scale
     gemm_all = gemm_core = 0.0
     for flops, sharded, core in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, strict=True):
-        t = _gemm(flops * b / (tp if sharded else 1), gpu, dtype)
+        done = flops * b / (tp if sharded else 1) * (causal_fraction if core else 1.0)
+        t = _gemm(done, gpu, gemm_dtype(dtype, layer.kind, core))
         gemm_all += t
         gemm_core += t if core else 0.0
     hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
@@ -77,7 +94,7 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
         the weights."""
         scaled = pass_mix.other_bytes - pass_mix.other_bytes_fixed
         moved = scaled * b * (sharded_frac / tp + replicated_frac / (tp if sp else 1))
-        return (moved + pass_mix.other_bytes_fixed * weight_share) / hbm
+        return elementwise * (moved + pass_mix.other_bytes_fixed * weight_share) / hbm
 
     scores = mix.core_scores_bytes * b / tp if attention == "unfused" else 0.0
     # Scale-mask-softmax reads and writes the scores (2), its backward reads output and gradient and
@@ -87,10 +104,10 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     hidden_dropout = 0.0
     if attention == "unfused" and layer.kind == "transformer_layer":  # two residual-branch dropouts
         hidden_dropout = 2 * 2.5 * layer.input_bytes * b / (tp if sp else 1) / hbm
-    fwd = gemm_all + traffic(mix) + core_fwd_traffic + hidden_dropout + mix.kernels * overhead
+    fwd = gemm_all + traffic(mix) + core_fwd_traffic + hidden_dropout + elementwise * mix.kernels * overhead
     bwd_weight = gemm_all - gemm_core  # one weight-gradient GEMM per linear GEMM
     bwd_input = (gemm_all + gemm_core + traffic(layer.bwd_ops) + core_bwd_traffic + hidden_dropout
-                 + layer.bwd_ops.kernels * overhead)
+                 + elementwise * layer.bwd_ops.kernels * overhead)
     return PassTimes(fwd=fwd, bwd_input=bwd_input, bwd_weight=bwd_weight, core_fwd=gemm_core + core_fwd_traffic)
 
 

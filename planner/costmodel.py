@@ -16,6 +16,7 @@ Composition (each piece is its own module, each formula tested against its sourc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any
@@ -23,14 +24,15 @@ from typing import Any
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
 from paraplan.profiler.tp_view import region_collectives
 
-from . import comm
+from . import comm, context_parallel, fp8
 from .compute import estimate_pass_times, measured_pass_times
 from .concerns import RankLoad, exposed_seconds, traffic
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
+from .fused_activations import fused_layer_bytes
 from .layout import Layout
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
-from .placement import Placement, consecutive_group, placement
+from .placement import Placement, consecutive_group, layout_placement
 from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
@@ -57,11 +59,14 @@ class BlockCost:
     tp_traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)  # TP collective bytes per micro-batch (TP_KINDS)
     root: bool = False  # outside the transformer layers: the data-parallel wrapper's root unit (embedding, head)
     replicated: float = 0.0  # parameters tensor parallelism leaves whole, whose gradients SP all-reduces
+    cp_time: float = 0.0  # of tp_fwd + tp_bwd, the context-parallel K/V exchange (planner/context_parallel.py)
+    cp_send_recv: float = 0.0  # bytes per micro-batch of a ring's K/V exchange (sent and received)
 
 
 # BlockCost fields summed over a stage (prefix sums per block table), in this order
 SUMMED = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
-          "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter")
+          "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter",
+          "cp_time", "cp_send_recv")
 
 
 def _field(cost: BlockCost, name: str) -> float:
@@ -106,6 +111,7 @@ class StageCost:
     replicated_params: float = 0.0  # of params, those kept whole under tensor parallelism (SP syncs them)
     tp_traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)  # per micro-batch (TP_KINDS)
     p2p_bytes: float = 0.0  # bytes this stage sends and receives per micro-batch across ranks
+    cp_time: float = 0.0  # of tp_fwd + tp_bwd, the context-parallel exchange
 
     @property
     def t_f(self) -> float:
@@ -194,7 +200,7 @@ class CostModel:
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
                place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay),
-               lay.pp > 1 and i == n - 1)
+               lay.pp > 1 and i == n - 1, lay.cp)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -202,14 +208,17 @@ class CostModel:
             cost = self._sharded_head_cost(layer, lay, place)
             self._blocks[key] = cost
             return cost
-        cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch, lay.tp, lay.sequence_parallel
-        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention)
-        measured = work.measurement(b, lay.dtype)
+        # context parallelism: each rank computes and keeps what b/cp whole sequences would (context_parallel.py)
+        cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
+        fw = work.framework
+        causal = context_parallel.attention_work_fraction(work, lay)
+        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal)
+        measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
             m = measured["layers"][i]
-            base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention)
+            base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
+                                       causal)
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
-        fw = work.framework
         colls = [c for style, ib, ob, tok in layer.region_io
                  for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
         busy = place.gpus_per_node_busy
@@ -217,6 +226,12 @@ class CostModel:
         tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "bwd")
         sharded_ratio = (layer.param_bytes_sharded / t + layer.param_bytes - layer.param_bytes_sharded) / \
             layer.param_bytes if layer.param_bytes else 1.0
+        tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
+        if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # quantising the FP8 GEMMs' operands (fp8.py)
+            cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp,
+                                              gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound,
+                                              gpu.efficiency.op_overhead_us * 1e-6)
+            times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
             working = layer_activation_bytes(layer, b, t, sp, "none", work.attention,
@@ -230,6 +245,11 @@ class CostModel:
             tp_bwd = max(0.0, tp_bwd - times.bwd_weight)
         if mode == "full":
             tp_bwd += tp_fwd  # the recomputed forward's collectives
+        # context parallelism's K/V exchange (context_parallel.py), never hidden by the TP overlap above
+        cpc = context_parallel.layer_cost(self, lay, place, mode, 4 if lay.dtype == "fp32" else 2,
+                                          times.core_fwd) if layer.kind == "transformer_layer" else None
+        if cpc is not None:
+            tp_fwd, tp_bwd = tp_fwd + cpc.fwd, tp_bwd + cpc.bwd
         # Host-side framework costs of this block per micro-batch (measured per event by calibrate; zero on
         # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).
         host_costs = self._framework
@@ -241,11 +261,27 @@ class CostModel:
         tp_fwd += host / 2
         tp_bwd += host / 2
         repeat = {"fwd": 2.0 if mode == "full" else 1.0, "bwd": 1.0}  # full recomputation repeats the forward's
-        tp_traffic = tuple(sum(c.bytes * b * repeat[c.phase] for c in colls if c.op == kind) for kind in TP_KINDS)
+        tp_traffic = tuple(sum(c.bytes * b * repeat[c.phase] for c in colls if c.op == kind)
+                           + (cpc.traffic.get(kind, 0.0) if cpc else 0.0) for kind in TP_KINDS)
         # A pipeline send carries 1/t of the boundary with sequence parallelism (each rank its sequence
         # shard) or Megatron's scatter/gather; DTensor without SP sends the whole tensor from every TP rank.
         split = t if sp or fw.p2p_scatter_gather else 1
         acts = layer_activation_bytes(layer, b, t, sp, mode, work.attention, fw.sp_saves_gathered_input)
+        if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
+            fused = fused_layer_bytes(work.spec, tokens, t, sp, mode)  # Transformer Engine's modules
+            if fused is not None:
+                acts = fused
+                if mode == "full":
+                    working = fused_layer_bytes(work.spec, tokens, t, sp, "none")
+        if cpc is not None:  # the whole sequence's K/V an attention kernel saves (all-gather form)
+            if mode == "full":
+                working += cpc.saved_bytes
+            else:
+                acts += cpc.saved_bytes
+        if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs
+            acts -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, mode)
+            if mode == "full":
+                working -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, "none")
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working
@@ -256,13 +292,14 @@ class CostModel:
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,
             params=layer.params * sharded_ratio, output_bytes=layer.output_bytes * b / split,
             tp_traffic=tp_traffic, root=layer.kind != "transformer_layer",
-            replicated=_replicated_params(layer) if t > 1 and layer.kind != "embedding" else 0.0)
+            replicated=_replicated_params(layer) if t > 1 and layer.kind != "embedding" else 0.0,
+            cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0)
         self._blocks[key] = cost
         return cost
 
     def _fsdp_units(self, lay: Layout) -> bool:
         """Does each transformer layer pay an FSDP unit's host cost (ZeRO-2/3 shard layer by layer)?"""
-        return lay.dp > 1 and lay.zero >= 2 and self._framework["fsdp_unit"] > 0
+        return lay.data_ranks > 1 and lay.zero >= 2 and self._framework["fsdp_unit"] > 0
 
     def stage_host_overhead(self, lay: Layout) -> float:
         """Host-side framework seconds a stage pays per micro-batch beyond its blocks: the micro-batch's own
@@ -272,7 +309,7 @@ class CostModel:
         fw = self._framework
         # pp = 1: the trainer's own gradient-accumulation loop handles each micro-batch; pp > 1: the schedule
         t = 2 * fw["pp_action"] if lay.pp > 1 else fw["micro_batch"]
-        if lay.dp > 1 and (lay.zero >= 2 or lay.pp > 1 or lay.tp > 1) and lay.head_parallel == 1:
+        if lay.data_ranks > 1 and (lay.zero >= 2 or lay.pp > 1 or lay.tp > 1) and lay.head_parallel == 1:
             t += fw["fsdp_unit"]
         return t
 
@@ -305,16 +342,16 @@ class CostModel:
         """Is the model embedding + identical layers + head (the ILP's integer-count form)?"""
         layers = self.work.profile(lay.dtype).layers
         return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
+                and len({x.signature for x in layers[1:-1]}) == 1)
+
     def host_cost(self, event: str) -> float:
         """Seconds the framework costs on the host per ``event`` (calibrated; 0 where not measured)."""
         return self._framework[event]
 
-                and len({x.signature for x in layers[1:-1]}) == 1)
-
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
-               lay.head_parallel, self._fsdp_units(lay), lay.pp > 1)  # everything block_cost's key depends on
+               lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp)  # everything block_cost's key depends on
         table = self._tables.get(key)
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
@@ -336,7 +373,7 @@ class CostModel:
         """Whole-model sums of the per-block costs (SUMMED fields) in recomputation ``mode``, the largest
         working set of a block (``working``) and the last block's parameters on a rank (``head_params``):
         what the search's lower bound needs."""
-        table = self._table(lay, placement(self.work.cluster, lay.dp, lay.tp, lay.pp), mode)
+        table = self._table(lay, layout_placement(self.work.cluster, lay), mode)
         out = {f: table.total(f) for f in SUMMED}
         out["working"] = max(table.working)
         out["head_params"] = table.costs[-1].params
@@ -345,7 +382,7 @@ class CostModel:
     # ---- per stage ----
     def stage_costs(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
                     ) -> list[StageCost]:
-        place = placement(self.work.cluster, lay.dp, lay.tp, lay.pp)
+        place = layout_placement(self.work.cluster, lay)
         prof = self.work.profile(lay.dtype)
         n_blocks = len(prof.layers)
         out = []
@@ -364,6 +401,7 @@ class CostModel:
             st.act_bytes, st.params, st.recompute_flops = total("act_bytes"), total("params"), total("recompute_flops")
             st.root_params, st.replicated_params = total("root_params"), total("replicated")
             st.tp_traffic = tuple(total(f"tp_{k}") for k in TP_KINDS)
+            st.cp_time, st.p2p_bytes = total("cp_time"), total("cp_send_recv")
             st.act_working = max(table.working[lo:hi])
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
                 shared = tied * (table.costs[-1].params / prof.layers[-1].params)
@@ -379,12 +417,23 @@ class CostModel:
                 continue
             boundary = tables[s].costs[a.blocks[-1]].output_bytes
             cross = place.pp_cross_node if (b.rank - a.rank) % lay.pp in (1, lay.pp - 1) else True
-            t = comm.p2p(boundary, cross, self.work.cluster, place.gpus_per_node_busy)
+            t = self.p2p_seconds(lay, boundary, cross, place)
             a.p2p_fwd += t
             b.p2p_bwd += t
             a.p2p_bytes += 2 * boundary  # sends the activation, receives its gradient
             b.p2p_bytes += 2 * boundary  # receives the activation, sends its gradient
         return out
+
+    def p2p_seconds(self, lay: Layout, nbytes: float, cross_node: bool, place: Placement) -> float:
+        """What a stage waits for to send (or receive) one micro-batch's boundary of ``nbytes`` bytes: the
+        transfer, or — where the framework overlaps an interleaved pipeline's sends with the next chunk's
+        compute (Megatron-Core's overlap_p2p_comm) — only its latency (the stage and the ILP both use this)."""
+        t = comm.p2p(nbytes, cross_node, self.work.cluster, place.gpus_per_node_busy)
+        if self.work.framework.overlap_p2p and lay.virtual_stages > 1 and nbytes > 0:
+            link = comm.network_share(self.work.cluster, place.gpus_per_node_busy) if cross_node else \
+                self.work.cluster.intra_node
+            return min(t, link.latency_s)
+        return t
 
     # ---- what a pipeline rank holds, sends and waits for (concerns.py, dp_sync.py) ----
     def rank_load(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], makespan: float) -> RankLoad:
@@ -444,7 +493,7 @@ class CostModel:
         cluster, gpu = work.cluster, work.cluster.gpu
         prof = work.profile(lay.dtype)
         _check_stages(stages, len(prof.layers), lay)
-        place = placement(cluster, lay.dp, lay.tp, lay.pp)
+        place = layout_placement(cluster, lay)
         costs = self.stage_costs(lay, stages, stage_recompute)
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
@@ -482,13 +531,14 @@ class CostModel:
         rs = ranks[rb]
         compute = m * sum(costs[s].fwd + costs[s].bwd_input + costs[s].bwd_weight for s in rs)
         recompute = m * sum(costs[s].recompute_time for s in rs)
-        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs)
+        cp_comm = m * sum(costs[s].cp_time for s in rs)
+        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs) - cp_comm
         pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
         bubble = max(0.0, makespan - m * rank_time[rb])
         dp_comm = iteration - makespan - max(opt_time)
         dp_comm = dp_comm if dp_comm > 1e-12 * iteration else 0.0  # float residue when nothing is exposed
         time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
-                  "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time)}
+                  "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time), "cp_comm": cp_comm}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
         states = state_bytes(work.framework, lay)
@@ -512,7 +562,7 @@ class CostModel:
         # ---- throughput and FLOP utilisation ----
         fwd_flops_per_sample = prof.total_fwd_flops
         model_flops = 3 * fwd_flops_per_sample * lay.global_batch
-        recompute_flops = sum(c.recompute_flops for c in costs) / lay.micro_batch
+        recompute_flops = sum(c.recompute_flops for c in costs) * lay.cp / lay.micro_batch  # per sample
         hw_flops = model_flops + recompute_flops * lay.global_batch
         n_gpus = lay.num_gpus
         peak_flops = gpu.peak_flops(lay.dtype)
@@ -589,7 +639,7 @@ def balanced_stages(weights: list[float], k: int) -> list[list[int]]:
 
 def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     """Stage boundaries balancing each stage's time (used when the user gives none)."""
-    place = placement(model.work.cluster, lay.dp, lay.tp, lay.pp)
+    place = layout_placement(model.work.cluster, lay)
     n = len(model.work.profile(lay.dtype).layers)
     if lay.num_stages > n:
         raise InvalidLayout(f"pp x virtual stages = {lay.num_stages} exceeds the model's {n} blocks",

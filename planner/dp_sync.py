@@ -77,7 +77,7 @@ def dp_exposures(model, lay: Layout, place: Placement, rank: int, root_params: f
                                    const_bytes=tied_elements * ge)))
     if lay.dp_mode == "ps":
         return items + [_parameter_servers(model, lay, place, ge)]
-    if lay.dp == 1:
+    if lay.data_ranks == 1:
         return items
     all_reduce = lambda n: comm.all_reduce(n, place.dp, cluster, busy)  # noqa: E731
     gather = lambda n: comm.gather(n, place.dp, cluster, busy)  # noqa: E731
@@ -122,15 +122,30 @@ def _executor(lay: Layout, all_reduce, gather, window: Affine, ge: int, wb: int,
 
 def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: int,
                      m: int) -> list[Exposure]:
-    if lay.zero == 0:
-        return [Exposure(Sync("all_reduce", all_reduce, per_param=ge), hidden=window, floor="bucket",
-                         bucket_bytes=DDP_BUCKET_BYTES)]
-    items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), hidden=window, floor="bucket",
-                      bucket_bytes=DDP_BUCKET_BYTES)]
+    """Megatron-LM / DeepSpeed data parallelism, by the framework's switches: ``dp_sync_pipelined`` (with a
+    pipeline, reduce after the flush, exposed, or under the last backward), ``zero1`` (ZeRO 1 as an all-reduce
+    plus the owners' broadcast, or a reduce-scatter plus an all-gather), ``zero23_every_micro_batch`` (ZeRO 2/3
+    reduce-scatter each micro-batch's gradients under its backward, or once per step)."""
+    if lay.pp > 1 and fw.dp_sync_pipelined == "end":
+        window = Affine()  # reduced after the pipeline's last backward: nothing left to hide behind
+    if lay.zero == 0 or (lay.zero == 1 and fw.zero1 == "allreduce+broadcast"):
+        items = [Exposure(Sync("all_reduce", all_reduce, per_param=ge), hidden=window, floor="bucket",
+                          bucket_bytes=DDP_BUCKET_BYTES)]
+        if lay.zero == 1:  # each owner broadcasts its updated 16-bit weights
+            items.append(Exposure(Sync("all_gather", gather, per_param=wb)))
+        return items
+    if lay.zero >= 2 and fw.zero23_every_micro_batch:
+        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), count=m, hidden=Affine(bwd=1.0),
+                          floor="zero")]
+    else:
+        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), hidden=window, floor="bucket",
+                          bucket_bytes=DDP_BUCKET_BYTES)]
     gathers = Sync("all_gather", gather, per_param=wb)
     if lay.zero == 3:  # weights gathered for every micro-batch's forward and backward
         items += [Exposure(gathers, count=m, hidden=Affine(fwd=1.0), floor="zero"),
                   Exposure(gathers, count=m, hidden=Affine(bwd=1.0), floor="zero")]
+    elif fw.overlap_param_gather:  # bucket by bucket under the next step's first forward (Megatron-Core)
+        items.append(Exposure(gathers, hidden=Affine(fwd=1.0), floor="bucket", bucket_bytes=DDP_BUCKET_BYTES))
     else:
         items.append(Exposure(gathers))  # updated weight shards gathered after the step
     return items
@@ -162,7 +177,7 @@ def optimizer_step(model, lay: Layout) -> Affine:
     if lay.dp_mode == "ps":
         share = 0.0
     else:
-        share = 1.0 / lay.dp if lay.zero >= 1 else 1.0
+        share = 1.0 / lay.data_ranks if lay.zero >= 1 else 1.0
     per_param = share * ADAM_BYTES_PER_PARAM[work.framework.states] / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
     return Affine(const=gpu.efficiency.framework("step"), params=per_param)
 
@@ -175,7 +190,7 @@ def sequence_parallel_weight_sync(model, lay: Layout, place: Placement) -> Expos
     (both traced by the dry run)."""
     cluster = model.work.cluster
     sync = lambda n: comm.all_reduce(n, place.tp, cluster, place.gpus_per_node_busy)  # noqa: E731
-    every = lay.pp > 1 and lay.zero >= 2 and lay.dp > 1 and lay.schedule != "zb-v"
+    every = lay.pp > 1 and lay.zero >= 2 and lay.data_ranks > 1 and lay.schedule != "zb-v"
     if every:
         return Exposure(Sync("all_reduce", sync, per_replicated=weight_bytes(lay)), count=lay.num_micro_batches)
     return Exposure(Sync("all_reduce", sync, per_replicated=4.0))

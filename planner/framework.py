@@ -5,6 +5,9 @@ bf16 weights and reduce-scatters fp32 gradients once per step; this project's ex
 fp32 master weights and reduce-scatters every micro-batch under ZeRO 2/3). A :class:`Framework` is the
 set of such behaviours; :data:`FRAMEWORKS` names the profiles a user picks with ``--framework``.
 ``paraplan`` — what ``paraplan execute`` really does, checked by its dry run — is the default.
+
+Each field is read by the cost model (where is said beside it) and each profile cites where its values
+come from. A field a profile leaves at its default behaves as this executor does.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from .compute import ATTENTION_KERNELS
 from .errors import PlanError
 
+CP_COMM = ("all_gather", "ring", "all_gather_overlap")
+
 
 @dataclass(frozen=True)
 class Framework:
@@ -24,9 +29,12 @@ class Framework:
     overlap_tp: bool = False  # TP all-reduce of input gradients hidden behind weight-gradient GEMMs (Megatron)
     # Model states: "executor" = FSDP2 mixed precision (fp32 master weights sharded by ZeRO 3 and 2, a bf16
     # copy for compute, fp32 gradients, Adam's two fp32 moments); "zero" = ZeRO's accounting (Rajbhandari
-    # et al. 2020: 2 + 2 + 12 bytes per parameter, sharded by the stage).
+    # et al. 2020: 2 bytes of weights, ``grad_bytes`` of gradients, 12 of optimizer state per parameter,
+    # sharded by the stage).
     states: str = "executor"
-    grad_bytes: int = 4  # bytes per gradient element reduced in 16-bit training (4: fp32 reduction)
+    # bytes per gradient element in 16-bit training: the buffer gradients accumulate in and the data-parallel
+    # reduction's dtype (4: fp32; "zero" states: memory.state_bytes, dp_sync.grad_bytes)
+    grad_bytes: int = 4
     # Data-parallel gradient sync with a pipeline: "end" = after the pipeline's last backward, exposed
     # (torch.distributed.pipelining's REDUCE_GRAD); "overlap" = during the last micro-batch's backward.
     dp_sync_pipelined: str = "end"
@@ -35,6 +43,35 @@ class Framework:
     sp_saves_gathered_input: bool = True  # SP regions keep their gathered input for backward (DTensor)
     p2p_scatter_gather: bool = False  # without SP a pipeline send carries 1/t of the boundary (Megatron)
     embedding_sp_reduce: str = "all_reduce"  # the vocab-parallel embedding's output under SP (or reduce_scatter)
+    # ZeRO 1/2 ("zero" states): the all-gather of the updated 16-bit weights after the optimizer step runs
+    # bucket by bucket under the next step's first forward (Megatron-Core's overlap_param_gather) instead of
+    # before it (dp_sync._zero_accounting)
+    overlap_param_gather: bool = False
+    # interleaved pipelines: each send and receive of a micro-batch's boundary overlaps the next chunk's
+    # compute (Megatron-Core's overlap_p2p_comm) instead of sitting between the two (costmodel.p2p_seconds)
+    overlap_p2p: bool = False
+    # context parallelism's exchange of keys and values (planner/context_parallel.py): "all_gather" = K/V
+    # all-gathered before attention, dK/dV reduce-scattered after, exposed (this executor; Llama 3 Sec. 3.3.2);
+    # "ring" = K/V chunks passed around the cp ring while the attention of the previous chunk computes
+    # (Megatron-Core with Transformer Engine, cp_comm_type p2p); "all_gather_overlap" = one all-gather
+    # overlapped with the attention of the local chunk (torch's context_parallel, rotate method allgather)
+    cp_comm: str = "all_gather"
+    # FP8 (planner/fp8.py): does the stack keep a linear layer's input for its weight gradient as FP8 (1 byte;
+    # Transformer Engine) or in 16 bits (torchao's float8 training saves the high-precision tensors)?
+    fp8_saves_fp8_inputs: bool = False
+    # bytes per parameter an FP8 run keeps beyond the 16-bit weights: TE's cached FP8 weight and its transpose
+    # (2) unless the weights themselves are FP8 parameters (Megatron-Core's fp8_param_gather: 0)
+    fp8_weight_bytes: float = 0.0
+    # FP8 scaling: "dynamic" = each tensor's amax is read in a pass of its own before the cast (torchao
+    # tensorwise); "delayed" = the scale comes from an amax history and the amax is computed inside the
+    # cast kernel (TE's DelayedScaling): planner/fp8.py prices the difference
+    fp8_scaling: str = "dynamic"
+    # fraction of the element-wise and normalisation memory traffic of eager PyTorch (what the profiler
+    # traces) that the stack's fused kernels still move (compute.estimate_pass_times)
+    elementwise_traffic: float = 1.0
+    # activations a transformer layer keeps: "traced" = what the profiler traced eager PyTorch modules to save
+    # (this executor); "fused" = Transformer Engine's fused modules (planner/fused_activations.py)
+    saved_activations: str = "traced"
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -47,16 +84,88 @@ class Framework:
 
 PARAPLAN = Framework(
     name="paraplan",
-    source="executor/data_parallel.py, pipeline.py, tensor_parallel.py (checked by execute --dry-run)")
+    source="executor/data_parallel.py, pipeline.py, tensor_parallel.py, context_parallel.py (checked by execute "
+           "--dry-run); FP8 as torchao's float8 training (tensorwise dynamic scaling, high-precision tensors saved)")
 
 MEGATRON_2021 = Framework(
     name="megatron-2021", attention="unfused", overlap_dp=False, overlap_tp=True, states="zero", grad_bytes=2,
     dp_sync_pipelined="overlap", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=True, embedding_sp_reduce="reduce_scatter",
+    cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
     source="Narayanan et al. 2021 (SC21) and Korthikanti et al. 2022: Megatron-LM with unfused attention "
            "and dropout, fp16 gradients all-reduced after the pipeline flush, scatter/gather P2P")
 
-FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_2021)}
+# Megatron-Core as NeMo 2.0 / Megatron-Bridge run it (the NeMo and dgxc-benchmarking H100 tables):
+# - distributed optimizer (ZeRO 1: Megatron-LM docs/api-guide/dist_optimizer.md) with overlap_grad_reduce and
+#   overlap_param_gather on (NeMo's recipes: DistributedDataParallelConfig(overlap_grad_reduce=True,
+#   overlap_param_gather=True, use_distributed_optimizer=True)), gradients kept and reduce-scattered in bf16 as
+#   NeMo's performance scripts set it (scripts/performance: recipe.trainer.plugins.grad_reduce_in_fp32 = False;
+#   the recipes' default, fp32, is grad_bytes=4: the docs' "bf16 parameters, fp32 gradients: 6 + 12/d");
+# - fused attention (TE / cuDNN flash), fused element-wise kernels (TE's LayerNormLinear and LayerNormMLP,
+#   fused bias-activation, fused RoPE, fused cross-entropy: Megatron-LM docs/api-guide/fusions.md);
+# - input-gradient all-reduce / SP all-gather overlapped with weight-gradient GEMMs (the async TP of
+#   Megatron's LinearWithGradAccumulationAndAsyncCommunication; tp_comm_overlap adds more where a recipe sets it);
+# - interleaved schedule's P2P overlapped with compute (overlap_p2p_comm, NeMo sets it whenever vp > 1);
+# - sequence-parallel inputs kept as the local shard and gathered again in backward; no scatter/gather P2P;
+# - context parallelism through TE's ring of P2P K/V exchanges overlapped with attention (Megatron-LM
+#   docs/api-guide/context_parallel.md: "The all-gather and reduce-scatter are transformed to point-to-point
+#   communications in ring topology");
+# - FP8 through Transformer Engine: delayed scaling (amax history), FP8 copies of linear inputs saved for
+#   backward, FP8 parameters (fp8_param_gather) so no extra weight copy.
+MEGATRON_CORE = Framework(
+    name="megatron-core", attention="flash", overlap_dp=True, overlap_tp=True, states="zero", grad_bytes=2,
+    dp_sync_pipelined="overlap", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
+    sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
+    overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
+    fp8_scaling="delayed", elementwise_traffic=0.5, saved_activations="fused",
+    source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
+           "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "
+           "use_distributed_optimizer; overlap_p2p_comm with virtual pipelines; performance scripts' "
+           "grad_reduce_in_fp32 = False)")
+
+# Megatron-DeepSpeed as BigScience ran BLOOM-176B (bigscience-workshop/bigscience train/tr11-176B-ml: Megatron-LM's
+# 2021 model code, Megatron's fused scale-mask-softmax attention, DeepSpeed's pipeline engine and ZeRO-1 with its
+# BF16 optimizer, which accumulates and all-reduces fp32 gradients after the pipeline's flush): unfused
+# attention, fp32 gradient buffers, the data-parallel reduction after the last backward, full-tensor P2P
+# (DeepSpeed's pipeline engine sends whole activations), no TP overlap (--no-async-tensor-model-parallel-allreduce
+# is not the default there, but the engine's bucketed reduce runs after the flush).
+MEGATRON_DEEPSPEED = Framework(
+    name="megatron-deepspeed", attention="unfused", overlap_dp=False, overlap_tp=False, states="zero", grad_bytes=4,
+    dp_sync_pipelined="end", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
+    sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
+    cp_comm="all_gather", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
+    source="bigscience-workshop/bigscience train/tr11-176B-ml (README and chronicles): Megatron-DeepSpeed, "
+           "DeepSpeed pipeline engine, ZeRO-1 with the BF16 optimizer (fp32 gradient accumulation), fused "
+           "scale-mask-softmax, bias-gelu and bias-dropout-add kernels")
+
+# DeepSpeed's ZeRO engine with a plain PyTorch model (HF Transformers): ZeRO's memory accounting (2 + 2 + 12
+# bytes per parameter, Rajbhandari et al. 2020), gradients reduced in the 16-bit training dtype
+# (communication_data_type defaults to it), ZeRO-2/3 reducing every micro-batch's gradients in buckets
+# (reduce_bucket_size) overlapped with the backward (overlap_comm; on by default with ZeRO-3), ZeRO-3
+# prefetching parameters under the forward and backward; SDPA attention (HF's default on GPUs); DeepSpeed
+# Ulysses-free context parallelism is not part of it (cp priced as an exposed all-gather).
+DEEPSPEED = Framework(
+    name="deepspeed", attention="flash", overlap_dp=True, overlap_tp=False, states="zero", grad_bytes=2,
+    dp_sync_pipelined="end", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=True,
+    sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="all_reduce",
+    cp_comm="all_gather", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
+    source="DeepSpeed docs (ZeRO config: overlap_comm, reduce_bucket_size, communication_data_type, "
+           "stage3_prefetch_bucket_size) and Rajbhandari et al. 2020 (ZeRO) Sec. 3.1")
+
+# torchtitan (pytorch/torchtitan): FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+# (training.mixed_precision_reduce = "float32") over fp32 master weights — the same states as this executor —,
+# DTensor tensor parallelism with loss_parallel, torch.distributed.pipelining schedules (gradients reduced
+# after the last backward), SDPA flash attention, context parallelism through torch's context_parallel with
+# the default rotate method "allgather" (all K/V shards gathered while the first local sub-attention runs),
+# FP8 through torchao's float8 training (tensorwise dynamic scaling).
+TORCHTITAN = Framework(
+    name="torchtitan", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
+    dp_sync_pipelined="end", cp_comm="all_gather_overlap", fp8_saves_fp8_inputs=False, fp8_weight_bytes=0.0,
+    fp8_scaling="dynamic",
+    source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
+           "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
+
+FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATRON_DEEPSPEED, DEEPSPEED, TORCHTITAN)}
 
 
 def framework(profile: str | Framework, attention: str | None = None, overlap_dp: bool | None = None,

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import pulp
 
-from . import comm
 from .concerns import Exposure, RankLoad
 from .costmodel import CostModel, Prediction
 from .dp_sync import optimizer_step
@@ -137,7 +136,7 @@ class StageILP:
         self.work = model.work
         self.prof = self.work.profile(lay.dtype)
         self.n = len(self.prof.layers)
-        self.place = placement(self.work.cluster, lay.dp, lay.tp, lay.pp)
+        self.place = layout_placement(self.work.cluster, lay)
         self.S = lay.num_stages
         self.p, self.v, self.m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         self.schedule = lay.schedule if lay.pp > 1 else "1f1b"
@@ -162,7 +161,7 @@ class StageILP:
             return 0.0
         cross = self.place.pp_cross_node if (b - a) % self.p in (1, self.p - 1) else True
         nbytes = self.cost[(last_block, self.modes[0])].output_bytes
-        return comm.p2p(nbytes, cross, self.work.cluster, self.place.gpus_per_node_busy)
+        return self.model.p2p_seconds(self.lay, nbytes, cross, self.place)
 
     def solve(self, beta: float = 0.0, start: tuple[list[list[int]], list[str]] | None = None,
               cutoff_s: float | None = None) -> tuple[list[list[int]], list[str], str, float | None]:

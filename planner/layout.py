@@ -15,7 +15,7 @@ from .errors import InvalidLayout
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: GEMMs in FP8, everything else in bf16 (planner/fp8.py)
 DP_MODES = ("allreduce", "ps")
 
 
@@ -44,6 +44,13 @@ class Layout:
     def num_gpus(self) -> int:
         """GPUs that train (parameter servers, when used, come on top)."""
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that hold the same model chunk: gradients are averaged and ZeRO shards states over them —
+        the data-parallel and the context-parallel ranks together (Megatron-Core's data-parallel group with
+        context parallelism; the executor flattens its dp and cp mesh dimensions alike)."""
+        return self.dp * self.cp
 
     @property
     def world_size(self) -> int:

@@ -34,15 +34,18 @@ FRAMEWORK_GIB = {"gpu": 1.5, "cpu": 0.3}
 FRAGMENTATION = 0.05
 
 
-def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes per parameter for Adam in this training dtype."""
-    return (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
+def state_bytes_per_param(dtype: str, grad_bytes: int = 2) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per parameter for Adam in this training dtype; ``grad_bytes``:
+    the gradient buffer's bytes per element in 16-bit training (2 in ZeRO's accounting; 4 where the stack
+    accumulates and reduces fp32 gradients: Megatron-LM's "bf16 parameters, fp32 gradients: 6 + 12/d" of its
+    distributed optimizer, docs/api-guide/dist_optimizer.md)."""
+    return (4, 4, 8) if dtype == "fp32" else (2, grad_bytes, 12)
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_on_servers: bool = False
-                      ) -> tuple[float, float, float]:
+def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_on_servers: bool = False,
+                      grad_bytes: int = 2) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes on one rank holding ``params`` parameters (ZeRO Sec. 5)."""
-    w, g, o = state_bytes_per_param(dtype)
+    w, g, o = state_bytes_per_param(dtype, grad_bytes)
     weights, grads, opt = params * w, params * g, params * o
     if optimizer_on_servers:
         return weights, grads, 0.0
@@ -118,13 +121,15 @@ def state_bytes(framework, lay) -> StateBytes:
     unsharded), Adam's two fp32 moments (8 B, sharded by ZeRO 1-3). In fp32 there is no copy.
     ``zero``: ZeRO's accounting (:func:`model_state_bytes`).
     """
-    dp, zero = lay.dp, lay.zero
+    dp, zero = lay.data_ranks, lay.zero  # ZeRO shards over the data-parallel and context-parallel ranks
     if lay.dp_mode == "ps":
         zero = 0
+    fp8 = framework.fp8_weight_bytes if lay.dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
     if framework.states != "executor":
-        w, g, o = model_state_bytes(1.0, lay.dtype, zero, dp, optimizer_on_servers=lay.dp_mode == "ps")
+        w, g, o = model_state_bytes(1.0, lay.dtype, zero, dp, optimizer_on_servers=lay.dp_mode == "ps",
+                                    grad_bytes=framework.grad_bytes)
         elem = 4 if lay.dtype == "fp32" else 2
-        return StateBytes(w, g, o, unit_weights=2 * elem if zero == 3 and dp > 1 else 0.0)
+        return StateBytes(w + fp8, g, o, unit_weights=2 * elem if zero == 3 and dp > 1 else 0.0)
     mixed = lay.dtype != "fp32"
     sharded = zero >= 2 and dp > 1
     weights = 4 / dp if sharded else 4.0
@@ -140,7 +145,7 @@ def state_bytes(framework, lay) -> StateBytes:
         # weight-gradient passes not yet folded into them (2 B); the fp32 shards appear only after the step
         grads = 4.0 + (2.0 if mixed else 0.0)
     optimizer = 0.0 if lay.dp_mode == "ps" else (8 / dp if zero >= 1 else 8.0)
-    return StateBytes(weights, grads, optimizer, unit_weights=unit)
+    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit)
 
 
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,

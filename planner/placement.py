@@ -32,6 +32,18 @@ def placement(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> Placement:
     return _placement(cluster.gpus_per_node, cluster.nodes, dp, tp, pp)
 
 
+def layout_placement(cluster: ClusterSpec, lay) -> Placement:
+    """The placement of a layout whose data-parallel groups are its dp x cp ranks: context-parallel ranks sit
+    between tensor- and data-parallel ones (the executor's mesh (pp, dp, cp, tp), Megatron-Core's tp-cp-dp-pp
+    order), so the ranks that share a model chunk are consecutive tensor-parallel groups, as dp alone is."""
+    return placement(cluster, lay.dp * lay.cp, lay.tp, lay.pp)
+
+
+def cp_group(cluster: ClusterSpec, lay) -> GroupSpan:
+    """Where a context-parallel group sits: cp ranks ``tp`` apart (tensor parallelism innermost)."""
+    return consecutive_group(cluster, lay.cp, lay.tp)
+
+
 @lru_cache(maxsize=4096)
 def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Placement:
     node_of = lambda rank: rank // gpus_per_node

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from paraplan.models import TransformerSpec
 
 from .concerns import RankLoad
+from .context_parallel import search_degrees as cp_degrees
 from .costmodel import CostModel, Prediction
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
@@ -59,9 +60,9 @@ class Candidate:
             return f"ok ({self.solver})" if self.solver.startswith("solver failed") else "ok"
         if self.status == "oom":
             return self.reason
-        if self.status == "pruned":
         if self.status == "traced oom":
             return f"out of memory by the executor's dry run: traced peak {self.traced_peak_gib:.1f} GiB"
+        if self.status == "pruned":
             return f"ok (not solved: its lower bound {self.lower_bound_s:.4g} s cannot beat the top {self.reason})"
         if self.status == "priced" and self.reason == "bound":
             return "ok (balanced split only: the ILP's bound shows no split of it beats the top plans)"
@@ -94,6 +95,7 @@ class SearchResult:
         cand.status, cand.traced_peak_gib = "traced oom", traced_peak_gib
         self.ranked = [c for c in self.ranked if c is not cand]
 
+    @property
     def num_feasible(self) -> int:
         """Candidates that are valid and not known to run out of memory."""
         return sum(1 for c in self.candidates if c.status not in ("oom", "invalid"))
@@ -104,7 +106,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[str, ...] | None = None,
-                      zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[Layout]:
+                      zero_stages: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True) -> list[Layout]:
     B = work.global_batch
     n_blocks = len(work.profile(dtype).layers)
     transformer = isinstance(work.spec, TransformerSpec)
@@ -140,6 +142,10 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                         for sp in ((False, True) if tp > 1 and transformer else (False,)):
                             out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
                                               virtual_stages=v, zero=zero, sequence_parallel=sp, dtype=dtype))
+    if context_parallel:  # a layout with cp > 1 is one of gpus/cp GPUs with each sequence split over cp ranks
+        for cp in cp_degrees(work.spec, gpus):
+            out += [lay.replace(cp=cp) for lay in enumerate_layouts(work, gpus // cp, dtype, schedules, zero_stages,
+                                                                    context_parallel=False)]
     return out
 
 

@@ -78,6 +78,9 @@ class Workload:
         return tokens_per_sample(self.spec)
 
     def profile(self, dtype: str) -> ModelProfile:
+        """The planning profile in ``dtype``; FP8 training's tensors are bf16 (only its GEMMs differ:
+        compute.gemm_dtype, planner/fp8.py), so it shares the bf16 profile."""
+        dtype = "bf16" if dtype == "fp8" else dtype
         if dtype not in self._profiles:
             self._profiles[dtype] = profile_for_planning(self.spec, dtype)
         return self._profiles[dtype]

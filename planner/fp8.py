@@ -1,0 +1,99 @@
+"""FP8 training: what it changes in a transformer layer's time and memory, beyond the GEMM rate.
+
+``--dtype fp8`` runs the linear layers of the transformer layers in FP8 (E4M3 forward, E5M2 gradients) and
+everything else in bf16, as Transformer Engine (Megatron-Core, NeMo) and torchao's float8 training
+(torchtitan, this project's executor on CUDA) do: the attention core (softmax(QK^T)V), norms, element-wise
+ops, the embedding and the output layer stay bf16 (TE's fp8_autocast covers TE modules only; torchao's
+default filter leaves the ``output`` layer out). compute.estimate_pass_times prices those GEMMs at the FP8
+peak and the GPU's FP8 efficiency curve; this module adds what FP8 costs around them:
+
+- quantisation traffic (each FP8 GEMM operand is read in bf16 and written in FP8 first): with TE's delayed
+  scaling (the scale comes from an amax history; the amax of the new tensor is computed inside the cast,
+  which also writes the transposed copy the other GEMM needs) a linear's input costs 2 + 1 + 1 bytes per
+  element in forward and its output gradient the same in backward; with torchao's dynamic tensorwise
+  scaling each cast is preceded by an amax pass over the tensor (2 more bytes read), the weight is cast
+  every forward and again, transposed, in backward, and the saved bf16 input is cast again (transposed)
+  for the weight gradient: 5 bytes per element of input, output gradient and weight per use;
+- one kernel per cast (two with dynamic scaling: amax, then cast), at the GPU's per-kernel overhead;
+- memory: TE saves a linear's input for the weight gradient as its FP8 (transposed) copy — 1 byte per
+  element instead of 2 — while torchao saves the bf16 tensor; FP8 weight copies, where a stack keeps them,
+  are ``Framework.fp8_weight_bytes`` per parameter (memory.state_bytes).
+
+Linear shapes per token of a dense transformer layer (Megatron names): QKV h -> (a + 2·kv)·d, output
+projection a·d -> h, MLP h -> ffn (x2 when gated: SwiGLU) and ffn -> h. Column-parallel layers (QKV, MLP up)
+take the whole input (its 1/t under sequence parallelism, where TE gathers the FP8 copy) and give 1/t of
+the output; row-parallel ones (output projection, MLP down) the reverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# bytes moved per element quantised (see the module docstring)
+CAST_BYTES = {"delayed": 2 + 1 + 1, "dynamic": 2 + 2 + 1}
+CAST_KERNELS = {"delayed": 1, "dynamic": 2}
+
+
+@dataclass(frozen=True)
+class LinearShapes:
+    """Elements per token (and weight elements) one tensor-parallel rank's FP8 linears of a layer handle."""
+
+    inputs: float  # GEMM input elements per token, summed over the layer's linears
+    grad_outputs: float  # output-gradient elements per token
+    weights: float  # weight elements
+    saved_inputs: float  # input elements per token kept for the weight gradients
+    linears: int  # FP8 GEMMs per pass (one per linear)
+
+
+def layer_linears(spec, tp: int, sp: bool) -> LinearShapes | None:
+    """The FP8 linears of one dense transformer layer of ``spec`` on one of ``tp`` ranks (None: not a
+    transformer layer this module knows: MLA or experts keep their bf16 cost here)."""
+    if not getattr(spec, "is_transformer", False) or getattr(spec, "mla", False):
+        return None
+    h, d = spec.hidden_size, spec.head_dim
+    a, kv = spec.num_attention_heads, spec.kv_heads
+    ffn = spec.ffn_size
+    gated = spec.family == "llama"
+    up = ffn * (2 if gated else 1)
+    t = tp
+    rep = h / t if sp else h  # a column-parallel layer's input: whole, or its sequence shard under SP
+    inputs = rep + a * d / t + rep + ffn / t  # QKV, output projection, MLP up, MLP down
+    grads = (a + 2 * kv) * d / t + h + up / t + h  # column-parallel outputs are sharded, row-parallel whole
+    weights = (h * (a + 2 * kv) * d + a * d * h + h * up + ffn * h) / t
+    dense = not getattr(spec, "num_experts", 0)
+    if not dense:  # the routed experts' FP8 cost is left to the MoE model (issue 16): attention's linears only
+        inputs, grads = rep + a * d / t, (a + 2 * kv) * d / t + h
+        weights = (h * (a + 2 * kv) * d + a * d * h) / t
+    return LinearShapes(inputs=inputs, grad_outputs=grads, weights=weights, saved_inputs=inputs,
+                        linears=4 if dense else 2)
+
+
+def cast_seconds(spec, framework, tokens: float, tp: int, sp: bool, hbm_Bps: float, kernel_s: float
+                 ) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of ``tokens`` tokens' FP8 quantisation in one layer."""
+    shapes = layer_linears(spec, tp, sp)
+    if shapes is None:
+        return 0.0, 0.0
+    scaling = framework.fp8_scaling
+    per = CAST_BYTES[scaling]
+    kernels = CAST_KERNELS[scaling] * shapes.linears
+    if scaling == "delayed":  # TE: inputs in forward, output gradients in backward (weights are FP8 parameters
+        # or cast once per step: negligible per micro-batch)
+        fwd_bytes = per * tokens * shapes.inputs
+        bwd_bytes = per * tokens * shapes.grad_outputs
+        return fwd_bytes / hbm_Bps + kernels * kernel_s, bwd_bytes / hbm_Bps + kernels * kernel_s
+    # torchao dynamic: forward casts input and weight; backward casts the output gradient, the saved input
+    # (transposed, for the weight gradient) and the weight (transposed, for the input gradient)
+    fwd_bytes = per * (tokens * shapes.inputs + shapes.weights)
+    bwd_bytes = per * (tokens * (shapes.grad_outputs + shapes.inputs) + shapes.weights)
+    return fwd_bytes / hbm_Bps + 2 * kernels * kernel_s, bwd_bytes / hbm_Bps + 3 * kernels * kernel_s
+
+
+def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recompute: str) -> float:
+    """Bytes of one layer's activations per micro-batch that FP8 saves: the 16-bit copies of the linear inputs
+    a TE stack keeps as FP8 instead (1 byte per element less); nothing for torchao or under full
+    recomputation (only the layer's input is kept)."""
+    if not framework.fp8_saves_fp8_inputs or recompute == "full":
+        return 0.0
+    shapes = layer_linears(spec, tp, sp)
+    return 0.0 if shapes is None else tokens * shapes.saved_inputs * 1.0

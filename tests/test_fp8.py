@@ -1,0 +1,101 @@
+"""FP8 training in the cost model (planner/fp8.py, compute.gemm_dtype): the transformer layers' linears at the FP8
+rate, everything else in bf16, the quantisation traffic and the memory as Transformer Engine or torchao keep it;
+the executor refuses FP8 plans in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import run_cli
+from paraplan.hardware_specs import load_cluster
+from paraplan.planner import fp8
+from paraplan.planner.compute import estimate_pass_times, gemm_dtype
+from paraplan.planner.costmodel import CostModel, default_stages
+from paraplan.planner.framework import framework
+from paraplan.planner.layout import Layout
+from paraplan.planner.memory import state_bytes
+from paraplan.planner.workload import Workload
+
+MODEL = "benchmarks/data/llama-small.yaml"  # h 1024, a 16 x 64, kv 8, SwiGLU ffn 2816
+
+
+def test_which_gemms_run_in_fp8():
+    assert gemm_dtype("fp8", "transformer_layer", core=False) == "fp8"
+    assert gemm_dtype("fp8", "transformer_layer", core=True) == "bf16"  # softmax(QK^T)V stays bf16
+    assert gemm_dtype("fp8", "lm_head", core=False) == "bf16"  # TE / torchao leave the output layer out
+    assert gemm_dtype("bf16", "transformer_layer", core=False) == "bf16"
+
+
+def test_fp8_linears_at_twice_the_rate_when_the_curve_matches():
+    """With FP8's efficiency curve equal to bf16's and twice the peak (H100: 1979 vs 989.5 TFLOP/s dense), the
+    linears' GEMM time halves, the attention core's and the output layer's do not."""
+    work = Workload.create(MODEL, "dgx-h100", 64)
+    gpu = work.cluster.gpu
+    eff = gpu.efficiency
+    same = dataclasses.replace(gpu, efficiency=dataclasses.replace(eff, matmul={"default": eff.matmul["default"]}))
+    layer, head = work.profile("bf16").layers[1], work.profile("bf16").layers[-1]
+    bf, f8 = (estimate_pass_times(layer, 2, 1, False, same, d, "flash") for d in ("bf16", "fp8"))
+    assert f8.bwd_weight == pytest.approx(bf.bwd_weight / 2)  # weight-gradient GEMMs: linears only
+    assert f8.core_fwd == pytest.approx(bf.core_fwd)
+    hb, hf = (estimate_pass_times(head, 2, 1, False, same, d, "flash") for d in ("bf16", "fp8"))
+    assert hf.fwd == pytest.approx(hb.fwd)
+
+
+def test_linear_shapes_of_a_llama_layer():
+    spec = Workload.create(MODEL, "dgx-h100", 64).spec
+    s = fp8.layer_linears(spec, 1, False)
+    # inputs: QKV h, output projection a·d, MLP up h, MLP down ffn
+    assert s.inputs == 1024 + 16 * 64 + 1024 + 2816
+    # output gradients: QKV (a + 2kv)·d, projection h, gated MLP up 2·ffn, down h
+    assert s.grad_outputs == (16 + 16) * 64 + 1024 + 2 * 2816 + 1024
+    assert s.weights == 1024 * 32 * 64 + 1024 * 1024 + 1024 * 2 * 2816 + 2816 * 1024
+    t2 = fp8.layer_linears(spec, 2, True)  # SP: column-parallel inputs are sequence shards
+    assert t2.inputs == pytest.approx(s.inputs / 2)
+
+
+def test_cast_traffic_by_scaling_recipe():
+    spec = Workload.create(MODEL, "dgx-h100", 64).spec
+    s = fp8.layer_linears(spec, 1, False)
+    tokens, hbm = 4096, 1e12
+    f, b = fp8.cast_seconds(spec, framework("megatron-core"), tokens, 1, False, hbm, 0.0)
+    assert f == pytest.approx(4 * tokens * s.inputs / hbm)  # TE: read 2, write 1 + transposed 1
+    assert b == pytest.approx(4 * tokens * s.grad_outputs / hbm)
+    f, b = fp8.cast_seconds(spec, framework("torchtitan"), tokens, 1, False, hbm, 0.0)
+    assert f == pytest.approx(5 * (tokens * s.inputs + s.weights) / hbm)  # amax pass + cast, weight every time
+    assert b == pytest.approx(5 * (tokens * (s.grad_outputs + s.inputs) + s.weights) / hbm)
+
+
+def test_fp8_memory_by_stack():
+    spec = Workload.create(MODEL, "dgx-h100", 64).spec
+    s = fp8.layer_linears(spec, 1, False)
+    assert fp8.saved_bytes_saving(spec, framework("megatron-core"), 100, 1, False, "none") == 100 * s.inputs
+    assert fp8.saved_bytes_saving(spec, framework("megatron-core"), 100, 1, False, "full") == 0.0
+    assert fp8.saved_bytes_saving(spec, framework("torchtitan"), 100, 1, False, "none") == 0.0
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1, dtype="fp8")
+    ds = state_bytes(framework("deepspeed"), lay)  # TE's FP8 weight and transpose cached beside bf16 weights
+    assert ds.weights == 2 + 2
+    assert state_bytes(framework("megatron-core"), lay).weights == 2  # FP8 parameters replace them
+
+
+def test_fp8_is_faster_and_its_mfu_is_against_the_fp8_peak():
+    work = Workload.create("llama3-8b", "dgx-h100", 64, seq_length=4096, framework="megatron-core")
+    model = CostModel(work)
+    bf = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
+    f8 = bf.replace(dtype="fp8")
+    pb, pf = (model.evaluate(x, default_stages(model, x)) for x in (bf, f8))
+    assert pf.iteration_time_s < pb.iteration_time_s
+    assert pf.model_tflops_per_gpu * 1e12 / pf.mfu == pytest.approx(load_cluster("dgx-h100").gpu.peak_flops("fp8"))
+    assert pf.memory_gib["activations"] < pb.memory_gib["activations"]  # TE's FP8 copies of linear inputs
+
+
+def test_executor_refuses_fp8_in_one_line(tmp_path):
+    plan = tmp_path / "fp8.json"
+    p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "dgx-h100", "--global-batch", "8", "--dp", "2",
+                "--tp", "1", "--pp", "1", "--micro-batch", "1", "--dtype", "fp8", "--write-plan", str(plan))
+    assert p.returncode == 0, p.stderr
+    for extra in ([], ["--dry-run"]):
+        p = run_cli("execute", "--plan", str(plan), *extra)
+        assert p.returncode != 0 and "Traceback" not in p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "fp8" in p.stderr

@@ -1,0 +1,121 @@
+"""Framework profiles (planner/framework.py): every profile the CLI offers, and each behaviour field where the cost
+model reads it, pinned to the source of the behaviour."""
+
+from __future__ import annotations
+
+import pytest
+
+from paraplan.cli import FRAMEWORK_CHOICES
+from paraplan.planner import comm
+from paraplan.planner.compute import estimate_pass_times
+from paraplan.planner.costmodel import CostModel
+from paraplan.planner.dp_sync import DDP_BUCKET_BYTES, dp_exposures
+from paraplan.planner.errors import PlanError
+from paraplan.planner.framework import FRAMEWORKS, framework
+from paraplan.planner.layout import Layout
+from paraplan.planner.memory import state_bytes
+from paraplan.planner.placement import layout_placement
+from paraplan.planner.workload import Workload
+
+MODEL = "benchmarks/data/llama-small.yaml"
+
+
+def _model(fw: str, **switches) -> CostModel:
+    return CostModel(Workload.create(MODEL, "dgx-h100", 64, framework=framework(fw).replace(**switches)))
+
+
+def test_every_cli_framework_is_a_documented_profile():
+    assert set(FRAMEWORK_CHOICES) == set(FRAMEWORKS)
+    for name, fw in FRAMEWORKS.items():
+        assert fw.name == name and len(fw.source) > 40, name
+        assert fw.cp_comm in ("all_gather", "ring", "all_gather_overlap")
+        assert fw.fp8_scaling in ("dynamic", "delayed")
+
+
+def test_explicit_switches_override_a_profile():
+    fw = framework("megatron-core", attention="unfused", overlap_dp=False, overlap_tp=False)
+    assert (fw.attention, fw.overlap_dp, fw.overlap_tp) == ("unfused", False, False)
+    assert fw.states == "zero" and fw.grad_bytes == 2 and fw.cp_comm == "ring"  # the rest of the profile stays
+    with pytest.raises(PlanError):
+        framework("megatron-1999")
+
+
+def test_megatron_core_distributed_optimizer_bytes():
+    """Megatron-LM docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients keep 6 + 12/d bytes per
+    parameter under the distributed optimizer (ZeRO 1), 18 without; NeMo's performance runs reduce bf16 gradients
+    (2 + 2 + 12/d); DeepSpeed's ZeRO accounting (2 + 2 + 12)."""
+    fp32_grads = framework("megatron-core").replace(grad_bytes=4)
+    for d in (1, 8, 64):
+        lay = Layout(dp=d, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1 if d > 1 else 0)
+        assert state_bytes(fp32_grads, lay).per_param == pytest.approx(6 + 12 / d if d > 1 else 18)
+        assert state_bytes(framework("megatron-core"), lay).per_param == pytest.approx(4 + 12 / d if d > 1 else 16)
+    per = state_bytes(framework("deepspeed"), Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1))
+    assert per.per_param == pytest.approx(2 + 2 + 12 / 8)
+
+
+def _items(model: CostModel, lay: Layout):
+    return dp_exposures(model, lay, layout_placement(model.work.cluster, lay), 0, 0.0, 0.0)
+
+
+def test_zero1_as_distributed_optimizer_or_all_reduce_and_broadcast():
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
+    rs = _items(_model("megatron-core"), lay)
+    assert [e.sync.kind for e in rs] == ["reduce_scatter", "all_gather"]
+    ar = _items(_model("megatron-core", zero1="allreduce+broadcast"), lay)
+    assert [e.sync.kind for e in ar] == ["all_reduce", "all_gather"]
+
+
+def test_zero2_reduce_every_micro_batch_or_once():
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=2)  # 8 micro-batches per replica
+    every = _items(_model("deepspeed"), lay)[0]
+    once = _items(_model("deepspeed", zero23_every_micro_batch=False), lay)[0]
+    assert (every.count, once.count) == (8, 1)
+    assert every.sync.kind == once.sync.kind == "reduce_scatter"
+
+
+def test_pipelined_dp_sync_after_the_flush_is_exposed():
+    lay = Layout(dp=4, tp=1, pp=2, micro_batch=1, global_batch=64, zero=1)
+    overlap = _items(_model("megatron-core"), lay)[0]
+    end = _items(_model("megatron-core", dp_sync_pipelined="end"), lay)[0]
+    assert overlap.hidden.window == 1.0 and end.hidden.window == 0.0
+
+
+def test_overlap_param_gather_hides_the_weight_all_gather_under_the_forward():
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
+    on = _items(_model("megatron-core"), lay)[1]
+    off = _items(_model("megatron-core", overlap_param_gather=False), lay)[1]
+    assert on.hidden.fwd == 1.0 and on.floor == "bucket" and on.bucket_bytes == DDP_BUCKET_BYTES
+    assert off.hidden.fwd == 0.0 and off.floor == "none"
+
+
+def test_overlap_p2p_leaves_only_the_latency_of_interleaved_sends():
+    model = _model("megatron-core")
+    cluster = model.work.cluster
+    lay = Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=2)
+    place = layout_placement(cluster, lay)
+    nbytes = 64 * 2**20
+    assert model.p2p_seconds(lay, nbytes, False, place) == pytest.approx(cluster.intra_node.latency_s)
+    plain = lay.replace(schedule="1f1b", virtual_stages=1)
+    full = cluster.intra_node.latency_s + nbytes / cluster.intra_node.bandwidth_Bps
+    assert model.p2p_seconds(plain, nbytes, False, place) == pytest.approx(full)
+    assert _model("paraplan").p2p_seconds(lay, nbytes, False, place) == pytest.approx(full)
+    assert comm.p2p(nbytes, False, cluster, place.gpus_per_node_busy) == pytest.approx(full)
+
+
+def test_elementwise_traffic_scales_only_the_memory_bound_part():
+    """Fused kernels move a fraction of eager PyTorch's element-wise traffic; GEMMs are unchanged: the time is
+    affine in the fraction, GEMMs at 0 and eager at 1."""
+    work = Workload.create(MODEL, "dgx-h100", 64)
+    layer, gpu = work.profile("bf16").layers[1], work.cluster.gpu
+    t = {f: estimate_pass_times(layer, 2, 1, False, gpu, "bf16", "flash", f) for f in (0.0, 0.5, 1.0)}
+    assert t[0.5].fwd == pytest.approx((t[0.0].fwd + t[1.0].fwd) / 2)
+    assert t[0.5].bwd_weight == t[1.0].bwd_weight  # weight-gradient GEMMs only
+    assert t[0.0].fwd < t[1.0].fwd
+
+
+def test_grad_bytes_is_the_reduced_message():
+    """A ZeRO-1 reduce-scatter carries grad_bytes per element of the rank's gradients."""
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
+    for fw, elem in (("megatron-deepspeed", 4), ("megatron-core", 2)):
+        item = _items(_model(fw), lay)[0]
+        assert item.sync.per_param == elem
