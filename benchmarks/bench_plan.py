@@ -4,7 +4,7 @@ and the whole `paraplan plan` command with its report and charts.
 `search_time_s` is the search itself (enumeration, bounds, ILPs); `wall` is the command as a user runs
 it, process start, profiling, the scaling re-plans and the charts included. The first run of a case
 fills the profile cache (a fresh one: cold start); the repeats show the spread on this noisy machine.
-Run: .venv/bin/python benchmarks/bench_plan.py [--repeats N]
+Run: .venv/bin/python benchmarks/bench_plan.py [--repeats N] [--solvers]
 """
 
 from __future__ import annotations
@@ -35,10 +35,37 @@ def _run(args: list[str], env: dict) -> tuple[float, dict]:
     return time.perf_counter() - t0, json.loads(p.stdout)
 
 
+def compare_solvers(env: dict, repeats: int) -> None:
+    """CBC against HiGHS as the first solver (``plan --solver``), search only: time, ILPs, the plan found, and
+    layouts priced without a solver (a failure falls back to the other solver first)."""
+    for name, args in CASES.items():
+        out = ["--out", tempfile.mkdtemp(prefix="paraplan-report-"), "--no-charts"]
+        _run([*args, *out], env)  # the profile cache warm for both
+        for solver in ("cbc", "highs"):
+            searches, failed = [], 0
+            for _ in range(repeats):
+                _, r = _run([*args, *out, "--solver", solver], env)
+                searches.append(r["search_time_s"])
+                failed += sum("without an ILP solver" in n for n in r["notes"])
+            b = r["best"]
+            print(f"{name}, {solver} first: search median {statistics.median(searches):.2f} s "
+                  f"(min {min(searches):.2f}, max {max(searches):.2f}), {r['ilp_solves']} ILPs, best {b['iteration_time_s']:.4g} s "
+                  f"({_layout(b['plan'])}), runs with solver failures: {failed}")
+
+
+def _layout(plan: dict) -> str:
+    return f"dp{plan['dp']} tp{plan['tp']} pp{plan['pp']} mb{plan['micro_batch']} {plan['schedule']} z{plan['zero']}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs of each case with report and charts")
-    repeats = ap.parse_args().repeats
+    ap.add_argument("--solvers", action="store_true", help="compare CBC and HiGHS as the first ILP solver")
+    opts = ap.parse_args()
+    repeats = opts.repeats
+    if opts.solvers:
+        compare_solvers({**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}, repeats)
+        return
     env = {**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}
     for name, args in CASES.items():
         out = ["--out", tempfile.mkdtemp(prefix="paraplan-report-")]

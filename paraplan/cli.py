@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
     p.add_argument("--train-tokens", type=float, help="tokens to train on: adds time-to-train and cost")
     p.add_argument("--no-charts", action="store_true", help="skip the charts (faster)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="proof mode: solve every layout's ILP that its lower bound does not rule out (slower; the "
+                        "default skips layouts whose balanced split is over 5%% behind the top plans)")
+    p.add_argument("--solver", choices=("cbc", "highs"), default=None,
+                   help="the ILP solver tried first (the other takes over when it fails; default: "
+                        "planner/ilp.py's SOLVER_ORDER)")
     p.add_argument("--verify", action="store_true",
                    help="dry-run the top plan with the executor's own code (execute --dry-run): a plan whose traced "
                         "peak exceeds the GPU is dropped for the next (minutes for a large model)")

@@ -59,6 +59,10 @@ def run(args) -> int:
                               ("--global-batch", args.global_batch)) if v is None]
     if missing:
         raise PlanError(f"give {', '.join(missing)} too (or no arguments at all for the built-in example)")
+    if args.solver:
+        from paraplan.planner import ilp
+
+        ilp.SOLVER_ORDER = (args.solver, *(x for x in ilp.SOLVER_ORDER if x != args.solver))
     work = workload_from_args(args)
     gpus = args.gpus or work.cluster.num_gpus
     if args.train_tokens is not None and args.train_tokens <= 0:
@@ -74,7 +78,8 @@ def run(args) -> int:
     if bar:
         bar.start()
     try:
-        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model)
+        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model,
+                        refine_slack=None if args.exhaustive else 0.05)
         simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
         if result.best is None:
             raise PlanError(nothing_fits_message(result))
