@@ -49,8 +49,8 @@ def compare_solvers(env: dict, repeats: int) -> None:
                 failed += sum("without an ILP solver" in n for n in r["notes"])
             b = r["best"]
             print(f"{name}, {solver} first: search median {statistics.median(searches):.2f} s "
-                  f"(min {min(searches):.2f}, max {max(searches):.2f}), {r['ilp_solves']} ILPs, best {b['iteration_time_s']:.4g} s "
-                  f"({_layout(b['plan'])}), runs with solver failures: {failed}")
+                  f"(min {min(searches):.2f}, max {max(searches):.2f}), {r['ilp_solves']} ILPs, "
+                  f"best {b['iteration_time_s']:.4g} s ({_layout(b['plan'])}), runs with solver failures: {failed}")
 
 
 def _layout(plan: dict) -> str:
