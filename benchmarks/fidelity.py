@@ -1,8 +1,15 @@
-"""Predicted vs published iteration times and throughput of large runs (benchmarks/data/published_runs.yaml).
+"""Predicted vs published iteration times and throughput of large runs, through the CLI's own code path
+(``Workload.create(..., framework=...)`` and ``CostModel.evaluate``, as ``paraplan simulate`` does).
 
-Prints one line per reference with the error, and a summary. The assertions live in
-tests/test_fidelity.py; this script also reports the references the tests do not assert.
-Run: .venv/bin/python benchmarks/fidelity.py
+- A100, Megatron-LM 2021-22 (``--framework megatron-2021``): Korthikanti et al. 2022 Tables 4-5
+  (benchmarks/data/published_runs.yaml) and Narayanan et al. 2021 Table 1 with the micro-batch sizes and
+  interleaving of the published run script (benchmarks/data/megatron_sc21_microbatch.yaml);
+- A100, BLOOM's layout sweep on Jean Zay (``--framework megatron-deepspeed``, benchmarks/data/bloom_sweep.yaml):
+  the Spearman rank correlation of predicted and published TFLOP/s;
+- H100 (``--framework megatron-core``): every expressible row of benchmarks/data/published_h100.yaml
+  (benchmarks/published.py), split into the 12 rows the H100 efficiency was fitted to
+  (benchmarks/fit_h100.py) and the held-out rest, with their errors reported separately.
+The assertions live in tests/test_fidelity.py. Run: .venv/bin/python benchmarks/fidelity.py
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fit_h100  # noqa: E402
+import published  # noqa: E402
+
 from paraplan.models import spec_from_mapping
 from paraplan.planner.costmodel import CostModel, default_stages, validate_layout
-from paraplan.planner.errors import InvalidLayout
 from paraplan.planner.layout import Layout
 from paraplan.planner.placement import placement
 from paraplan.planner.workload import Workload
@@ -61,63 +71,140 @@ def layer_times(table: dict) -> list[tuple[dict, float, float]]:
     return out
 
 
-def narayanan_best(run: dict) -> tuple[float, str]:
-    """Our fastest fitting (micro-batch, interleaving) for a Table 1 row: TFLOP/s by their Eq. 3."""
-    tp, pp, gpus, gb = run["tp"], run["pp"], run["gpus"], run["global_batch"]
-    layers, h, _ = run["model"]
-    work = Workload.create(gpt(run["model"]), "dgx-a100-80gb", gb, nodes=gpus // 8, **MEGATRON)
-    model = CostModel(work)
-    best = None
-    for mb in (1, 2, 4, 8):
-        for sched, v in ([("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved-1f1b", 2),
-                                                       ("interleaved-1f1b", 3), ("interleaved-1f1b", 4)]):
-            lay = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=mb, global_batch=gb, schedule=sched,
-                         virtual_stages=v, recompute="full")
-            try:
-                validate_layout(model, lay)
-            except InvalidLayout:
-                continue
-            pred = model.evaluate(lay, default_stages(model, lay))
-            if pred.fits and (best is None or pred.iteration_time_s < best[0].iteration_time_s):
-                best = (pred, lay)
-    pred, lay = best
-    s, vocab = 2048, 51200
-    flops = 96 * gb * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))  # their Eq. 3
-    return flops / (gpus * pred.iteration_time_s) / 1e12, lay.short()
+def narayanan_published() -> list[tuple[dict, float, float, Layout]]:
+    """(row, our TFLOP/s by their Eq. 3, published TFLOP/s, layout) per row of Narayanan et al.'s Table 1, with
+    the micro-batch size and interleaving of the published run script (examples/sc21/run_table_1.sh:
+    full recomputation, fp16, 2048-token sequences, a 51,200-token vocabulary)."""
+    rows = yaml.safe_load((DATA.parent / "megatron_sc21_microbatch.yaml").read_text())["rows"]
+    out = []
+    for row in rows:
+        shape = row["model_shape"]
+        layers, h = shape["num_layers"], shape["hidden_size"]
+        gpus, tp, pp, gb = row["gpus"], row["tp"], row["pp"], row["global_batch"]
+        per_chunk = row["num_layers_per_virtual_pipeline_stage"]
+        v = layers // pp // per_chunk if isinstance(per_chunk, int) else 1
+        work = Workload.create(gpt([layers, h, shape["num_attention_heads"]]), "dgx-a100-80gb", gb, nodes=gpus // 8,
+                               **MEGATRON)
+        model = CostModel(work)
+        lay = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=row["micro_batch"], global_batch=gb,
+                     schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full",
+                     dtype="fp16")
+        validate_layout(model, lay)
+        pred = model.evaluate(lay, default_stages(model, lay))
+        s, vocab = 2048, 51200
+        flops = 96 * gb * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))  # their Eq. 3
+        out.append((row, flops / (gpus * pred.iteration_time_s) / 1e12,
+                    row["table1_tflops_per_gpu_in_published_runs_yaml"], lay))
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def bloom_sweep() -> list[tuple[dict, float, object]]:
+    """(row, our TFLOP/s by Megatron's Eq. 3, prediction) for every row of BLOOM's sweep on 384 GPUs that
+    publishes the model's shape, the layout and TFLOP/s: Megatron-DeepSpeed on Jean Zay (4 Omni-Path links per
+    node), ZeRO 1 (or the row's stage), full recomputation, 2048-token sequences, a 250,880-token vocabulary."""
+    rows = yaml.safe_load((DATA.parent / "bloom_sweep.yaml").read_text())["rows"]
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "tp", "pp", "dp", "micro_batch", "global_batch")
+    out, models = [], {}
+    for row in rows:
+        if row.get("gpus") != 384 or not all(isinstance(row.get(k), int) for k in keys) or \
+                not isinstance(row.get("tflops_per_gpu"), (int, float)):
+            continue
+        layers, h, a = row["num_layers"], row["hidden_size"], row["num_attention_heads"]
+        key = (layers, h, a, row["global_batch"])
+        if key not in models:
+            spec = gpt([layers, h, a], 250880)
+            models[key] = CostModel(Workload.create(spec, "jean-zay-a100", row["global_batch"], nodes=48,
+                                                    framework="megatron-deepspeed"))
+        model = models[key]
+        lay = Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
+                     global_batch=row["global_batch"], recompute="full", dtype="fp16",
+                     zero=row.get("zero_stage", 1) if row["dp"] > 1 else 0)
+        validate_layout(model, lay)
+        pred = model.evaluate(lay, default_stages(model, lay))
+        s, vocab, gb = 2048, 250880, row["global_batch"]
+        flops = 96 * gb * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+        out.append((row, flops / (384 * pred.iteration_time_s) / 1e12, pred))
+    return out
+
+
+def h100() -> tuple[list, list]:
+    """(fitted, held out): published.Predicted of every expressible H100 row."""
+    runs, _ = published.h100_runs()
+    preds = [published.predict(r) for r in runs]
+    preds = [p for p in preds if p.prediction is not None]
+    fitted = [p for p in preds if p.run.id in fit_h100.FIT_ROWS]
+    return fitted, [p for p in preds if p.run.id not in fit_h100.FIT_ROWS]
+
+
+def _summary(name: str, errors: list[float]) -> str:
+    worst = max(errors, key=abs)
+    return f"{name}: {len(errors)} rows, MAPE {100 * statistics.mean(map(abs, errors)):.1f}%, worst {100 * worst:+.1f}%"
 
 
 def main() -> int:
     data = load()
     errors = []
-    print("Korthikanti et al. 2022, Table 4: time per layer of the 22B GPT (tp=8, micro-batch 4)")
+    print("Korthikanti et al. 2022, Table 4: time per layer of the 22B GPT (tp=8, micro-batch 4), megatron-2021")
     for row, f, b in layer_times(data["korthikanti_2022_table4"]):
         tag = " (fit)" if row.get("fit") else ""
         print(f"  {row['recompute']:9s} sp={row['sequence_parallel']!s:5s} fwd {f:5.2f} ms vs {row['fwd_ms']:5.2f} "
               f"({100 * (f / row['fwd_ms'] - 1):+5.1f}%)   bwd {b:5.2f} ms vs {row['bwd_ms']:5.2f} "
               f"({100 * (b / row['bwd_ms'] - 1):+5.1f}%){tag}")
-    print("Korthikanti et al. 2022, Table 5: iteration time")
+    print("Korthikanti et al. 2022, Table 5: iteration time, megatron-2021")
     for run in data["korthikanti_2022_table5"]["runs"]:
         pred = predict_run(run)
         err = pred.iteration_time_s / run["iteration_s"] - 1
         if not run.get("fit"):
-            errors.append(abs(err))
+            errors.append(err)
         print(f"  {run['name']:38s} {pred.iteration_time_s:7.2f} s vs {run['iteration_s']:7.2f} s  ({100 * err:+5.1f}%)"
               f"  MFU {100 * pred.mfu:4.1f}%{' (fit)' if run.get('fit') else ''}")
-    print("Narayanan et al. 2021, Table 1: TFLOP/s per GPU (their Eq. 3), our fastest micro-batch/interleaving")
-    for run in data["narayanan_2021_table1"]["runs"]:
-        ours, lay = narayanan_best(run)
-        err = ours / run["tflops"] - 1
-        errors.append(abs(err))
-        print(f"  {run['model'][1]:6d} hidden, {run['gpus']:5d} GPUs: {ours:6.1f} vs {run['tflops']} "
-              f"({100 * err:+5.1f}%)  [{lay}]")
-    print("Other runs (DeepSpeed pipeline engine; not asserted)")
+    print(_summary("  held out", errors))
+    print("Narayanan et al. 2021, Table 1 with the published micro-batches (--framework megatron-2021)")
+    nar = []
+    for row, ours, pub, lay in narayanan_published():
+        nar.append(ours / pub - 1)
+        print(f"  {row['id']:18s} {lay.short():34s} {ours:6.1f} vs {pub} TFLOP/s ({100 * nar[-1]:+5.1f}%)")
+    print(_summary("  Table 1 (all held out)", nar))
+    print("BLOOM-176B layout sweep on Jean Zay (--framework megatron-deepspeed)")
+    bloom = bloom_sweep()
+    print(f"  {len(bloom)} rows, Spearman rank correlation of TFLOP/s: "
+          f"{spearman([x[1] for x in bloom], [x[0]['tflops_per_gpu'] for x in bloom]):.3f}")
+    print("Other runs (DeepSpeed pipeline engine on Selene-like clusters; not asserted)")
     for run in data["other_runs"]:
         pred = predict_run(run)
         err = pred.iteration_time_s / run["iteration_s"] - 1
         print(f"  {run['name']:38s} {pred.iteration_time_s:7.2f} s vs {run['iteration_s']:7.2f} s  "
               f"({100 * err:+5.1f}%)")
-    print(f"held-out Megatron references: {len(errors)}, mean |error| {100 * statistics.mean(errors):.1f}%, "
-          f"max {100 * max(errors):.1f}%")
+    print("H100 (--framework megatron-core): published step times (or tokens/s), fitted rows vs held out")
+    fitted, held = h100()
+    for label, group in (("fitted", fitted), ("held out", held)):
+        for p in group:
+            print(f"  [{label}] {p.run.id:52s} {p.layout.short():44s} {100 * p.error:+6.1f}%"
+                  f"{'' if p.prediction.fits else '  DOES NOT FIT'}")
+    print(_summary("  fitted", [p.error for p in fitted]))
+    print(_summary("  held out", [p.error for p in held]))
+    print(f"  published configurations predicted to fit: {sum(p.prediction.fits for p in fitted + held)} of "
+          f"{len(fitted) + len(held)}")
     return 0
 
 
