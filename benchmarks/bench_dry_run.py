@@ -3,10 +3,11 @@
 Each plan goes through ``paraplan simulate --write-plan`` and ``paraplan execute --dry-run --json``, as a
 user would run them; the script prints, per traced rank, the peak memory traced (tensors, and with the
 allowance both sides add) beside the cost model's prediction, and the worst error over the kinds of
-traffic. Run: .venv/bin/python benchmarks/bench_dry_run.py [--quick] [--big]
+traffic. Run: .venv/bin/python benchmarks/bench_dry_run.py [--quick] [--big] [--moe]
 
 --quick runs the spread the tests assert (tests/test_dry_run.py); --big adds the README's llama2-70b plan
-on 64 H100s and a 70B ZeRO-3 plan (minutes each on a 2-core machine).
+on 64 H100s, a 70B ZeRO-3 plan and Mixtral 8x7B with ep8 (minutes each on a 2-core machine); --moe runs only
+the mixture-of-experts plans, Mixtral 8x7B included.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ BIG = [
                         "--sequence-parallel"),
     ("llama2-70b", 64, "--nodes 4 --dp 32 --tp 1 --pp 1 --micro-batch 1 --zero 3 --recompute full"),
 ]
+# mixtures of experts (planner/moe.py): experts over dp ranks (edp = 1), over dp and tp with sequence
+# parallelism in a pipeline (ZeRO 2, tp-summed router), a pipeline with full recomputation (the all-to-alls
+# repeated), DeepSeek-style MLA with a shared expert and a dense first layer over tp without SP (ZeRO 3); and
+# Mixtral 8x7B with ep8 on one DGX node
+MOE = [
+    ("mixtral-tiny", 8, "--dp 2 --tp 1 --pp 1 --ep 2 --micro-batch 2"),
+    ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 2 --ep 2 --micro-batch 1 --zero 2 --sequence-parallel"),
+    ("mixtral-tiny", 16, "--dp 2 --tp 1 --pp 2 --ep 2 --micro-batch 1 --recompute full"),
+    ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --zero 3"),
+]
+MOE_BIG = [("mixtral-8x7b", 16, "--dp 8 --tp 1 --pp 1 --ep 8 --micro-batch 1 --zero 1")]
+SPREAD += MOE
+BIG += MOE_BIG
 
 
 def dry_run(model: str, batch: int, flags: str, folder: str) -> dict:
@@ -82,8 +96,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true")
+    ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts plans (Mixtral 8x7B included)")
     args = ap.parse_args()
     cases = [(m, b, f) for m, b, f in SPREAD] + (BIG if args.big else [])
+    if args.moe:
+        cases = MOE + MOE_BIG
     print(f"{'plan':70s} {'rank':>5s} {'traced':>8s} {'pred':>8s} {'peak':>7s} {'tensors':>8s} {'traffic':>8s} "
           f"{'secs':>5s}")
     worst = [0.0, 0.0, 0.0]

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-
 # False: never DistributedDataParallel, FSDP2's replicate instead (the same weights, gradients and traffic).
 # The dry run sets it: DDP's reducer needs real collectives, which a fake process group does not give.
 DDP_ALLOWED = True

@@ -61,6 +61,15 @@ FAMILIES = {
     "pipeline parallel": lambda x: x.dp == 1 and x.tp == 1,
     "data x tensor": lambda x: x.pp == 1 and x.head_parallel == 1,
 }
+# mixtures of experts: the same families without expert parallelism, then with it (planner/moe.py)
+FAMILIES_MOE = {
+    "data parallel": lambda x: x.tp == 1 and x.pp == 1 and x.ep == 1,
+    "tensor parallel": lambda x: x.dp == 1 and x.pp == 1 and x.ep == 1,
+    "pipeline parallel": lambda x: x.dp == 1 and x.tp == 1,
+    "data x tensor": lambda x: x.pp == 1 and x.ep == 1,
+    "data x expert": lambda x: x.tp == 1 and x.pp == 1 and x.ep > 1,
+    "data x tensor x expert": lambda x: x.pp == 1 and x.ep > 1,
+}
 # resnet / vgg / mlp: the trunk runs data-parallel; the question is the classifier (Krizhevsky 2014)
 FAMILIES_CLASSIFIER = {
     "data parallel (replicated classifier)": lambda x: x.pp == 1 and x.head_parallel == 1,
@@ -78,7 +87,8 @@ def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimu
         rows.append(price_layout(model, lay, text, "recompute" in fields))
     if not strategies:
         every = enumerate_layouts(work, gpus, dtype)
-        families = FAMILIES if work.spec.is_transformer else FAMILIES_CLASSIFIER
+        families = (FAMILIES_MOE if work.spec.is_moe else FAMILIES) if work.spec.is_transformer else \
+            FAMILIES_CLASSIFIER
         for name, keep in families.items():
             result = search(work, gpus, top_k=1, dtype=dtype, layouts=[x for x in every if keep(x)])
             rows.append(from_candidate(name, result.best, any(c.status != "invalid" for c in result.candidates)))

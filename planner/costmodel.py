@@ -24,7 +24,7 @@ from typing import Any
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
 from paraplan.profiler.tp_view import region_collectives
 
-from . import comm, context_parallel, fp8
+from . import comm, context_parallel, fp8, moe
 from .compute import estimate_pass_times, measured_pass_times
 from .concerns import RankLoad, exposed_seconds, traffic
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
@@ -61,12 +61,18 @@ class BlockCost:
     replicated: float = 0.0  # parameters tensor parallelism leaves whole, whose gradients SP all-reduces
     cp_time: float = 0.0  # of tp_fwd + tp_bwd, the context-parallel K/V exchange (planner/context_parallel.py)
     cp_send_recv: float = 0.0  # bytes per micro-batch of a ring's K/V exchange (sent and received)
+    # mixture of experts (planner/moe.py): of params, the expert-parallel experts (synced over edp) and the MoE
+    # weights summed over tp; of tp_fwd + tp_bwd, the token all-to-alls (and etp gathers); their bytes
+    experts: float = 0.0
+    moe_shared: float = 0.0
+    ep_time: float = 0.0
+    a2a_bytes: float = 0.0
 
 
 # BlockCost fields summed over a stage (prefix sums per block table), in this order
 SUMMED = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
           "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter",
-          "cp_time", "cp_send_recv")
+          "cp_time", "cp_send_recv", "experts", "moe_shared", "ep_time", "a2a_bytes")
 
 
 def _field(cost: BlockCost, name: str) -> float:
@@ -112,6 +118,10 @@ class StageCost:
     tp_traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)  # per micro-batch (TP_KINDS)
     p2p_bytes: float = 0.0  # bytes this stage sends and receives per micro-batch across ranks
     cp_time: float = 0.0  # of tp_fwd + tp_bwd, the context-parallel exchange
+    experts: float = 0.0  # of params, the expert-parallel experts (planner/moe.py)
+    moe_shared: float = 0.0  # of params, MoE weights whose gradients are summed over tp
+    ep_time: float = 0.0  # of tp_fwd + tp_bwd, the MoE token all-to-alls
+    a2a_bytes: float = 0.0  # all-to-all bytes per micro-batch
 
     @property
     def t_f(self) -> float:
@@ -200,10 +210,12 @@ class CostModel:
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
                place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay),
-               lay.pp > 1 and i == n - 1, lay.cp)
+               lay.pp > 1 and i == n - 1, lay.cp, lay.ep, lay.etp)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
+        if moe.is_moe(layer):  # the MoE block as one rank of the layout runs it (planner/moe.py)
+            layer = moe.rank_view(layer, lay, work.framework, work.spec)
         if i == n - 1 and lay.head_parallel > 1:
             cost = self._sharded_head_cost(layer, lay, place)
             self._blocks[key] = cost
@@ -250,6 +262,9 @@ class CostModel:
                                           times.core_fwd) if layer.kind == "transformer_layer" else None
         if cpc is not None:
             tp_fwd, tp_bwd = tp_fwd + cpc.fwd, tp_bwd + cpc.bwd
+        epc = moe.layer_cost(self, layer, lay, place, b, mode,  # MoE token all-to-alls (planner/moe.py)
+                             (times.fwd, times.bwd_input + times.bwd_weight))
+        tp_fwd, tp_bwd = tp_fwd + epc.fwd, tp_bwd + epc.bwd
         # Host-side framework costs of this block per micro-batch (measured per event by calibrate; zero on
         # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).
         host_costs = self._framework
@@ -262,7 +277,8 @@ class CostModel:
         tp_bwd += host / 2
         repeat = {"fwd": 2.0 if mode == "full" else 1.0, "bwd": 1.0}  # full recomputation repeats the forward's
         tp_traffic = tuple(sum(c.bytes * b * repeat[c.phase] for c in colls if c.op == kind)
-                           + (cpc.traffic.get(kind, 0.0) if cpc else 0.0) for kind in TP_KINDS)
+                           + (cpc.traffic.get(kind, 0.0) if cpc else 0.0) + epc.traffic.get(kind, 0.0)
+                           for kind in TP_KINDS)
         # A pipeline send carries 1/t of the boundary with sequence parallelism (each rank its sequence
         # shard) or Megatron's scatter/gather; DTensor without SP sends the whole tensor from every TP rank.
         split = t if sp or fw.p2p_scatter_gather else 1
@@ -290,12 +306,18 @@ class CostModel:
         cost = BlockCost(
             fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,
-            params=layer.params * sharded_ratio, output_bytes=layer.output_bytes * b / split,
+            params=moe.params_on_rank(layer, lay, sharded_ratio, fw), output_bytes=layer.output_bytes * b / split,
             tp_traffic=tp_traffic, root=layer.kind != "transformer_layer",
-            replicated=_replicated_params(layer) if t > 1 and layer.kind != "embedding" else 0.0,
-            cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0)
+            replicated=_replicated_params(layer) - layer.moe_params if t > 1 and layer.kind != "embedding" else 0.0,
+            cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0,
+            experts=moe.experts_on_rank(layer, lay, fw), moe_shared=moe.tp_summed_on_rank(layer, lay, fw),
+            ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0))
         self._blocks[key] = cost
         return cost
+
+    def host_cost(self, event: str) -> float:
+        """Seconds the framework costs on the host per ``event`` (calibrated; 0 where not measured)."""
+        return self._framework[event]
 
     def _fsdp_units(self, lay: Layout) -> bool:
         """Does each transformer layer pay an FSDP unit's host cost (ZeRO-2/3 shard layer by layer)?"""
@@ -344,14 +366,11 @@ class CostModel:
         return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
                 and len({x.signature for x in layers[1:-1]}) == 1)
 
-    def host_cost(self, event: str) -> float:
-        """Seconds the framework costs on the host per ``event`` (calibrated; 0 where not measured)."""
-        return self._framework[event]
-
     def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
-               lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp)  # everything block_cost's key depends on
+               lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep,
+               lay.etp)  # everything block_cost's key depends on
         table = self._tables.get(key)
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
@@ -402,6 +421,8 @@ class CostModel:
             st.root_params, st.replicated_params = total("root_params"), total("replicated")
             st.tp_traffic = tuple(total(f"tp_{k}") for k in TP_KINDS)
             st.cp_time, st.p2p_bytes = total("cp_time"), total("cp_send_recv")
+            st.experts, st.moe_shared = total("experts"), total("moe_shared")
+            st.ep_time, st.a2a_bytes = total("ep_time"), total("a2a_bytes")
             st.act_working = max(table.working[lo:hi])
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
                 shared = tied * (table.costs[-1].params / prof.layers[-1].params)
@@ -437,11 +458,13 @@ class CostModel:
 
     # ---- what a pipeline rank holds, sends and waits for (concerns.py, dp_sync.py) ----
     def rank_load(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], makespan: float) -> RankLoad:
-        return RankLoad(params=sum(costs[s].params for s in stages),
+        return RankLoad(params=sum(costs[s].params - costs[s].experts for s in stages),
                         fwd=sum(costs[s].fwd for s in stages),
                         bwd=sum(costs[s].bwd_input + costs[s].bwd_weight for s in stages),
                         window=sum(costs[s].t_b + costs[s].t_w for s in stages), makespan=makespan,
-                        replicated=sum(costs[s].replicated_params for s in stages))
+                        replicated=sum(costs[s].replicated_params for s in stages),
+                        experts=sum(costs[s].experts for s in stages),
+                        moe_shared=sum(costs[s].moe_shared for s in stages))
 
     def dp_items(self, lay: Layout, place: Placement, costs: list[StageCost], stages: tuple[int, ...], rank: int):
         """The data-parallel sync, ZeRO gathers and tied-embedding sync of pipeline rank ``rank``."""
@@ -459,6 +482,11 @@ class CostModel:
         items = dp_exposures(self, lay, place, rank, root, tied_elements, head)
         if lay.sequence_parallel and self.work.framework.states == "executor":
             items.append(sequence_parallel_weight_sync(self, lay, place))
+        if self.work.spec.is_transformer and self.work.spec.is_moe:  # experts over edp, MoE weights over tp (moe.py)
+            last = max(moe.experts_on_rank(x, lay, self.work.framework) for x in prof.layers)
+            items += moe.expert_exposures(self, lay, place, last)
+            summed = moe.tp_summed_exposure(self, lay, place)
+            items += [summed] if summed is not None else []
         return items
 
     @staticmethod
@@ -482,6 +510,7 @@ class CostModel:
             for kind, nbytes in zip(TP_KINDS, costs[s].tp_traffic, strict=True):
                 out[kind] += m * nbytes
             out["send_recv"] += m * costs[s].p2p_bytes
+            out["all_to_all"] += m * costs[s].a2a_bytes
         for kind, nbytes in traffic(dp_items, load).items():
             out[kind] += nbytes
         return out
@@ -522,8 +551,8 @@ class CostModel:
         loads = [self.rank_load(lay, costs, ranks[r], makespan) for r in range(p)]
         dp_items = [self.dp_items(lay, place, costs, ranks[r], r) for r in range(p)]
         dp_exposed = [exposed_seconds(dp_items[r], loads[r]) for r in range(p)]
-        step = optimizer_step(self, lay)
-        opt_time = [step.at(loads[r]) for r in range(p)]
+        step, expert_step = optimizer_step(self, lay), moe.expert_optimizer_step(self, lay)
+        opt_time = [step.at(loads[r]) + expert_step.at(loads[r]) for r in range(p)]
         end = [finish[r] + dp_exposed[r] for r in range(p)]
         iteration = max(end) + max(opt_time)
         # ---- breakdown on the bottleneck rank ----
@@ -532,16 +561,18 @@ class CostModel:
         compute = m * sum(costs[s].fwd + costs[s].bwd_input + costs[s].bwd_weight for s in rs)
         recompute = m * sum(costs[s].recompute_time for s in rs)
         cp_comm = m * sum(costs[s].cp_time for s in rs)
-        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs) - cp_comm
+        ep_comm = m * sum(costs[s].ep_time for s in rs)
+        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs) - cp_comm - ep_comm
         pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
         bubble = max(0.0, makespan - m * rank_time[rb])
         dp_comm = iteration - makespan - max(opt_time)
         dp_comm = dp_comm if dp_comm > 1e-12 * iteration else 0.0  # float residue when nothing is exposed
         time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
-                  "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time), "cp_comm": cp_comm}
+                  "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time), "cp_comm": cp_comm,
+                  "ep_comm": ep_comm}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
-        states = state_bytes(work.framework, lay)
+        states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
         rank_mem, breakdowns, rank_traffic = [], [], []
         for r in range(p):
             if sim is not None and sim.peak_activation_bytes:
@@ -549,11 +580,13 @@ class CostModel:
             else:
                 acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in ranks[r])
             acts += max(costs[s].act_working for s in ranks[r])
-            unit = max(max(self._table(lay, place, costs[s].recompute).costs[i].params for i in costs[s].blocks)
-                       for s in ranks[r])
+            unit = max((c.params for s in ranks[r] for i in costs[s].blocks
+                        if not (c := self._table(lay, place, costs[s].recompute).costs[i]).root), default=0.0)
             first_freed = None if self.grads_at_activation_peak(lay, ranks[r], flights[r]) else \
                 sum(costs[s].act_bytes for s in ranks[r])
-            breakdown = rank_memory(states, loads[r].params, unit, acts, gpu, first_freed)
+            breakdown = rank_memory(states, loads[r].params, unit, acts, gpu, first_freed,
+                                    experts=loads[r].experts, expert_states=expert_states,
+                                    root_params=sum(costs[s].root_params for s in ranks[r]))
             breakdowns.append({k: x / GiB for k, x in breakdown.items()})
             rank_mem.append(sum(breakdown.values()) / GiB)
             rank_traffic.append(self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]))

@@ -72,6 +72,17 @@ class Framework:
     # activations a transformer layer keeps: "traced" = what the profiler traced eager PyTorch modules to save
     # (this executor); "fused" = Transformer Engine's fused modules (planner/fused_activations.py)
     saved_activations: str = "traced"
+    # Mixture of experts (planner/moe.py): the most loaded rank's routed tokens over the mean (multiplies the
+    # experts' GEMM time and the all-to-all's); routed experts run as one grouped GEMM per projection (Megatron-
+    # Core's moe_grouped_gemm) rather than one GEMM per expert (this executor's loop)
+    moe_imbalance: float = 1.25
+    moe_grouped_gemm: bool = False
+    # the token dispatcher: "alltoall" (one copy per routed expert, this executor's; Megatron-Core's alltoall),
+    # "hybridep" (DeepEP / HybridEP: one copy per remote node, forwarded over NVLink; Megatron-Core's flex
+    # dispatcher); moe_a2a_overlap: each pass's all-to-alls hidden behind another micro-batch's compute
+    # (Megatron-Core's overlap_moe_expert_parallel_comm)
+    moe_dispatcher: str = "alltoall"
+    moe_a2a_overlap: bool = False
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -117,11 +128,14 @@ MEGATRON_CORE = Framework(
     dp_sync_pipelined="overlap", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
-    fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused",
+    fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
+    moe_grouped_gemm=True,
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "
            "use_distributed_optimizer; overlap_p2p_comm with virtual pipelines; performance scripts' "
-           "grad_reduce_in_fp32 = False)")
+           "grad_reduce_in_fp32 = False); MoE: moe_grouped_gemm, and the "
+           "token distribution force-balanced as Megatron-Bridge's published MoE benchmarks run (their tables' "
+           "footnote)")
 
 # Megatron-DeepSpeed as BigScience ran BLOOM-176B (bigscience-workshop/bigscience train/tr11-176B-ml: Megatron-LM's
 # 2021 model code, Megatron's fused scale-mask-softmax attention, DeepSpeed's pipeline engine and ZeRO-1 with its

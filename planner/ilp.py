@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import pulp
 
+from . import moe
 from .concerns import Exposure, RankLoad
 from .costmodel import CostModel, Prediction
 from .dp_sync import optimizer_step
@@ -179,8 +180,10 @@ class StageILP:
         y = {(s, u): yr[rank_of[s], u] for s in range(S) for u in self.modes}
         # Per-stage linear expressions: F, B, W, compute-only fwd/bwd, activations, params, p2p.
         F, B, W, Fc, Bc, A, P, C, R = ({s: 0 for s in range(S)} for _ in range(9))
+        X, M = ({s: 0 for s in range(S)} for _ in range(2))  # expert-parallel experts, MoE weights summed over tp
         work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
-        big_params = pulp.LpVariable("largest_block_params", lowBound=0)
+        big_params = pulp.LpVariable("largest_layer_params", lowBound=0)  # the largest transformer-layer unit
+        Root = {s: 0 for s in range(S)}  # parameters of each stage's root unit (memory.StateBytes)
         if self.repeated:
             L = self.n - 2
             cnt = {(s, u): pulp.LpVariable(f"layers_{s}_{u}", lowBound=0, upBound=L, cat="Integer")
@@ -204,6 +207,8 @@ class StageILP:
                     A[s] += c.act_bytes * cnt[s, u]
                     P[s] += c.params * cnt[s, u]
                     R[s] += c.replicated * cnt[s, u]
+                    X[s] += c.experts * cnt[s, u]
+                    M[s] += c.moe_shared * cnt[s, u]
                     prob += work_vars[s] >= c.act_working * y[s, u], f"working_{s}_{u}"
                 for i in ends.get(s, []):
                     c = self.cost[(i, "none")]  # embeddings and the head are never recomputed
@@ -214,6 +219,7 @@ class StageILP:
                     Bc[s] += c.bwd_input + c.bwd_weight
                     A[s] += c.act_bytes
                     P[s] += c.params
+                    Root[s] += c.params
                     R[s] += c.replicated
                     if c.act_working:  # the loss's backward (head), the embedding's whole-vocabulary gradient
                         prob += work_vars[s] >= c.act_working, f"working_{s}_end_{i}"
@@ -223,8 +229,6 @@ class StageILP:
             if S == 1 and tied:  # one copy of a tied embedding/head weight (the cost model's rule)
                 P[0] -= tied * self.cost[(self.n - 1, "none")].params / self.prof.layers[-1].params
             prob += big_params >= self.cost[(1, self.modes[0])].params, "largest_block_layer"
-            for i in (0, self.n - 1):
-                prob += big_params >= self.cost[(i, "none")].params, f"largest_block_{i}"
             assign = ("counts", cnt)
         else:
             x = {(i, s, u): pulp.LpVariable(f"block_{i}_stage_{s}_{u}", cat="Binary")
@@ -251,8 +255,13 @@ class StageILP:
                         A[s] += c.act_bytes * x[i, s, u]
                         P[s] += c.params * x[i, s, u]
                         R[s] += c.replicated * x[i, s, u]
+                        X[s] += c.experts * x[i, s, u]
+                        M[s] += c.moe_shared * x[i, s, u]
                         prob += work_vars[s] >= c.act_working * x[i, s, u], f"working_{i}_{s}_{u}"
-                        prob += big_params >= c.params * x[i, s, u], f"largest_block_{i}_{s}_{u}"
+                        if not c.root:
+                            prob += big_params >= c.params * x[i, s, u], f"largest_block_{i}_{s}_{u}"
+                        else:
+                            Root[s] += c.params * x[i, s, u]
             for i in range(self.n - 1):
                 for s in range(S - 1):
                     q = pulp.LpVariable(f"last_of_stage_{i}_{s}", lowBound=0)
@@ -300,36 +309,42 @@ class StageILP:
         o = pulp.LpVariable("optimizer_step", lowBound=0)
         gpu = work.cluster.gpu
         # where the collectives' secants are taken: every rank with 1/p of the model (the balanced split)
-        guess = RankLoad(params=max(sum(self.cost[(i, self.modes[0])].params for i in range(self.n)) / p, 1.0),
-                         replicated=sum(self.cost[(i, self.modes[0])].replicated for i in range(self.n)) / p)
+        first = [self.cost[(i, self.modes[0])] for i in range(self.n)]
+        guess = RankLoad(params=max(sum(c.params - c.experts for c in first) / p, 1.0),
+                         replicated=sum(c.replicated for c in first) / p, experts=sum(c.experts for c in first) / p,
+                         moe_shared=sum(c.moe_shared for c in first) / p)
         step = optimizer_step(self.model, lay)
-        states = state_bytes(work.framework, lay)
+        expert_step = moe.expert_optimizer_step(self.model, lay)
+        states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
         drain = 0
         for r in range(p):
             rank_b = pulp.lpSum(B[s] for s in ranks[r])
             rank_w = pulp.lpSum(W[s] for s in ranks[r])
-            load = RankLoad(params=pulp.lpSum(P[s] for s in ranks[r]), fwd=pulp.lpSum(Fc[s] for s in ranks[r]),
+            load = RankLoad(params=pulp.lpSum(P[s] - X[s] for s in ranks[r]), fwd=pulp.lpSum(Fc[s] for s in ranks[r]),
                             bwd=pulp.lpSum(Bc[s] for s in ranks[r]), window=rank_b + rank_w, makespan=makespan,
-                            replicated=pulp.lpSum(R[s] for s in ranks[r]))
+                            replicated=pulp.lpSum(R[s] for s in ranks[r]), experts=pulp.lpSum(X[s] for s in ranks[r]),
+                            moe_shared=pulp.lpSum(M[s] for s in ranks[r]))
             # the stages' split changes only the root unit's size without a pipeline, which has no ILP
             items = self.model.rank_dp_items(lay, self.place, r, root=0.0)
             exposed = _exposure_expression(prob, items, load, guess, p, f"rank_{r}")
             prob += z >= makespan - drain + exposed, f"rank_end_{r}"
             drain = drain + (0 if self.schedule == "zb-v" else (rank_b + rank_w) / v)
-            prob += o >= step.at(load), f"optimizer_{r}"
+            prob += o >= step.at(load) + expert_step.at(load), f"optimizer_{r}"
             # memory of rank r (memory.rank_memory, linear)
             flights = in_flight(self.schedule, p, v, m)[r]
             acts = pulp.lpSum(flights.get(s, 0) * A[s] for s in ranks[r])
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:
                 prob += working >= work_vars[s], f"working_rank_{r}_stage_{s}"
-            grads = states.grads * load.params
+            grads = states.grads * load.params + expert_states.grads * load.experts
             if not self.model.grads_at_activation_peak(lay, ranks[r], flights):
                 arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
                 prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
                 grads = arriving
-            tensors = (states.weights + states.optimizer) * load.params + states.unit_weights * big_params + grads \
-                + acts + working
+            units = (states.unit_weights + states.unit_grads) * big_params \
+                + states.root_weights * pulp.lpSum(Root[s] for s in ranks[r])
+            tensors = (states.weights + states.optimizer) * load.params + units + grads \
+                + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
             prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative

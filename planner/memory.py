@@ -98,13 +98,16 @@ def framework_allowance(gpu: GPUSpec) -> float:
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes a rank keeps per parameter it holds, by kind, at its memory peak; ``unit_weights``: bytes per
-    parameter of its largest FSDP unit, twice (gathered copies live at once under ZeRO 3: the unit that
-    runs and the one prefetched)."""
+    parameter of its largest transformer-layer FSDP unit, twice (gathered copies live at once under ZeRO 3:
+    the unit that runs and the one prefetched); ``root_weights``: per parameter of the chunk's root unit
+    (embedding, head), which FSDP2 keeps gathered from the first forward to the last backward."""
 
     weights: float
     grads: float
     optimizer: float
     unit_weights: float = 0.0
+    unit_grads: float = 0.0  # per parameter of the largest layer unit: its gradient being reduced (staging)
+    root_weights: float = 0.0  # per parameter of the root unit (embedding, head): kept gathered all step (ZeRO 3)
 
     @property
     def per_param(self) -> float:
@@ -134,9 +137,9 @@ def state_bytes(framework, lay) -> StateBytes:
     sharded = zero >= 2 and dp > 1
     weights = 4 / dp if sharded else 4.0
     copy = 2.0 if mixed else 4.0  # what FSDP2 gathers for compute
-    unit = 0.0
+    unit = root = 0.0
     if zero == 3 and dp > 1:
-        unit = 2 * copy
+        unit, root = 2 * copy, copy
     elif sharded or mixed:
         weights += copy
     grads = 4 / dp if sharded else 4.0
@@ -145,24 +148,39 @@ def state_bytes(framework, lay) -> StateBytes:
         # weight-gradient passes not yet folded into them (2 B); the fp32 shards appear only after the step
         grads = 4.0 + (2.0 if mixed else 0.0)
     optimizer = 0.0 if lay.dp_mode == "ps" else (8 / dp if zero >= 1 else 8.0)
-    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit)
+    # FSDP2 reduces a unit's gradient through a flat fp32 buffer of the whole unit (traced: 4 B per parameter
+    # of the unit); it meets the activation peak where units reduce during a backward — every micro-batch
+    # (ZeRO 2/3 outside ZB-V) or the last one without a pipeline — not after a pipeline's last backward.
+    # DDP's buckets are views of the gradients.
+    during_backward = (sharded and not (lay.pp > 1 and lay.schedule == "zb-v")) or lay.pp == 1
+    staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
+    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root)
 
 
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
-                grads_arrive_after: float | None = None) -> dict[str, float]:
-    """Bytes by kind on a rank holding ``params`` parameters (largest unit ``unit_params``) and keeping
+                grads_arrive_after: float | None = None, experts: float = 0.0,
+                expert_states: StateBytes | None = None, root_params: float = 0.0) -> dict[str, float]:
+    """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
+    ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
     what no tensor shows — the framework allowance and the allocator's fragmentation (``other``).
 
     ``grads_arrive_after``: when the activation peak comes before the rank's first backward has produced
     gradients (one micro-batch, or the pipeline's warm-up peak), the bytes of activations that first backward
     frees as the gradients appear: the gradients then add only what exceeds them (None: gradients are
-    there at the activation peak — accumulated from earlier micro-batches)."""
-    grads = params * states.grads
+    there at the activation peak — accumulated from earlier micro-batches).
+
+    ``experts``: expert-parallel parameters held besides ``params``, with their own ``expert_states`` (ZeRO
+    shards them over the expert-data-parallel group: planner/moe.py)."""
+    es = expert_states or states
+    grads = params * states.grads + experts * es.grads
     if grads_arrive_after is not None:
         grads = max(0.0, grads - grads_arrive_after)
-    out = {"params": params * states.weights + unit_params * states.unit_weights, "grads": grads,
-           "optimizer": params * states.optimizer, "activations": activations}
+    out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
+           + root_params * states.root_weights,
+           "grads": grads + unit_params * states.unit_grads,
+           "optimizer": params * states.optimizer + experts * es.optimizer,
+           "activations": activations}
     out["other"] = untracked_bytes(gpu, sum(out.values()))
     return out
 

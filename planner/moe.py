@@ -47,6 +47,7 @@ parallelism and Megatron-Core does with the sequence parallelism it requires for
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from paraplan.profiler import LayerProfile
@@ -133,7 +134,6 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     ep, imbalance, num_experts = lay.ep, framework.moe_imbalance, spec.num_experts
     fwd, bwd = layer.fwd_ops, layer.bwd_ops
     experts = [i for i, x in enumerate(fwd.gemm_moe) if x == 2]
-    per_expert = len(experts) // num_experts if num_experts else 0
     keep = experts[:len(experts) // ep]  # the rank's E/ep experts (balanced: all alike)
     flops, sharded, core = [], [], []
     for f, s, c, m in zip(fwd.gemm_flops, fwd.gemm_sharded, fwd.gemm_core, fwd.gemm_moe, strict=True):
@@ -142,9 +142,8 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
         flops.append(f)
         sharded.append(s or m > 0)
         core.append(c)
+    # each expert's GEMMs at its own token count (a grouped GEMM runs them in one kernel, each problem at its size)
     routed = [fwd.gemm_flops[i] * ep * imbalance for i in keep]
-    if framework.moe_grouped_gemm and per_expert:  # one grouped GEMM per projection over the rank's experts
-        routed = [sum(routed[j::per_expert]) for j in range(per_expert)]
     flops += routed
     sharded += [True] * len(routed)
     core += [False] * len(routed)
@@ -202,6 +201,30 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
     return max(t_intra, t_inter)
 
 
+def deduplicated_dispatch(tokens: float, token_bytes: float, experts: int, k: int, span, cluster,
+                          busy: int) -> float:
+    """One dispatch (or combine) of ``tokens`` tokens by DeepEP / HybridEP (Megatron-Core's flex dispatcher):
+    a token crosses the network once per remote node holding any of its k experts, then NVLink forwards it
+    to those experts' GPUs (DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.2: "first transmitted via IB to
+    the GPUs with the same in-node index on its target nodes ... then forwarded via NVLink"). With routing
+    uniform over E experts, E·r/n of them on each node of the group (n ranks, r per node), a given node
+    holds none of a token's k experts with probability C(E - E_node, k) / C(E, k). Every copy still crosses
+    NVLink at most once; the two paths run at once."""
+    n, r = span.size, span.max_per_node
+    if n <= 1 or tokens <= 0:
+        return 0.0
+    intra = cluster.intra_node
+    t_intra = tokens * k * token_bytes * (n - 1) / n / intra.bandwidth_Bps + (intra.latency_s if r > 1 else 0.0)
+    if n == r:
+        return t_intra
+    per_node = experts * r // n
+    miss = math.comb(experts - per_node, k) / math.comb(experts, k) if experts - per_node >= k else 0.0
+    remote = (span.nodes - 1) * (1 - miss)  # remote nodes one token goes to, on average
+    net = comm.network_share(cluster, busy)
+    t_inter = tokens * remote * token_bytes / net.bandwidth_Bps + net.latency_s
+    return max(t_intra, t_inter)
+
+
 @dataclass(frozen=True)
 class EPCost:
     """One MoE layer's expert-parallel and token-split communication for one micro-batch on one rank."""
@@ -215,9 +238,12 @@ class EPCost:
         return self.fwd + self.bwd
 
 
-def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: float, mode: str) -> EPCost:
+def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: float, mode: str,
+               compute: tuple[float, float] = (0.0, 0.0)) -> EPCost:
     """The all-to-alls (and etp gathers) of MoE layer ``layer`` for a micro-batch of ``b`` whole sequences on
-    one rank (their 1/cp share, 1/tp of its tokens: see the module docstring), in recomputation ``mode``."""
+    one rank (their 1/cp share, 1/tp of its tokens: see the module docstring), in recomputation ``mode``.
+    ``compute``: the layer's (forward, backward) compute on the rank, what ``Framework.moe_a2a_overlap`` hides
+    the all-to-alls behind."""
     if not is_moe(layer):
         return EPCost()
     work = model.work
@@ -231,11 +257,19 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
     fwd = bwd = 0.0
     if lay.ep > 1:
         sent = tokens * k * h * elem  # every token copy the rank routes (balanced: also what it receives)
-        one = all_to_all(sent, consecutive_group(cluster, lay.ep, lay.etp), cluster, busy) * fw.moe_imbalance
-        counts = all_to_all(e * COUNT_BYTES, consecutive_group(cluster, lay.ep, lay.etp), cluster, busy)
-        fwd += 2 * one + counts
-        bwd += 2 * one
-        traffic["all_to_all"] = (4 + 2 * repeat) * sent + (1 + repeat) * e * COUNT_BYTES
+        span = consecutive_group(cluster, lay.ep, lay.etp)
+        if fw.moe_dispatcher == "hybridep":
+            one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy)
+        else:
+            one = all_to_all(sent, span, cluster, busy)
+        one *= fw.moe_imbalance
+        counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
+        a2a_fwd = a2a_bwd = 2 * one
+        if fw.moe_a2a_overlap:  # each pass's exchanges under another micro-batch's opposite pass
+            a2a_fwd, a2a_bwd = max(0.0, a2a_fwd - compute[1]), max(0.0, a2a_bwd - compute[0])
+        fwd += a2a_fwd + counts
+        bwd += a2a_bwd
+        traffic["all_to_all"] = (4 + 2 * repeat) * sent + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
     if lay.etp > 1:  # received tokens gathered over the etp group, the results reduce-scattered; both passes
         full = lay.etp * tokens * k * h * elem
         group = consecutive_group(cluster, lay.etp)

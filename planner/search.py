@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from paraplan.models import TransformerSpec
 
+from . import moe
 from .concerns import RankLoad
 from .context_parallel import search_degrees as cp_degrees
 from .costmodel import CostModel, Prediction
@@ -49,8 +50,8 @@ class Candidate:
     stage_recompute: list[str] | None = None
     no_fit: frozenset[str] = frozenset()  # recomputation modes whose memory lower bound exceeds the GPU
     solver: str = ""  # how the ILP ended for this layout (optimal, time limit, or why no solver ran)
-
     traced_peak_gib: float | None = None  # the executor's dry run of its plan (plan --verify), where run
+
     @property
     def time_s(self) -> float:
         return self.prediction.iteration_time_s if self.prediction is not None else float("inf")
@@ -89,7 +90,6 @@ class SearchResult:
     def best(self) -> Candidate | None:
         return self.ranked[0] if self.ranked else None
 
-    @property
     def reject_traced(self, cand: Candidate, traced_peak_gib: float) -> None:
         """The executor's dry run found ``cand`` over the GPU's memory: it leaves the ranking."""
         cand.status, cand.traced_peak_gib = "traced oom", traced_peak_gib
@@ -129,6 +129,7 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
+            experts = moe.expert_degrees(work.spec, work.framework, dp * tp)  # [(1, 1)] for dense models
             per_replica = B // dp if B % dp == 0 else 0
             micro = _divisors(per_replica) if per_replica else [max(1, B // dp)]
             scheds: list[tuple[str, int]] = [("1f1b", 1)] if pp == 1 else (
@@ -140,8 +141,10 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                 for sched, v in scheds:
                     for zero in (zero_stages if dp > 1 else (0,)):
                         for sp in ((False, True) if tp > 1 and transformer else (False,)):
-                            out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
-                                              virtual_stages=v, zero=zero, sequence_parallel=sp, dtype=dtype))
+                            for ep, etp in experts:
+                                out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
+                                                  virtual_stages=v, zero=zero, sequence_parallel=sp, dtype=dtype,
+                                                  ep=ep, etp=etp))
     if context_parallel:  # a layout with cp > 1 is one of gpus/cp GPUs with each sequence split over cp ranks
         for cp in cp_degrees(work.spec, gpus):
             out += [lay.replace(cp=cp) for lay in enumerate_layouts(work, gpus // cp, dtype, schedules, zero_stages,
@@ -176,8 +179,12 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     # model states over the whole model, per rank (memory.state_bytes): gradients only where they are sure to
     # meet the activation peak (CostModel.grads_at_activation_peak), the rest always
     per = state_bytes(work.framework, lay)
+    experts, per_e = base["experts"], moe.expert_states(work.framework, lay)  # sharded over edp (planner/moe.py)
+    params -= experts
     states = [params * (per.weights + per.optimizer
                         + (per.grads if model.grads_at_activation_peak(lay, tuple(d), d) else 0.0))
+              + experts * (per_e.weights + per_e.optimizer
+                           + (per_e.grads if model.grads_at_activation_peak(lay, tuple(d), d) else 0.0))
               for d in flights]
     allowance = untracked_bytes(gpu, 0.0)
     # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
@@ -196,7 +203,8 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
         pipe = m * per_rank + (p - 1) / v * per_rank
     else:
         pipe = m * per_rank
-    opt = optimizer_step(model, lay).at(RankLoad(params=params / p))
+    opt = optimizer_step(model, lay).at(RankLoad(params=params / p)) + \
+        moe.expert_optimizer_step(model, lay).at(RankLoad(experts=experts / p))
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
     # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).

@@ -9,7 +9,7 @@ import pytest
 import paraplan.planner.ilp as ilp
 from paraplan.planner.costmodel import CostModel
 from paraplan.planner.layout import Layout
-from paraplan.planner.search import search
+from paraplan.planner.search import enumerate_layouts, search
 from paraplan.planner.workload import Workload
 
 
@@ -37,7 +37,9 @@ def test_failed_solvers_fall_back_to_the_balanced_split(broken_solvers):
 
 def test_search_goes_on_and_reports_the_failure(broken_solvers):
     work = Workload.create("gpt3-1.3b", "dgx-a100-80gb", 64, nodes=1)
-    result = search(work, 8, top_k=3)
+    # pipelined layouts only: a single stage needs no solver
+    piped = [lay for lay in enumerate_layouts(work, 8, "bf16") if lay.pp > 1]
+    result = search(work, 8, top_k=3, layouts=piped)
     assert result.best is not None and result.best.prediction.fits
     assert result.notes and "without an ILP solver" in result.notes[0]
     failed = [c for c in result.candidates if c.solver.startswith("solver failed")]

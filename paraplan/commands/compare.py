@@ -51,6 +51,11 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
                                                                               for r in rows]
 
 
+def _all_to_all(time_s: dict) -> str:
+    """The MoE token all-to-alls of a layout's time breakdown (planner/moe.py), where it has any."""
+    return f" / all-to-all {time_s['ep_comm']:.3g}" if time_s.get("ep_comm") else ""
+
+
 def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layouts, dp_rows, dp_base,
                     notes: list[str]) -> None:
     lines = [f"# {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
@@ -66,7 +71,8 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
         t = p.time_s
         lines.append(f"| {r.name} | {r.layout.short()} | {p.iteration_time_s:.4g} | {p.tokens_per_s:,.0f} | "
                      f"{100 * p.mfu:.1f}% | {p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'} | "
-                     f"{t['tp_comm']:.3g} / {t['pp_comm']:.3g} / {t['dp_comm']:.3g}, {t['bubble']:.3g} |")
+                     f"{t['tp_comm']:.3g} / {t['pp_comm']:.3g} / {t['dp_comm']:.3g}, {t['bubble']:.3g}"
+                     f"{_all_to_all(t)} |")
     lines += ["", "Gradient sync per iteration (s), parameter servers vs ring all-reduce:", "",
               "| workers | " + " | ".join(series) + " |", "|---" * (len(series) + 1) + "|"]
     lines += [f"| {n} | " + " | ".join(f"{series[k][i]:.3g}" for k in series) + " |" for i, n in enumerate(workers)]
@@ -153,7 +159,7 @@ def run(args) -> int:
         table_rows.append([r.name, r.layout.short(), f"{p.iteration_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
                            f"{100 * p.mfu:.1f}%", f"{p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'}",
                            f"tp {p.time_s['tp_comm']:.3g} / pp {p.time_s['pp_comm']:.3g} / dp {p.time_s['dp_comm']:.3g}"
-                           f" / bubble {p.time_s['bubble']:.3g}"])
+                           f" / bubble {p.time_s['bubble']:.3g}{_all_to_all(p.time_s)}"])
     stdout.print(table(f"{work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
                        f"{work.global_batch}{suffix}", ["strategy", "layout", "iteration s", "tokens/s", "MFU",
                                                         "GiB/GPU", "communication and bubble (s)"], table_rows))

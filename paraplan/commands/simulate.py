@@ -24,7 +24,8 @@ def prediction_rows(d: dict) -> list[list[str]]:
                                f"({'fits' if d['fits'] else 'DOES NOT FIT'})"],
             ["  params / grads / optimizer", f"{mem['params']:.2f} / {mem['grads']:.2f} / {mem['optimizer']:.2f} GiB"],
             ["  activations / other", f"{mem['activations']:.2f} / {mem['other']:.2f} GiB"]]
-    for k in ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer"):
+    for k in ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer") + \
+            (("ep_comm",) if t.get("ep_comm") else ()):  # the MoE token all-to-alls (planner/moe.py)
         share = 100 * t[k] / d["iteration_time_s"] if d["iteration_time_s"] else 0
         rows.append([f"  time: {k.replace('_', ' ')}", f"{t[k]:.4g} s ({share:.1f}%)"])
     return rows
