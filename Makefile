@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.paraplan-installed
 TORCH  := torch==2.13.0
 TORCHTITAN := torchtitan==0.2.2
 
-.PHONY: demo test setup lint
+.PHONY: demo test test-slow setup lint
 
 setup: $(STAMP)
 
@@ -24,8 +24,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/paraplan plan
 
+# The default suite leaves out the cases marked slow (many-rank executor runs, full-size dry runs,
+# exhaustive brute-force proofs); CI (.ci/run) runs both.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -17,8 +17,9 @@ Composition (each piece is its own module, each formula tested against its sourc
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import cached_property, lru_cache
 from typing import Any
 
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
@@ -83,16 +84,35 @@ def _field(cost: BlockCost, name: str) -> float:
     return getattr(cost, name)
 
 
+def _summed_row(cost: BlockCost) -> tuple[float, ...]:
+    """A block's SUMMED fields in order, computed once per BlockCost (blocks are cached: identical layers
+    share one object, so a table of 80 layers reads one row)."""
+    row = cost.__dict__.get("_row")
+    if row is None:
+        row = tuple(_field(cost, f) for f in SUMMED)
+        cost.__dict__["_row"] = row
+    return row
+
+
 @dataclass
 class _BlockTable:
     sums: dict[str, list[float]]  # per summed field, prefix sums over blocks
     working: list[float]
     costs: list[BlockCost]  # each block's own
     weights: tuple[float, ...]  # each block's time (compute, recompute, TP communication): balances stages
+    rows: list[tuple[float, ...]] = field(default_factory=list)  # prefix sums per block boundary, SUMMED order
+    whole: dict[str, float] | None = None  # CostModel.totals, computed once
+
+    def __post_init__(self):
+        self.rows = list(zip(*(self.sums[f] for f in SUMMED), strict=True))
 
     def total(self, name: str, lo: int = 0, hi: int | None = None) -> float:
         col = self.sums[name]
         return col[len(col) - 1 if hi is None else hi] - col[lo]
+
+    def span(self, lo: int, hi: int) -> list[float]:
+        """Every SUMMED field over blocks lo..hi-1, in SUMMED order (one pass: a stage priced in O(fields))."""
+        return [h - low for h, low in zip(self.rows[hi], self.rows[lo], strict=True)]
 
 
 @dataclass
@@ -122,6 +142,7 @@ class StageCost:
     moe_shared: float = 0.0  # of params, MoE weights whose gradients are summed over tp
     ep_time: float = 0.0  # of tp_fwd + tp_bwd, the MoE token all-to-alls
     a2a_bytes: float = 0.0  # all-to-all bytes per micro-batch
+    largest_unit: float = 0.0  # parameters of its largest non-root block on a rank (an FSDP unit)
 
     @property
     def t_f(self) -> float:
@@ -167,7 +188,12 @@ class Prediction:
     sim: SimResult | None = None
     notes: list[str] = field(default_factory=list)
     rank_memory_breakdown_gib: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank
-    rank_comm_bytes: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank and iteration
+    # per pipeline rank and iteration: bytes by kind, computed when first read (the search never reads it)
+    traffic_of: Callable[[], list[dict[str, float]]] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def rank_comm_bytes(self) -> list[dict[str, float]]:
+        return self.traffic_of() if self.traffic_of is not None else []
 
     @property
     def oom_by_gib(self) -> float:
@@ -198,6 +224,7 @@ class CostModel:
         self.work = work
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
+        self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
 
@@ -375,15 +402,12 @@ class CostModel:
         if table is None:
             n = len(self.work.profile(lay.dtype).layers)
             costs = [self.block_cost(i, lay, place, mode) for i in range(n)]
-            sums = {}
-            for f in SUMMED:
-                acc, col = 0.0, [0.0]
-                for c in costs:
-                    acc += _field(c, f)
-                    col.append(acc)
-                sums[f] = col
-            timed = SUMMED[:6]  # compute, recompute and TP communication
-            weights = tuple(sum(sums[f][i + 1] - sums[f][i] for f in timed) + 1e-12 for i in range(n))
+            own = [_summed_row(c) for c in costs]  # (n, len(SUMMED)); repeated layers share one BlockCost
+            cum = [[0.0] * len(SUMMED)]
+            for row in own:
+                cum.append([a + b for a, b in zip(cum[-1], row, strict=True)])
+            sums = dict(zip(SUMMED, (list(col) for col in zip(*cum, strict=True)), strict=True))
+            weights = tuple(sum(row[:6]) + 1e-12 for row in own)  # compute, recompute and TP communication
             table = _BlockTable(sums=sums, working=[c.act_working for c in costs], costs=costs, weights=weights)
             self._tables[key] = table
         return table
@@ -393,10 +417,12 @@ class CostModel:
         working set of a block (``working``) and the last block's parameters on a rank (``head_params``):
         what the search's lower bound needs."""
         table = self._table(lay, layout_placement(self.work.cluster, lay), mode)
-        out = {f: table.total(f) for f in SUMMED}
-        out["working"] = max(table.working)
-        out["head_params"] = table.costs[-1].params
-        return out
+        if table.whole is None:
+            out = dict(zip(SUMMED, table.span(0, len(table.rows) - 1), strict=True))
+            out["working"] = max(table.working)
+            out["head_params"] = table.costs[-1].params
+            table.whole = out
+        return table.whole
 
     # ---- per stage ----
     def stage_costs(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
@@ -407,23 +433,21 @@ class CostModel:
         out = []
         tied = prof.layers[-1].tied_params
         fixed = self.stage_host_overhead(lay)
-        tables = []
+        tables, by_mode = [], {}
         for s, blocks in enumerate(stages):
             mode = stage_recompute[s] if stage_recompute else lay.recompute
             st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
-            table = self._table(lay, place, mode)
+            table = by_mode.get(mode)
+            if table is None:
+                table = by_mode[mode] = self._table(lay, place, mode)
             tables.append(table)
             lo, hi = blocks[0], blocks[-1] + 1
-            total = partial(table.total, lo=lo, hi=hi)
-            st.fwd, st.bwd_input, st.bwd_weight = total("fwd"), total("bwd_input"), total("bwd_weight")
-            st.recompute_time, st.tp_fwd, st.tp_bwd = total("recompute"), total("tp_fwd"), total("tp_bwd")
-            st.act_bytes, st.params, st.recompute_flops = total("act_bytes"), total("params"), total("recompute_flops")
-            st.root_params, st.replicated_params = total("root_params"), total("replicated")
-            st.tp_traffic = tuple(total(f"tp_{k}") for k in TP_KINDS)
-            st.cp_time, st.p2p_bytes = total("cp_time"), total("cp_send_recv")
-            st.experts, st.moe_shared = total("experts"), total("moe_shared")
-            st.ep_time, st.a2a_bytes = total("ep_time"), total("a2a_bytes")
+            (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes, st.params,
+             st.recompute_flops, st.root_params, st.replicated_params, ar, ag, rs, st.cp_time, st.p2p_bytes,
+             st.experts, st.moe_shared, st.ep_time, st.a2a_bytes) = table.span(lo, hi)
+            st.tp_traffic = (ar, ag, rs)
             st.act_working = max(table.working[lo:hi])
+            st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
             if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
                 shared = tied * (table.costs[-1].params / prof.layers[-1].params)
                 st.params -= shared
@@ -573,15 +597,14 @@ class CostModel:
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
-        rank_mem, breakdowns, rank_traffic = [], [], []
+        rank_mem, breakdowns = [], []
         for r in range(p):
             if sim is not None and sim.peak_activation_bytes:
                 acts = sim.peak_activation_bytes[r]
             else:
                 acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in ranks[r])
             acts += max(costs[s].act_working for s in ranks[r])
-            unit = max((c.params for s in ranks[r] for i in costs[s].blocks
-                        if not (c := self._table(lay, place, costs[s].recompute).costs[i]).root), default=0.0)
+            unit = max(costs[s].largest_unit for s in ranks[r])
             first_freed = None if self.grads_at_activation_peak(lay, ranks[r], flights[r]) else \
                 sum(costs[s].act_bytes for s in ranks[r])
             breakdown = rank_memory(states, loads[r].params, unit, acts, gpu, first_freed,
@@ -589,11 +612,12 @@ class CostModel:
                                     root_params=sum(costs[s].root_params for s in ranks[r]))
             breakdowns.append({k: x / GiB for k, x in breakdown.items()})
             rank_mem.append(sum(breakdown.values()) / GiB)
-            rank_traffic.append(self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]))
         worst = max(range(p), key=lambda r: rank_mem[r])
         peak = rank_mem[worst]
         # ---- throughput and FLOP utilisation ----
-        fwd_flops_per_sample = prof.total_fwd_flops
+        fwd_flops_per_sample = self._fwd_flops.get(lay.dtype)
+        if fwd_flops_per_sample is None:  # a sum over every layer: once per dtype, not once per evaluation
+            fwd_flops_per_sample = self._fwd_flops[lay.dtype] = prof.total_fwd_flops
         model_flops = 3 * fwd_flops_per_sample * lay.global_batch
         recompute_flops = sum(c.recompute_flops for c in costs) * lay.cp / lay.micro_batch  # per sample
         hw_flops = model_flops + recompute_flops * lay.global_batch
@@ -613,7 +637,7 @@ class CostModel:
             memory_gib=breakdowns[worst], time_s=time_s, bubble_fraction=bubble / iteration if iteration else 0.0,
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
             in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,
-            rank_comm_bytes=rank_traffic)
+            traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)])
 
 
 def _replicated_params(layer) -> float:

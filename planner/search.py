@@ -181,11 +181,9 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     per = state_bytes(work.framework, lay)
     experts, per_e = base["experts"], moe.expert_states(work.framework, lay)  # sharded over edp (planner/moe.py)
     params -= experts
-    states = [params * (per.weights + per.optimizer
-                        + (per.grads if model.grads_at_activation_peak(lay, tuple(d), d) else 0.0))
-              + experts * (per_e.weights + per_e.optimizer
-                           + (per_e.grads if model.grads_at_activation_peak(lay, tuple(d), d) else 0.0))
-              for d in flights]
+    with_grads = [model.grads_at_activation_peak(lay, tuple(d), d) for d in flights]
+    states = [params * (per.weights + per.optimizer + (per.grads if g else 0.0))
+              + experts * (per_e.weights + per_e.optimizer + (per_e.grads if g else 0.0)) for g in with_grads]
     allowance = untracked_bytes(gpu, 0.0)
     # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
     timed = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd")

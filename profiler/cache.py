@@ -20,7 +20,7 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 4
+_FORMAT = 5  # 5: block signatures hashed with sha1 (stable across processes)
 
 
 def _folder() -> Path | None:

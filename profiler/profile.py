@@ -10,6 +10,7 @@ can be timed as long as one block fits.
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import platform
 from collections.abc import Callable
@@ -64,7 +65,10 @@ def _device_name(device: str) -> str:
 def _signature(block: nn.Module, inputs: tuple) -> str:
     params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters())
     shapes = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
-    return f"{type(block).__name__}|{hash((params, shapes)) & 0xFFFFFFFF:08x}"
+    # hashlib, not hash(): str hashes are salted per process, and signatures outlive it (the profile cache,
+    # measured block times)
+    digest = hashlib.sha1(repr((params, shapes)).encode()).hexdigest()[:8]
+    return f"{type(block).__name__}|{digest}"
 
 
 def _detach_inputs(x: Any) -> tuple:

@@ -112,7 +112,7 @@ def test_port_in_use_is_refused(plan_file):
 @pytest.mark.parametrize("fault,fragment", [
     ("exit:1:2", "rank 1 died step 2 (exit code 3)"),
     ("raise:1:2", "rank 1 failed step 2: RuntimeError: injected fault at step 2"),
-    ("hang:1:2", "rank 1 hung step 2"),
+    pytest.param("hang:1:2", "rank 1 hung step 2", marks=pytest.mark.slow),  # waits out the hang timeout
 ])
 def test_a_failing_rank_ends_the_job_and_is_named(plan_file, fault, fragment, tmp_path):
     timeout = 8
@@ -127,6 +127,7 @@ def test_a_failing_rank_ends_the_job_and_is_named(plan_file, fault, fragment, tm
     assert os.path.exists(os.path.join(logs, "rank1.log"))  # kept for a look at what happened
 
 
+@pytest.mark.slow  # waits out a watchdog timeout
 def test_watchdog_ends_a_job_whose_every_rank_hangs(plan_file, tmp_path):
     """No peer is left to time out: the launcher's watchdog ends the job and names the rank."""
     start = time.time()
@@ -136,6 +137,7 @@ def test_watchdog_ends_a_job_whose_every_rank_hangs(plan_file, tmp_path):
     assert p.returncode == 1 and time.time() - start < 60
 
 
+@pytest.mark.slow  # two torchrun launches
 def test_two_nodes_on_loopback_run_a_dp2_pp2_plan(plan_file, tmp_path):
     case = Case("llama-dp2xpp2", "llama-tiny", dp=2, pp=2, micro_batch=2)
     plan = plan_file(case)

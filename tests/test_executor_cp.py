@@ -94,6 +94,7 @@ def test_a_sequence_that_does_not_split_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # the dry-run spread (tests/test_dry_run.py) covers cp in the default suite
 def test_dry_run_counts_the_key_value_all_gathers(tmp_path):
     """The dry run traces a cp plan: per layer and micro-batch, K and V (b, heads, s, d) all-gathered in
     forward and their gradients reduce-scattered in backward (the stages' other gradients are all-reduced)."""

@@ -133,6 +133,7 @@ def test_sequence_parallel_leaves_moe_and_attention_internals_alone():
                                                             for n in ("q_norm", "k_norm")]
 
 
+@pytest.mark.slow  # the dry-run spread (tests/test_dry_run.py) covers MoE in the default suite
 def test_dry_run_counts_the_token_all_to_alls(tmp_path):
     """The dry run traces an expert-parallel plan (balanced routing on fake tensors) and counts its
     all-to-alls: per MoE layer and micro-batch, dispatch and combine forward and again backward, each the

@@ -284,6 +284,7 @@ def test_compare_shows_expert_against_data_and_tensor_parallelism(tmp_path):
 # ---------------- the executor's dry run ----------------
 
 
+@pytest.mark.slow  # the dry-run spread (tests/test_dry_run.py) covers MoE in the default suite
 def test_dry_run_of_an_expert_parallel_plan_matches_the_prediction(tmp_path):
     """mixtral-tiny dp2 ep2 (benchmarks/bench_dry_run.py's first MoE plan): the executor's own code traced at
     full size agrees with the cost model — tensors within 10%, every kind of traffic within 5%, the

@@ -84,6 +84,7 @@ def _ilp_against_brute_force(work: Workload, gpus: int, keep=lambda lay: True) -
     return checked
 
 
+@pytest.mark.slow  # ~1 minute of brute force; the calibrated-cluster test below keeps one in the default suite
 def test_ilp_split_equals_brute_force_per_layout(small):
     """A transformer (embedding, identical layers, head) takes the ILP's integer-count form."""
     assert _ilp_against_brute_force(small, 8, keep=lambda lay: lay.micro_batch <= 2) > 50
@@ -96,6 +97,7 @@ def test_binary_formulation_equals_brute_force(write):
     assert _ilp_against_brute_force(Workload.create(spec, write("tight.yaml", TIGHT), 32), 4) > 20
 
 
+@pytest.mark.slow  # ~2 minutes: every layout and split priced
 def test_search_equals_exhaustive_enumeration(small):
     """The planner's best layout on 8 GPUs equals brute force over every layout and every split."""
     model = CostModel(small)
@@ -122,7 +124,7 @@ CALIBRATED = TIGHT.replace(
     "{step: 900, micro_batch: 150, tp_module: 40, fsdp_unit: 120, pp_action: 60}}}")
 
 
-@pytest.mark.parametrize("framework", ["paraplan", "megatron-2021"])
+@pytest.mark.parametrize("framework", ["paraplan", pytest.param("megatron-2021", marks=pytest.mark.slow)])
 def test_search_equals_exhaustive_enumeration_on_a_calibrated_cluster(write, framework):
     """With measured host costs the search (exhaustive mode) still equals brute force over every layout and
     split — under this executor's accounting and under ZeRO's (where, uncalibrated, it prunes by dominance)."""
@@ -269,6 +271,7 @@ def test_sharded_classifier_trades_gradient_sync_for_feature_gathers():
     assert hybrid.iteration_time_s < plain.iteration_time_s
 
 
+@pytest.mark.slow  # ~1 minute: the best split of every layout by brute force
 def test_lower_bound_never_exceeds_the_best_split(small):
     """The search prunes by lower bounds, so each must hold: on an instance where memory forces
     recomputation (the bound then charges the least recomputation any mix of modes per rank needs),
