@@ -225,6 +225,7 @@ class CostModel:
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
+        self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
 
@@ -496,14 +497,22 @@ class CostModel:
 
     def rank_dp_items(self, lay: Layout, place: Placement, rank: int, root: float):
         """:meth:`dp_items` from the rank's index and its root-unit parameters (the only part of it that
-        depends on the stage split, and only without a pipeline); the stage ILP prices these too."""
+        depends on the stage split, and only without a pipeline); the stage ILP prices these too. Ranks
+        alike (holding the tied weight's ends or not, the same root parameters) share one list."""
+        ends = {stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in (0, lay.num_stages - 1)}
+        key = (lay, place, rank in ends and len(ends) == 2, root)
+        hit = self._dp_items.get(key)
+        if hit is None:
+            hit = self._dp_items[key] = self._rank_dp_items(lay, place, key[2], root)
+        return hit
+
+    def _rank_dp_items(self, lay: Layout, place: Placement, tied_end: bool, root: float):
         prof = self.work.profile(lay.dtype)
         n_blocks = len(prof.layers)
         tied = prof.layers[-1].tied_params
-        ends = {stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in (0, lay.num_stages - 1)}
-        tied_elements = tied / lay.tp if tied and rank in ends and len(ends) == 2 else 0.0
+        tied_elements = tied / lay.tp if tied and tied_end else 0.0
         head = self.block_cost(n_blocks - 1, lay, place, "none").params if lay.head_parallel > 1 else 0.0
-        items = dp_exposures(self, lay, place, rank, root, tied_elements, head)
+        items = dp_exposures(self, lay, place, root, tied_elements, head)
         if lay.sequence_parallel and self.work.framework.states == "executor":
             items.append(sequence_parallel_weight_sync(self, lay, place))
         if self.work.spec.is_transformer and self.work.spec.is_moe:  # experts over edp, MoE weights over tp (moe.py)
@@ -519,10 +528,7 @@ class CostModel:
         micro-batches in flight, after an earlier one produced (accumulated) gradients? Without (one
         micro-batch; GPipe; a pipeline rank that reaches its peak only once) the first backward frees one
         micro-batch's activations as the gradients appear (memory.rank_memory)."""
-        m = lay.num_micro_batches
-        if lay.pp == 1:
-            return m >= 2
-        return lay.schedule != "gpipe" and lay.virtual_stages * m > sum(flights.get(s, 0) for s in stages)
+        return grads_meet_peak(lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches, stages, flights)
 
     def rank_traffic(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], dp_items,
                      load: RankLoad) -> dict[str, float]:
@@ -550,10 +556,13 @@ class CostModel:
         costs = self.stage_costs(lay, stages, stage_recompute)
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
-        rank_time = [sum(costs[s].total for s in rs) for rs in ranks]
-        rank_fwd = [sum(costs[s].t_f for s in rs) for rs in ranks]
-        rank_w = [sum(costs[s].t_w for s in rs) for rs in ranks]
-        rank_b = [sum(costs[s].t_b for s in rs) for rs in ranks]
+        if v == 1:  # one stage per rank: its own times
+            rank_fwd, rank_b, rank_w = [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs]
+        else:
+            rank_fwd = [sum(costs[s].t_f for s in rs) for rs in ranks]
+            rank_w = [sum(costs[s].t_w for s in rs) for rs in ranks]
+            rank_b = [sum(costs[s].t_b for s in rs) for rs in ranks]
+        rank_time = [f + b + w for f, b, w in zip(rank_fwd, rank_b, rank_w, strict=True)]
         sim = None
         schedule = lay.schedule if p > 1 else "1f1b"
         if simulate:
@@ -574,9 +583,19 @@ class CostModel:
         notes: list[str] = []
         loads = [self.rank_load(lay, costs, ranks[r], makespan) for r in range(p)]
         dp_items = [self.dp_items(lay, place, costs, ranks[r], r) for r in range(p)]
-        dp_exposed = [exposed_seconds(dp_items[r], loads[r]) for r in range(p)]
         step, expert_step = optimizer_step(self, lay), moe.expert_optimizer_step(self, lay)
-        opt_time = [step.at(loads[r]) + expert_step.at(loads[r]) for r in range(p)]
+        alike: dict[tuple, tuple[float, float]] = {}  # ranks with the same items and load wait alike
+        dp_exposed, opt_time = [], []
+        for r in range(p):
+            ld = loads[r]
+            key = (id(dp_items[r]), ld.params, ld.fwd, ld.bwd, ld.window, ld.makespan, ld.replicated, ld.experts,
+                   ld.moe_shared)
+            hit = alike.get(key)
+            if hit is None:
+                hit = alike[key] = (exposed_seconds(dp_items[r], loads[r]),
+                                    step.at(loads[r]) + expert_step.at(loads[r]))
+            dp_exposed.append(hit[0])
+            opt_time.append(hit[1])
         end = [finish[r] + dp_exposed[r] for r in range(p)]
         iteration = max(end) + max(opt_time)
         # ---- breakdown on the bottleneck rank ----
@@ -638,6 +657,13 @@ class CostModel:
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
             in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,
             traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)])
+
+
+def grads_meet_peak(schedule: str, pp: int, v: int, m: int, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
+    """CostModel.grads_at_activation_peak from the schedule's numbers (the search's memory bound asks it too)."""
+    if pp == 1:
+        return m >= 2
+    return schedule != "gpipe" and v * m > sum(flights.get(s, 0) for s in stages)
 
 
 def _replicated_params(layer) -> float:

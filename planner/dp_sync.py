@@ -58,9 +58,9 @@ def executor_uses_ddp(lay: Layout) -> bool:
     return lay.dtype == "fp32" and lay.zero <= 1 and lay.pp == 1 and lay.tp == 1
 
 
-def dp_exposures(model, lay: Layout, place: Placement, rank: int, root_params: float,
-                 tied_elements: float, head_params: float = 0.0) -> list[Exposure]:
-    """What pipeline rank ``rank`` sends and waits for per iteration for data parallelism.
+def dp_exposures(model, lay: Layout, place: Placement, root_params: float, tied_elements: float,
+                 head_params: float = 0.0) -> list[Exposure]:
+    """What a pipeline rank sends and waits for per iteration for data parallelism.
 
     ``root_params``: the rank's parameters outside transformer layers (the embedding/head unit);
     ``tied_elements``: the tied embedding's elements on this rank when it is split across the pipeline's

@@ -27,6 +27,7 @@ def stage_rank(schedule: str, stage: int, pp: int) -> int:
 
 
 @lru_cache(maxsize=65536)
+@lru_cache(maxsize=65536)
 def rank_stages(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]:
     return tuple(s for s in range(pp * v) if stage_rank(schedule, s, pp) == rank)
 

@@ -19,19 +19,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from paraplan.models import TransformerSpec
 
 from . import moe
 from .concerns import RankLoad
 from .context_parallel import search_degrees as cp_degrees
-from .costmodel import CostModel, Prediction
+from .costmodel import CostModel, Prediction, grads_meet_peak
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
 from .ilp import best_partition, modes_for
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
-from .schedules import in_flight
+from .schedules import in_flight, rank_stages
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -174,16 +175,16 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
     gpu = work.cluster.gpu
     schedule = lay.schedule if p > 1 else "1f1b"
-    flights = in_flight(schedule, p, v, m)
-    least = [min(d.values()) if d else 1 for d in flights]
     # model states over the whole model, per rank (memory.state_bytes): gradients only where they are sure to
-    # meet the activation peak (CostModel.grads_at_activation_peak), the rest always
+    # meet the activation peak (CostModel.grads_at_activation_peak), the rest always; ranks alike counted once
     per = state_bytes(work.framework, lay)
     experts, per_e = base["experts"], moe.expert_states(work.framework, lay)  # sharded over edp (planner/moe.py)
     params -= experts
-    with_grads = [model.grads_at_activation_peak(lay, tuple(d), d) for d in flights]
+    kinds = _rank_kinds(schedule, p, v, m)  # ((gradients at the peak, fewest micro-batches held), ranks)
+    least = [f for (_, f), _ in kinds]
+    counts = [c for _, c in kinds]
     states = [params * (per.weights + per.optimizer + (per.grads if g else 0.0))
-              + experts * (per_e.weights + per_e.optimizer + (per_e.grads if g else 0.0)) for g in with_grads]
+              + experts * (per_e.weights + per_e.optimizer + (per_e.grads if g else 0.0)) for (g, _), _ in kinds]
     allowance = untracked_bytes(gpu, 0.0)
     # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
     timed = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd")
@@ -192,15 +193,19 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     room = (gpu.memory_bytes - allowance) / (1 + FRAGMENTATION)
     cheapest = min(times, key=times.get)
     if forced_recomputation and len(modes) > 1 and \
-            1.0 / sum(1.0 / (st + f * acts[cheapest]) for st, f in zip(states, least, strict=True)) > room:
-        total = max(total, recomputation_bound(times, acts, min(states), least, room))
+            1.0 / sum(c / (st + f * acts[cheapest]) for st, f, c in zip(states, least, counts, strict=True)) > room:
+        total = max(total, recomputation_bound(times, acts, min(states), least, room, counts))
     per_rank = total / p
     if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
         pipe = (m - 1) * per_rank + total
     elif lay.schedule == "interleaved-1f1b" and m >= p:
         pipe = m * per_rank + (p - 1) / v * per_rank
     else:
-        pipe = m * per_rank
+        # Any schedule: the first micro-batch's forward through every stage, then its backward back through
+        # them, one after another (ZB-V may leave the weight gradients for later): with few micro-batches
+        # per pipeline rank this chain, not the ranks' work, is what bounds the step.
+        chain = total - (base["bwd_weight"] if lay.schedule == "zb-v" else 0.0)
+        pipe = max(m * per_rank, chain)
     opt = optimizer_step(model, lay).at(RankLoad(params=params / p)) + \
         moe.expert_optimizer_step(model, lay).at(RankLoad(experts=experts / p))
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
@@ -208,13 +213,27 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
     memory = {}
     for u in modes:
-        tensors = 1.0 / sum(1.0 / (st + f * acts[u]) for st, f in zip(states, least, strict=True)) + working[u]
+        tensors = 1.0 / sum(c / (st + f * acts[u]) for st, f, c in zip(states, least, counts, strict=True)) + \
+            working[u]
         memory[u] = tensors + untracked_bytes(gpu, tensors)
     return pipe + opt, memory
 
 
+@lru_cache(maxsize=4096)
+def _rank_kinds(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[bool, int], int], ...]:
+    """The pipeline ranks grouped by what the memory bound needs of each: whether gradients meet its activation
+    peak (CostModel.grads_at_activation_peak) and the fewest micro-batches any of its stages holds at it;
+    with how many ranks share each."""
+    kinds: dict[tuple[bool, int], int] = {}
+    for r, d in enumerate(in_flight(schedule, p, v, m)):
+        stages = rank_stages(schedule, r, p, v)
+        key = (grads_meet_peak(schedule, p, v, m, stages, d), min(d.values()) if d else 1)
+        kinds[key] = kinds.get(key, 0) + 1
+    return tuple(kinds.items())
+
+
 def recomputation_bound(times: dict[str, float], acts: dict[str, float], states: float, least: list[int],
-                        room: float) -> float:
+                        room: float, counts: list[int] | None = None) -> float:
     """A lower bound on the ranks' summed time per micro-batch when memory forces recomputation.
 
     The relaxation of the memory bound above, with modes: rank r holds fractions phi[r,u] of the model's
@@ -237,7 +256,8 @@ def recomputation_bound(times: dict[str, float], acts: dict[str, float], states:
     mu = np.concatenate([t, cross[np.isfinite(cross)]])
     mu = mu[mu >= t.min()]  # (M,)
     pieces = np.maximum(mu[:, None, None] - t[None, None, :], 0.0) / den[None, :, :]  # (M, P, U)
-    dual = mu - room * pieces.max(axis=2).sum(axis=1)  # (M,)
+    weight = np.ones(len(least)) if counts is None else np.array(counts, dtype=float)  # (P,) ranks per kind
+    dual = mu - room * (pieces.max(axis=2) * weight[None, :]).sum(axis=1)  # (M,)
     return float(dual.max())
 
 

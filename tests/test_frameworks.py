@@ -54,7 +54,7 @@ def test_megatron_core_distributed_optimizer_bytes():
 
 
 def _items(model: CostModel, lay: Layout):
-    return dp_exposures(model, lay, layout_placement(model.work.cluster, lay), 0, 0.0, 0.0)
+    return dp_exposures(model, lay, layout_placement(model.work.cluster, lay), 0.0, 0.0)
 
 
 def test_zero1_as_distributed_optimizer_or_all_reduce_and_broadcast():
