@@ -86,7 +86,7 @@ class _GatherKV(torch.autograd.Function):
     def backward(ctx, grad):  # (b, a, s, d) -> (b, a, s/cp, d)
         grad = grad.transpose(0, 2).contiguous()  # (s, a, b, d)
         out = grad.new_empty((grad.shape[0] // ctx.cp, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        dist.reduce_scatter_single(out, grad, group=ctx.group)  # reduce_scatter_tensor, renamed in torch 2.1x
         return out.transpose(0, 2), None, None
 
 
