@@ -205,7 +205,9 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     if scaling:
         md += ["", "## Scaling", "", "| GPUs | best layout | tokens/s | per GPU | MFU |", "|---|---|---|---|---|"]
         for sp in scaling:
-            if sp.best is None:
+            if sp.cut_short:
+                md.append(f"| {sp.gpus} | not known ({sp.cut_short}) | | | |")
+            elif sp.best is None:
                 md.append(f"| {sp.gpus} | nothing fits | | | |")
             else:
                 q = sp.best.prediction

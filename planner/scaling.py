@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import sys
+import time
 from dataclasses import dataclass
 
 from .costmodel import CostModel
@@ -28,6 +29,7 @@ _JOB: tuple[Workload, str, CostModel] | None = None
 class ScalingPoint:
     gpus: int
     best: Candidate | None
+    cut_short: str = ""  # why this count has no answer although plans may fit (its re-plan ran out of time)
 
 
 def scaling_counts(gpus: int, per_node: int) -> list[int]:
@@ -64,6 +66,7 @@ class ScalingReplans:
         global _JOB
         self.work, self.gpus, self.dtype, self.model = work, gpus, dtype, model
         self.counts = scaling_counts(gpus, work.cluster.gpus_per_node)
+        self._started = time.monotonic()
         self._jobs: list[tuple[int, object, object]] = []
         others = [g for g in self.counts if g != gpus]
         if not others or (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
@@ -82,11 +85,19 @@ class ScalingReplans:
         finally:
             _JOB = None
 
-    def points(self, best: Candidate | None) -> list[ScalingPoint]:
-        """Every count's point, ``best`` (the main search's) at ``gpus``; waits for the children."""
+    def points(self, best: Candidate | None, wait_s: float | None = None) -> list[ScalingPoint]:
+        """Every count's point, ``best`` (the main search's) at ``gpus``; waits for the children, at most
+        ``wait_s`` seconds from their start when given: a re-plan still running then is stopped and its
+        point says so (the chart is a side view; it never holds up the plan for long)."""
         found: dict[int, Candidate | None] = {}
+        late: dict[int, str] = {}
         for g, receive, child in self._jobs:
             try:
+                left = None if wait_s is None else max(0.0, self._started + wait_s - time.monotonic())
+                if left is not None and not receive.poll(left):
+                    child.kill()
+                    late[g] = f"re-plan stopped after {wait_s:.0f} s"
+                    continue
                 # our own child's pickle of our own dataclass, over a private pipe (nothing a user handed us)
                 found[g] = pickle.loads(receive.recv_bytes())
             except (EOFError, OSError):  # the child died: re-plan here
@@ -96,9 +107,9 @@ class ScalingReplans:
                 child.join()
         self._jobs = []
         for g in self.counts:
-            if g != self.gpus and g not in found:
+            if g != self.gpus and g not in found and g not in late:
                 found[g] = _replan(self.work, self.dtype, self.model, g)
-        return [ScalingPoint(g, best if g == self.gpus else found[g]) for g in self.counts]
+        return [ScalingPoint(g, best if g == self.gpus else found.get(g), late.get(g, "")) for g in self.counts]
 
     def cancel(self) -> None:
         """Stop the children (the main search failed: no report will need them)."""

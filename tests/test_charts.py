@@ -32,7 +32,7 @@ def test_activation_peak_counts_what_each_schedule_holds(schedule, first, last):
 
 @pytest.fixture(scope="module")
 def llama_plan(tmp_path_factory):
-    """The README's demo (llama2-70b, 64 H100s, batch 512: a zero-bubble V schedule wins), searched and
+    """The README's demo (llama2-70b, 64 H100s, batch 512), searched and
     written as a report, as `paraplan plan` does."""
     work = Workload.create("llama2-70b", "dgx-h100", 512, nodes=8)
     result = search(work, 64, top_k=3)

@@ -323,3 +323,24 @@ def test_scaling_points_forked_equal_in_line_and_survive_a_dead_child(monkeypatc
     children = [child for _, _, child in cancelled._jobs]
     cancelled.cancel()
     assert children and not any(child.is_alive() for child in children)
+
+
+def test_scaling_replans_past_their_time_are_stopped_and_say_so(monkeypatch):
+    """A re-plan still running when its time is up is stopped (the plan never waits long for its chart) and
+    its point says why it has no answer, rather than claiming that nothing fits."""
+    import time as clock
+
+    from paraplan.planner import scaling
+    from paraplan.planner.costmodel import CostModel
+
+    work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
+    model = CostModel(work)
+    monkeypatch.setattr(scaling, "_child", lambda conn, gpus: clock.sleep(60))
+    replans = scaling.ScalingReplans(work, 16, "bf16", model)
+    children = [child for _, _, child in replans._jobs]
+    started = clock.monotonic()
+    points = replans.points(None, wait_s=1.0)
+    assert clock.monotonic() - started < 10
+    assert [p.gpus for p in points] == [2, 4, 8, 16]
+    assert all(p.best is None and p.cut_short == "re-plan stopped after 1 s" for p in points[:3])
+    assert not any(child.is_alive() for child in children)

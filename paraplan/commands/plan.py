@@ -18,6 +18,7 @@ from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
 
 DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
+SCALING_WAIT_S = 10.0
 
 
 def _progress(enabled: bool):
@@ -95,7 +96,10 @@ def run(args) -> int:
         if result.best is None:
             raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
                 c.status_text() for c in result.candidates if c.status == "traced oom"))
-    scaling = (lambda: replans.points(result.best)) if replans else []
+    # the scaling chart's re-plans (started with the search, on the cores it leaves) get as long as it took,
+    # at least SCALING_WAIT_S; by then the report's other charts are drawn
+    wait = max(SCALING_WAIT_S, result.search_time_s)
+    scaling = (lambda: replans.points(result.best, wait)) if replans else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
     calibrated, notes, suffix = calibration_labels(work)
     notes = notes + result.notes
