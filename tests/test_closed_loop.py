@@ -115,6 +115,7 @@ def test_calibrate_command_writes_a_spec(tmp_path):
     assert r["op_overhead_us"] > 0 and len(r["collectives"]) >= 4
 
 
+@pytest.mark.slow  # runs a spread of layouts through the executor (~35 s)
 def test_validate_command_runs_layouts_and_compares(tmp_path):
     p = run_cli("validate", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8",
                 "--strategy", "dp=2,mb=4", "--strategy", "pp=2,schedule=1f1b,mb=2", "--steps", "3", "--top", "0",

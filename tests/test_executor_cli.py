@@ -49,6 +49,7 @@ def test_simulated_plan_runs_and_records(tmp_path):
     assert run["mean_step_time_s"] == pytest.approx(run["step_time_s"][1])
 
 
+@pytest.mark.slow  # parameter servers: tests/test_executor_ps.py covers them in the default suite
 def test_simulated_parameter_server_plan_runs(tmp_path):
     """``simulate --dp-mode ps`` writes a plan that ``execute`` runs with its servers as extra ranks."""
     plan = tmp_path / "ps.json"

@@ -49,7 +49,8 @@ GRAD_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", LOSS_CASES[2] + LOSS_CASES[4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", LOSS_CASES[2] + [pytest.param(c, marks=pytest.mark.slow) for c in LOSS_CASES[4]],
+                         ids=lambda c: c.name)  # 4 ranks: slow
 def test_cp_layout_matches_single_process(case, tmp_path_factory):
     run = launched_run(f"cp{case.world_size}", LOSS_CASES[case.world_size], case, STEPS, tmp_path_factory)
     assert run["world_size"] == case.world_size and run["plan"]["cp"] == case.cp

@@ -37,7 +37,8 @@ def reference(case: Case) -> list[float]:
     return reference_losses(case, STEPS, micro_batch=case.micro_batch if uses_bn else None)
 
 
-@pytest.mark.parametrize("case", CASES[2] + CASES[4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES[2] + [pytest.param(c, marks=pytest.mark.slow) for c in CASES[4]],
+                         ids=lambda c: c.name)  # 4 ranks: slow
 def test_class_sharded_head_matches_single_process(case, tmp_path_factory):
     run = launched_run(f"hybrid{case.world_size}", CASES[case.world_size], case, STEPS, tmp_path_factory)
     assert run["world_size"] == case.dp and run["steps"] == STEPS and len(run["peak_memory_gib"]) == case.dp

@@ -70,7 +70,8 @@ def check_case(case: Case, tmp_path_factory) -> None:
     assert_losses_match(case, run)
 
 
-@pytest.mark.parametrize("case", CASES[1] + CASES[2] + CASES[4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES[1] + CASES[2] + [pytest.param(c, marks=pytest.mark.slow) for c in CASES[4]],
+                         ids=lambda c: c.name)  # 4 ranks: slow
 def test_layout_matches_single_process(case, tmp_path_factory):
     check_case(case, tmp_path_factory)
 

@@ -53,7 +53,8 @@ def _check_run(case: Case, tmp_path_factory) -> None:
     assert_losses_match(case, run)
 
 
-@pytest.mark.parametrize("case", LOSS_CASES[2] + LOSS_CASES[4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", LOSS_CASES[2] + [pytest.param(c, marks=pytest.mark.slow) for c in LOSS_CASES[4]],
+                         ids=lambda c: c.name)  # 4 ranks: slow
 def test_moe_layout_matches_single_process(case, tmp_path_factory):
     _check_run(case, tmp_path_factory)
 
