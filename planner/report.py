@@ -96,6 +96,13 @@ def _why(result: SearchResult) -> list[str]:
                      + (f", {lay.virtual_stages} chunks per rank" if lay.virtual_stages > 1 else "")
                      + f") with {lay.num_micro_batches} micro-batches keeps the bubble at "
                        f"{100 * p.bubble_fraction:.1f}%.")
+    if lay.cp > 1:
+        lines.append(f"Context parallelism of {lay.cp} splits each sequence over {lay.cp} ranks (activations and "
+                     f"logits divided by {lay.cp}); exchanging keys and values costs "
+                     f"{100 * t.get('cp_comm', 0.0) / total:.1f}%.")
+    if lay.ep > 1:
+        lines.append(f"Expert parallelism of {lay.ep} spreads the experts over {lay.ep} ranks; the token "
+                     f"all-to-alls cost {100 * t.get('ep_comm', 0.0) / total:.1f}%.")
     if lay.dp > 1:
         lines.append(f"Data parallelism of {lay.dp} with ZeRO-{lay.zero}: the gradient sync costs "
                      f"{100 * t['dp_comm'] / total:.1f}% after overlapping the last backward.")
