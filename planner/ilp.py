@@ -38,6 +38,9 @@ block, changing one stage's mode) removes what the linear pieces approximate.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import pulp
@@ -77,11 +80,38 @@ def _run_solver(prob: pulp.LpProblem, name: str, warm: bool, cutoff: float | Non
     if name == "highs":
         if not pulp.HiGHS().available():
             raise pulp.PulpSolverError("highspy is not installed")
+        _swallow_highs_banner()
         params = {"objective_bound": cutoff} if cutoff is not None else {}
         prob.solve(pulp.HiGHS(msg=False, timeLimit=SOLVER_TIME_LIMIT_S, gapRel=1e-9, gapAbs=0.0, threads=1,
                               **params))
         return
     raise AssertionError(f"unknown solver {name}")
+
+
+_BANNER_LOCK = threading.Lock()
+_banner_swallowed = False
+
+
+def _swallow_highs_banner() -> None:
+    """highspy prints a banner on the process's stdout (from C) when the process makes its first solver, even
+    with output off: make that first one with stdout on /dev/null, so `--json` prints one JSON object only."""
+    global _banner_swallowed
+    with _BANNER_LOCK:
+        if _banner_swallowed:
+            return
+        import highspy
+
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.close(devnull)
+            highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _banner_swallowed = True
 
 
 @dataclass

@@ -63,3 +63,12 @@ def test_cbc_failing_falls_back_to_highs(monkeypatch):
     model = CostModel(work)
     part = ilp.best_partition(model, Layout(dp=2, tp=1, pp=4, micro_batch=1, global_batch=64))
     assert "highs" in used and not part.ilp_status.startswith("solver failed")
+
+
+def test_highs_prints_nothing_beside_the_json(tmp_path):
+    """highspy writes a banner on stdout (from C) with the first solver a process makes; `--json` must still print
+    exactly one JSON object (DESIGN.md's CLI contract)."""
+    from conftest import run_cli_json
+
+    r = run_cli_json("plan", "--solver", "highs", "--no-charts", "--out", str(tmp_path / "report"))  # the demo
+    assert r["ilp_solves"] > 0 and r["best"]["plan"]["pp"] > 1
