@@ -96,19 +96,11 @@ def _summed_row(cost: BlockCost) -> tuple[float, ...]:
 
 @dataclass
 class _BlockTable:
-    sums: dict[str, list[float]]  # per summed field, prefix sums over blocks
+    rows: list[list[float]]  # prefix sums of the SUMMED fields (in that order) at each block boundary: n + 1 rows
     working: list[float]
     costs: list[BlockCost]  # each block's own
     weights: tuple[float, ...]  # each block's time (compute, recompute, TP communication): balances stages
-    rows: list[tuple[float, ...]] = field(default_factory=list)  # prefix sums per block boundary, SUMMED order
     whole: dict[str, float] | None = None  # CostModel.totals, computed once
-
-    def __post_init__(self):
-        self.rows = list(zip(*(self.sums[f] for f in SUMMED), strict=True))
-
-    def total(self, name: str, lo: int = 0, hi: int | None = None) -> float:
-        col = self.sums[name]
-        return col[len(col) - 1 if hi is None else hi] - col[lo]
 
     def span(self, lo: int, hi: int) -> list[float]:
         """Every SUMMED field over blocks lo..hi-1, in SUMMED order (one pass: a stage priced in O(fields))."""
@@ -407,9 +399,8 @@ class CostModel:
             cum = [[0.0] * len(SUMMED)]
             for row in own:
                 cum.append([a + b for a, b in zip(cum[-1], row, strict=True)])
-            sums = dict(zip(SUMMED, (list(col) for col in zip(*cum, strict=True)), strict=True))
             weights = tuple(sum(row[:6]) + 1e-12 for row in own)  # compute, recompute and TP communication
-            table = _BlockTable(sums=sums, working=[c.act_working for c in costs], costs=costs, weights=weights)
+            table = _BlockTable(rows=cum, working=[c.act_working for c in costs], costs=costs, weights=weights)
             self._tables[key] = table
         return table
 
