@@ -187,6 +187,12 @@ class Prediction:
     def rank_comm_bytes(self) -> list[dict[str, float]]:
         return self.traffic_of() if self.traffic_of is not None else []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (the scaling chart's forked re-plans send their best back) with the traffic computed."""
+        state = dict(self.__dict__)
+        state["rank_comm_bytes"], state["traffic_of"] = self.rank_comm_bytes, None
+        return state
+
     @property
     def oom_by_gib(self) -> float:
         return max(0.0, self.peak_memory_gib - self.memory_capacity_gib)

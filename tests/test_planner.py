@@ -4,6 +4,7 @@ never slower than published hand-tuned layouts under its own cost model."""
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 
@@ -312,6 +313,9 @@ def test_scaling_points_forked_equal_in_line_and_survive_a_dead_child(monkeypatc
     result = search(work, 16, top_k=1, dtype="bf16", model=model)
     assert replans.counts == [2, 4, 8, 16]  # the count and up to three halvings, none below an eighth of a node
     assert len(replans._jobs) == 3
+    # a child sends its best candidate pickled: it must pickle, traffic included (else the parent re-plans)
+    sent = pickle.loads(pickle.dumps(result.best))
+    assert sent.prediction.rank_comm_bytes == result.best.prediction.rank_comm_bytes
     forked = _scaling_summary(replans.points(result.best))
     assert [g for g, _, _ in forked] == replans.counts and forked[-1][1] == result.best.layout.short()
     in_line = _scaling_summary(scaling.ScalingPoint(g, result.best if g == 16 else search(work, g, top_k=1).best)
