@@ -106,12 +106,20 @@ def _executor(lay: Layout, all_reduce, gather, window: Affine, ge: int, wb: int,
         if lay.zero == 1:  # owners broadcast their updated fp32 weights
             items.append(Exposure(Sync("all_gather", gather, per_param=4)))
         return items
-    gathers = Sync("all_gather", gather, per_param=wb)
+    return executor_sharded(lay, gather, ge, wb, m, "per_param")
+
+
+def executor_sharded(lay: Layout, gather, ge: int, wb: int, m: int, per: str) -> list[Exposure]:
+    """This executor's ZeRO-2/3 (FSDP2): a gradient reduce-scatter per micro-batch under its backward (ZB-V:
+    once, after the last backward), the weights gathered once (ZeRO-2) or before every micro-batch's forward
+    and backward (ZeRO-3). ``per``: the load the bytes scale with (``per_param``; ``per_expert`` for the
+    expert-parallel experts over their edp group, planner/moe.py)."""
+    gathers = Sync("all_gather", gather, **{per: wb})
     fwd, bwd = Affine(fwd=1.0), Affine(bwd=1.0)
     if lay.pp > 1 and lay.schedule == "zb-v":  # gradients reduced once, after the last backward
-        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge))]
+        items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}))]
     else:
-        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), count=m, hidden=bwd, floor="zero")]
+        items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}), count=m, hidden=bwd, floor="zero")]
     if lay.zero == 2:
         items.append(Exposure(gathers, hidden=fwd, floor="zero"))
     else:

@@ -304,7 +304,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
     edp ranks holding the same experts (ranks ep·etp apart), in dp_sync.py's style (dp_sync._executor and
     _zero_accounting with the edp group and the rank's ``experts``). ``root_experts``: the experts of the
     unit synced last (one layer's), which cannot hide behind the backward."""
-    from .dp_sync import DDP_BUCKET_BYTES, grad_bytes, weight_bytes
+    from .dp_sync import DDP_BUCKET_BYTES, executor_sharded, grad_bytes, weight_bytes
 
     work = model.work
     fw, cluster, busy = work.framework, work.cluster, place.gpus_per_node_busy
@@ -327,17 +327,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
             if lay.zero == 1:  # owners broadcast their updated fp32 experts over edp
                 items.append(Exposure(Sync("all_gather", gather, per_expert=4)))
             return items
-        gathers = Sync("all_gather", gather, per_expert=wb)
-        if lay.pp > 1 and lay.schedule == "zb-v":
-            items = [Exposure(Sync("reduce_scatter", gather, per_expert=ge))]
-        else:
-            items = [Exposure(Sync("reduce_scatter", gather, per_expert=ge), count=m, hidden=bwd, floor="zero")]
-        if lay.zero == 2:
-            items.append(Exposure(gathers, hidden=fwd, floor="zero"))
-        else:
-            items += [Exposure(gathers, count=m, hidden=fwd, floor="zero"),
-                      Exposure(gathers, count=m, hidden=bwd, floor="zero")]
-        return items
+        return executor_sharded(lay, gather, ge, wb, m, "per_expert")
     # Megatron-Core: the expert-data-parallel group's buffers, like the dense ones (dp_sync._zero_accounting)
     if lay.pp > 1 and fw.dp_sync_pipelined == "end":
         window = Affine()
