@@ -265,11 +265,15 @@ class CostModel:
         sharded_ratio = (layer.param_bytes_sharded / t + layer.param_bytes - layer.param_bytes_sharded) / \
             layer.param_bytes if layer.param_bytes else 1.0
         tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
+        moe_layer = moe.is_moe(layer)
+        hbm_Bps = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
         if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # quantising the FP8 GEMMs' operands (fp8.py)
-            cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp,
-                                              gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound,
-                                              gpu.efficiency.op_overhead_us * 1e-6)
+            cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp, hbm_Bps,
+                                              gpu.efficiency.op_overhead_us * 1e-6, moe_layer)
             times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
+        if moe_layer and fw.moe_kernels == "fused":  # the fused MoE kernels' traffic (fused_moe.py via moe.py)
+            moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
+            times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b)
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
             working = layer_activation_bytes(layer, b, t, sp, "none", work.attention,
@@ -310,20 +314,20 @@ class CostModel:
         split = t if sp or fw.p2p_scatter_gather else 1
         acts = layer_activation_bytes(layer, b, t, sp, mode, work.attention, fw.sp_saves_gathered_input)
         if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
-            fused = fused_layer_bytes(work.spec, tokens, t, sp, mode)  # Transformer Engine's modules
+            fused = fused_layer_bytes(work.spec, tokens, t, sp, mode, moe_layer)  # Transformer Engine's modules
             if fused is not None:
                 acts = fused
                 if mode == "full":
-                    working = fused_layer_bytes(work.spec, tokens, t, sp, "none")
+                    working = fused_layer_bytes(work.spec, tokens, t, sp, "none", moe_layer)
         if cpc is not None:  # the whole sequence's K/V an attention kernel saves (all-gather form)
             if mode == "full":
                 working += cpc.saved_bytes
             else:
                 acts += cpc.saved_bytes
         if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs
-            acts -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, mode)
+            acts -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, mode, moe_layer)
             if mode == "full":
-                working -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, "none")
+                working -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, "none", moe_layer)
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import fused_moe
+
 # bytes moved per element quantised (see the module docstring)
 CAST_BYTES = {"delayed": 2 + 1 + 1, "dynamic": 2 + 2 + 1}
 CAST_KERNELS = {"delayed": 1, "dynamic": 2}
@@ -45,33 +47,44 @@ class LinearShapes:
     linears: int  # FP8 GEMMs per pass (one per linear)
 
 
-def layer_linears(spec, tp: int, sp: bool) -> LinearShapes | None:
-    """The FP8 linears of one dense transformer layer of ``spec`` on one of ``tp`` ranks (None: not a
-    transformer layer this module knows: MLA or experts keep their bf16 cost here)."""
+def layer_linears(spec, tp: int, sp: bool, moe_layer: bool = False, experts: bool = False) -> LinearShapes | None:
+    """The FP8 linears of one transformer layer of ``spec`` on one of ``tp`` ranks (None: not a transformer
+    layer this module knows: MLA keeps its bf16 cost here). ``moe_layer``: its MLP is a mixture of experts;
+    ``experts``: the experts' GEMMs run in FP8 too (Framework.fp8_experts), each tensor-parallel rank routing
+    its own 1/tp of the tokens to k experts: per token, k copies through the routed experts' two GEMMs
+    (h -> up, f -> h) and one through the shared experts' (width f_s)."""
     if not getattr(spec, "is_transformer", False) or getattr(spec, "mla", False):
         return None
     h, d = spec.hidden_size, spec.head_dim
     a, kv = spec.num_attention_heads, spec.kv_heads
-    ffn = spec.ffn_size
-    gated = spec.family == "llama"
-    up = ffn * (2 if gated else 1)
     t = tp
     rep = h / t if sp else h  # a column-parallel layer's input: whole, or its sequence shard under SP
-    inputs = rep + a * d / t + rep + ffn / t  # QKV, output projection, MLP up, MLP down
-    grads = (a + 2 * kv) * d / t + h + up / t + h  # column-parallel outputs are sharded, row-parallel whole
-    weights = (h * (a + 2 * kv) * d + a * d * h + h * up + ffn * h) / t
-    dense = not getattr(spec, "num_experts", 0)
-    if not dense:  # the routed experts' FP8 cost is left to the MoE model (issue 16): attention's linears only
-        inputs, grads = rep + a * d / t, (a + 2 * kv) * d / t + h
-        weights = (h * (a + 2 * kv) * d + a * d * h) / t
-    return LinearShapes(inputs=inputs, grad_outputs=grads, weights=weights, saved_inputs=inputs,
-                        linears=4 if dense else 2)
+    # attention: QKV and the output projection; column-parallel outputs are sharded, row-parallel whole
+    inputs, grads = rep + a * d / t, (a + 2 * kv) * d / t + h
+    weights = (h * (a + 2 * kv) * d + a * d * h) / t
+    saved, linears = inputs, 2
+    if not moe_layer:  # the dense MLP: up (x2 when gated: SwiGLU) and down
+        ffn = spec.ffn_size
+        up = ffn * (2 if spec.family == "llama" else 1)
+        inputs += rep + ffn / t
+        grads += up / t + h
+        weights += (h * up + ffn * h) / t
+        saved, linears = inputs, 4
+    elif experts:
+        f, up, f_s, up_s = fused_moe.expert_widths(spec)
+        k = spec.top_k
+        inputs += (k * (h + f) + (h + f_s if f_s else 0)) / t
+        grads += (k * (up + h) + (up_s + h if f_s else 0)) / t
+        # the shared experts' first input is the norm's output the router keeps in 16 bits: no saving there
+        saved += (k * (h + f) + f_s) / t
+        linears += 2 + (2 if f_s else 0)
+    return LinearShapes(inputs=inputs, grad_outputs=grads, weights=weights, saved_inputs=saved, linears=linears)
 
 
-def cast_seconds(spec, framework, tokens: float, tp: int, sp: bool, hbm_Bps: float, kernel_s: float
-                 ) -> tuple[float, float]:
+def cast_seconds(spec, framework, tokens: float, tp: int, sp: bool, hbm_Bps: float, kernel_s: float,
+                 moe_layer: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch of ``tokens`` tokens' FP8 quantisation in one layer."""
-    shapes = layer_linears(spec, tp, sp)
+    shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)
     if shapes is None:
         return 0.0, 0.0
     scaling = framework.fp8_scaling
@@ -89,11 +102,12 @@ def cast_seconds(spec, framework, tokens: float, tp: int, sp: bool, hbm_Bps: flo
     return fwd_bytes / hbm_Bps + 2 * kernels * kernel_s, bwd_bytes / hbm_Bps + 3 * kernels * kernel_s
 
 
-def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recompute: str) -> float:
+def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recompute: str,
+                       moe_layer: bool = False) -> float:
     """Bytes of one layer's activations per micro-batch that FP8 saves: the 16-bit copies of the linear inputs
     a TE stack keeps as FP8 instead (1 byte per element less); nothing for torchao or under full
     recomputation (only the layer's input is kept)."""
     if not framework.fp8_saves_fp8_inputs or recompute == "full":
         return 0.0
-    shapes = layer_linears(spec, tp, sp)
+    shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)
     return 0.0 if shapes is None else tokens * shapes.saved_inputs * 1.0

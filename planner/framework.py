@@ -83,6 +83,14 @@ class Framework:
     # (Megatron-Core's overlap_moe_expert_parallel_comm)
     moe_dispatcher: str = "alltoall"
     moe_a2a_overlap: bool = False
+    # the MoE block's non-GEMM kernels: "traced" = the profiler's trace of this executor's eager block (scaled by
+    # ``elementwise_traffic`` like the rest of the layer); "fused" = Megatron-Core's fused router, permute,
+    # activation and unpermute kernels, whose traffic planner/fused_moe.py counts (not scaled)
+    moe_kernels: str = "traced"
+    # FP8 reaches the experts' GEMMs (TE's GroupedLinear under Megatron-Core). This executor's experts are stacked
+    # weights, not the nn.Linear modules torchao's float8 conversion swaps: planner/fp8.py casts and saves
+    # nothing for them (their GEMMs are still priced at the FP8 rate: compute.gemm_dtype has no per-GEMM dtype)
+    fp8_experts: bool = False
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -129,11 +137,12 @@ MEGATRON_CORE = Framework(
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
     fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
-    moe_grouped_gemm=True,
+    moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True,
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "
            "use_distributed_optimizer; overlap_p2p_comm with virtual pipelines; performance scripts' "
-           "grad_reduce_in_fp32 = False); MoE: moe_grouped_gemm, and the "
+           "grad_reduce_in_fp32 = False); MoE: moe_grouped_gemm, moe_permute_fusion, moe_router_fusion, "
+           "bias_activation_fusion (planner/fused_moe.py), TE's FP8 GroupedLinear, and the "
            "token distribution force-balanced as Megatron-Bridge's published MoE benchmarks run (their tables' "
            "footnote)")
 

@@ -12,28 +12,41 @@ Core builds the layer from Transformer Engine's fused modules instead, which sav
 - the MLP: the up projection's output, the activation's input (2·up, up = 2·ffn when gated), and the
   activation's output, the down projection's input (2·ffn).
 
+With query/key norms (Qwen3's ``qk_norm``), TE's norms keep their inputs: 2(a·d + kv·d) more.
+
 Per token: 4h + 4h (the two norm + linear pairs) + 2(2a·d + 2kv·d) (attention) + 2·up + 2·ffn (MLP). Attention
 and MLP tensors are split over the tensor-parallel ranks, the norms' over them only with sequence parallelism.
 Korthikanti's 34·s·b·h for GPT (MHA, 4h MLP) is this count's 32·s·b·h plus the two residual dropout masks.
 With a flash kernel selective recomputation (Megatron's ``core_attn``) saves nothing more: there is no score
 matrix, and the kernel's inputs and output are kept by the linears around it. Full recomputation keeps the
-layer's input only.
+layer's input only. A layer whose MLP is a mixture of experts keeps its attention's part as above, the pre-MLP
+norm's input (2h) and what planner/fused_moe.py counts for the MoE block.
 """
 
 from __future__ import annotations
 
+from . import fused_moe
 
-def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str) -> float | None:
-    """Bytes one rank keeps for ``tokens`` tokens through one dense transformer layer of ``spec`` (None: a
-    layer this accounting does not describe — MLA or experts — whose traced bytes stand)."""
-    if getattr(spec, "mla", False) or getattr(spec, "num_experts", 0):
+
+def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False) -> float | None:
+    """Bytes one rank keeps for ``tokens`` tokens through one transformer layer of ``spec`` (None: a layer this
+    accounting does not describe — MLA — whose traced bytes stand). ``moe_layer``: the layer's MLP is a
+    Megatron-Core MoE block (planner/fused_moe.py) behind its own pre-MLP norm."""
+    if getattr(spec, "mla", False):
         return None
     h, d, a, kv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.kv_heads
-    ffn = spec.ffn_size
-    up = 2 * ffn if spec.family == "llama" else ffn
     if recompute == "full":
         return 2 * h * tokens / (tp if sp else 1)
-    replicated = 4 * h + 4 * h  # the two norms' inputs and outputs
     attention = 2 * (a * d + 2 * kv * d) + 2 * a * d
+    if getattr(spec, "qk_norm", False):  # the query and key norms keep their inputs
+        attention += 2 * (a * d + kv * d)
+    if moe_layer:
+        # the attention's norm + linear pair, the pre-MLP norm's input; each tensor-parallel rank routes its own
+        # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP)
+        moe_saved = fused_moe.block_bytes(spec, 1, "alltoall").saved
+        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + (attention + moe_saved) / tp)
+    ffn = spec.ffn_size
+    up = 2 * ffn if spec.family == "llama" else ffn
+    replicated = 4 * h + 4 * h  # the two norms' inputs and outputs
     mlp = 2 * up + 2 * ffn
     return tokens * (replicated / (tp if sp else 1) + (attention + mlp) / tp)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from paraplan.profiler import LayerProfile
 
-from . import comm
+from . import comm, fused_moe
 from .concerns import Affine, Exposure, Sync
 from .layout import Layout
 from .memory import StateBytes, state_bytes
@@ -150,9 +150,15 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     kernels_left = (fwd.kernels_expert * (1 - 1 / ep) if not framework.moe_grouped_gemm or not num_experts else
                     fwd.kernels_expert * (1 - 1 / num_experts))
     bwd_left = bwd.kernels * kernels_left / fwd.kernels if fwd.kernels else 0.0
+    # the block's other traffic: the trace's, split over tp like a sharded region; or, for a stack of fused MoE
+    # kernels, none of it here (fused_kernel_seconds prices theirs): the forward's traced share out, and as much
+    # again twice out of the backward's (its MoE share is not traced apart; backward kernels move about twice
+    # what forward ones do)
+    moe_fwd = fwd.other_bytes_moe if framework.moe_kernels == "fused" else 0
+    moe_bwd = min(2 * moe_fwd, bwd.other_bytes - bwd.other_bytes_fixed)
     new_fwd = dataclasses.replace(fwd, gemm_flops=flops, gemm_sharded=sharded, gemm_core=core,
-                                  gemm_moe=[0] * len(flops),
-                                  other_bytes_sharded=fwd.other_bytes_sharded + fwd.other_bytes_moe,
+                                  gemm_moe=[0] * len(flops), other_bytes=fwd.other_bytes - moe_fwd,
+                                  other_bytes_sharded=fwd.other_bytes_sharded + fwd.other_bytes_moe - moe_fwd,
                                   kernels=round(fwd.kernels - kernels_left))
     # the executor's per-expert weight gradients, profiled with all E experts on one rank: E/ep of them here,
     # none with a grouped GEMM (it writes each expert's gradient once, as the GEMM's own output)
@@ -160,12 +166,21 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     profiled = min(stacked_grad_traffic(spec, num_experts, elem), bwd.other_bytes_fixed)
     kept = 0.0 if framework.moe_grouped_gemm else stacked_grad_traffic(spec, num_experts // ep, elem)
     new_bwd = dataclasses.replace(bwd, kernels=round(bwd.kernels - bwd_left),
-                                  other_bytes=round(bwd.other_bytes - profiled + kept),
+                                  other_bytes=round(bwd.other_bytes - moe_bwd - profiled + kept),
                                   other_bytes_fixed=round(bwd.other_bytes_fixed - profiled + kept))
     moe_saved = layer.activation_bytes_moe
     return dataclasses.replace(layer, fwd_ops=new_fwd, bwd_ops=new_bwd,
                                activation_bytes_sharded=layer.activation_bytes_sharded + moe_saved,
                                activation_bytes_selective_sharded=layer.activation_bytes_selective_sharded + moe_saved)
+
+
+def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the fused MoE kernels' memory traffic (planner/fused_moe.py) on a rank
+    routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (``moe_imbalance``)."""
+    local = spec.num_experts // lay.ep
+    per = fused_moe.block_bytes(spec, local, framework.moe_dispatcher)
+    routed = tokens / lay.tp * framework.moe_imbalance
+    return per.fwd * routed / hbm_Bps, per.bwd * routed / hbm_Bps
 
 
 def stacked_grad_traffic(spec, local_experts: int, elem: int) -> float:

@@ -308,3 +308,79 @@ def test_dry_run_of_an_expert_parallel_plan_matches_the_prediction(tmp_path):
     layers, micro_batches, tokens, k, h = 4, 2, 2 * 128, 2, 128
     expected = layers * micro_batches * (4 * tokens * k * h * 2 + 4 * 8)
     assert rank["comm_bytes"]["all_to_all"] == rank["predicted_comm_bytes"]["all_to_all"] == expected
+
+
+# ---------------- Megatron-Core's fused MoE block (planner/fused_moe.py) ----------------
+
+
+def test_fused_moe_block_bytes_follow_the_kernel_accounting():
+    """Mixtral 8x7B (h 4096, 8 SwiGLU experts of f 14336, top-2): per token, the router's input and fp32 scores
+    (2h + 4E), per routed copy the two expert GEMMs' inputs, the activation's input and the expert output the
+    unpermute weights (2h + 2·2f + 2f + 2h); the forward's non-GEMM kernels: top-k softmax 8E, permute 2h + 2kh,
+    activation k·(2·2f + 2f), unpermute 2kh + 2h, and with the all-to-all dispatcher and several local experts
+    the sort and unsort (4kh each)."""
+    from paraplan.models import load_model_spec
+    from paraplan.planner import fused_moe
+
+    spec = load_model_spec("mixtral-8x7b")
+    h, f, k, e = 4096, 14336, 2, 8
+    got = fused_moe.block_bytes(spec, 2, "alltoall")
+    assert got.saved == 2 * h + 4 * e + k * (2 * h + 4 * f + 2 * f + 2 * h)
+    fwd_no_sort = 8 * e + 2 * h + 2 * k * h + k * (4 * f + 2 * f) + 2 * k * h + 2 * h
+    assert got.fwd == fwd_no_sort + 8 * k * h
+    assert fused_moe.block_bytes(spec, 1, "alltoall").fwd == fwd_no_sort  # one local expert: nothing to sort
+    assert fused_moe.block_bytes(spec, 2, "hybridep").fwd == fwd_no_sort  # DeepEP writes expert order
+    bwd = fused_moe.block_bytes(spec, 1, "alltoall").bwd
+    assert bwd == (2 * h + 4 * k * h) + k * (8 * f + 2 * f) + (2 * k * h + 2 * h) + 12 * e
+
+
+def test_megatron_core_moe_layer_keeps_the_fused_count_not_the_eager_trace():
+    """Under --framework megatron-core a MoE layer keeps what TE's and Megatron's fused modules save (attention
+    as a dense layer's, the pre-MLP norm's input, the MoE block: fused_moe), far less than the eager trace of
+    this executor's block (which keeps every norm, rotary and SwiGLU intermediate)."""
+    from paraplan.planner import fused_moe
+    from paraplan.planner.fused_activations import fused_layer_bytes
+
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 1024, nodes=2, framework="megatron-core")
+    spec = work.spec
+    s, h, a, kv, d = spec.seq_length, 2048, 32, 4, 128
+    attention = 2 * (a * d + 2 * kv * d) + 2 * a * d + 2 * (a * d + kv * d)  # + the q/k norms' inputs
+    moe_saved = fused_moe.block_bytes(spec, 8, "alltoall").saved
+    assert fused_layer_bytes(spec, s, 1, False, "none", moe_layer=True) == s * (6 * h + attention + moe_saved)
+    assert fused_layer_bytes(spec, s, 2, True, "none", moe_layer=True) == s * (6 * h + attention + moe_saved) / 2
+    assert fused_layer_bytes(spec, s, 1, False, "full", moe_layer=True) == 2 * h * s
+    traced = _layer(work).activation_bytes_selective + _layer(work).fwd_ops.core_output_bytes
+    assert fused_layer_bytes(spec, s, 1, False, "none", moe_layer=True) < 0.6 * traced
+
+
+def test_published_qwen3_30b_a3b_layout_fits_under_megatron_core():
+    """Megatron-Bridge's H100 table (26.04, benchmarks/data/published_moe.yaml): Qwen3-30B-A3B on 16 H100s,
+    ep16, micro-batch 1, 4096 tokens, FP8, no recomputation (the recipe sets recompute_granularity None) ran,
+    so it must be predicted to fit; its MoE kernels' traffic is priced unscaled by the fused-kernel factor."""
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 1024, nodes=2, framework="megatron-core", seq_length=4096)
+    lay = Layout(dp=16, tp=1, pp=1, ep=16, micro_batch=1, global_batch=1024, zero=1, dtype="fp8")
+    model = CostModel(work)
+    pred = model.evaluate(lay, default_stages(model, lay))
+    assert pred.fits, pred.peak_memory_gib
+    traced = Workload.create("qwen3-30b-a3b", "dgx-h100", 1024, nodes=2, seq_length=4096,
+                             framework=work.framework.replace(moe_kernels="traced"))
+    traced_model = CostModel(traced)
+    assert traced_model.evaluate(lay, default_stages(traced_model, lay)).iteration_time_s < pred.iteration_time_s
+
+
+def test_fp8_experts_are_cast_and_kept_as_fp8_copies_under_transformer_engine():
+    """TE's GroupedLinear runs the experts in FP8: per token k copies through h -> up and f -> h, inputs kept as
+    FP8 (1 byte less each); this executor's stacked experts are not converted (only attention's linears)."""
+    from paraplan.models import load_model_spec
+    from paraplan.planner import fp8
+
+    spec = load_model_spec("mixtral-8x7b")
+    h, f, k, a, kv, d = 4096, 14336, 2, 32, 8, 128
+    attention_inputs = h + a * d
+    plain = fp8.layer_linears(spec, 1, False, moe_layer=True, experts=False)
+    assert plain.saved_inputs == attention_inputs and plain.linears == 2
+    te = fp8.layer_linears(spec, 1, False, moe_layer=True, experts=True)
+    assert te.saved_inputs == attention_inputs + k * (h + f)
+    assert te.grad_outputs == (a + 2 * kv) * d + h + k * (2 * f + h)
+    dense = fp8.layer_linears(spec, 1, False, moe_layer=False)  # a dense layer of an MoE model has its MLP
+    assert dense.linears == 4

@@ -1,0 +1,72 @@
+"""A Megatron-Core MoE block as Transformer Engine and Megatron's fused MoE kernels run it: the bytes it keeps
+for backward and the bytes its non-GEMM kernels move, per token a rank routes.
+
+The profiler traces this project's eager MoE block (models/moe.py); Megatron-Core's ``MoELayer`` with
+``moe_grouped_gemm``, ``moe_permute_fusion``, ``moe_router_fusion`` and ``bias_activation_fusion`` (the
+settings of Megatron-Bridge's MoE recipes, Megatron-LM docs/api-guide/fusions.md and megatron/core/
+transformer/moe/README.md) runs it as a fixed set of kernels. Per token routed to k experts, with h the hidden
+size, f one expert's FFN width, up = 2f for a gated (SwiGLU) expert and f otherwise, E the experts, 16-bit
+tensors (2 bytes) and fp32 router scores:
+
+Kept for backward:
+- the router: its input, the pre-MLP norm's output (2h; the shared experts read the same tensor), and its
+  scores after the fused top-k softmax (4E);
+- per routed copy (k of them): the first expert GEMM's input (2h), the fused activation's input (2·up), the
+  second GEMM's input (2f), and the expert output the fused unpermute weights by the router probabilities
+  (2h: the probabilities' gradient needs it); the permutation itself keeps only index maps;
+- the shared experts (width f_s): the activation's input (2·up_s) and the second GEMM's input (2·f_s).
+
+Moved by the kernels other than GEMMs (reads plus writes; GEMMs are priced by their FLOPs), forward:
+- top-k softmax over fp32 logits: read 4E, write 4E;
+- fused permute: read the token (2h), write its k copies (2kh); with the all-to-all dispatcher and more than
+  one expert on the rank, the received tokens are sorted by expert and the outputs sorted back
+  (``sort_chunks_by_idxs``: read and write 2kh, twice); DeepEP / HybridEP write them in expert order;
+- fused activation: read 2·up, write 2f per copy (and per shared-expert token);
+- fused unpermute with probabilities: read the k outputs (2kh), write one token (2h); adding the shared
+  experts' output: read 4h, write 2h.
+Backward, the transposes: the unpermute's gradient reads the output gradient (2h) and the saved outputs (2kh)
+and writes the copies' gradients (2kh); the sorts again (4kh each, where there); the activation's gradient
+reads its input and the output gradient and writes the input gradient (2·up + 2f + 2·up per copy); the
+permute's gradient sums the k copies (read 2kh, write 2h); the top-k softmax's gradient reads scores and
+gradient and writes a gradient (12E); the shared experts' activation as the routed ones'.
+
+FP8 keeps the expert GEMMs' inputs as FP8 copies, 1 byte each instead of 2: planner/fp8.py subtracts that.
+The pre-MLP norm is outside the block (fused_activations.py counts it with the layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEBlockBytes:
+    """Per token a rank routes through one MoE block."""
+
+    saved: float  # bytes kept for backward
+    fwd: float  # bytes the forward's non-GEMM kernels move
+    bwd: float  # bytes the backward's non-GEMM kernels move
+
+
+def expert_widths(spec) -> tuple[int, int, int, int]:
+    """(f, up, f_s, up_s): one routed expert's FFN width and its first GEMM's output width; the shared experts'."""
+    gated = spec.family == "llama"
+    f = spec.moe_ffn_size
+    f_s = spec.num_shared_experts * f
+    return f, (2 if gated else 1) * f, f_s, (2 if gated else 1) * f_s
+
+
+def block_bytes(spec, local_experts: int, dispatcher: str) -> MoEBlockBytes:
+    """The Megatron-Core MoE block of ``spec`` on a rank holding ``local_experts`` routed experts, with the
+    token ``dispatcher`` (``alltoall`` or ``hybridep``): see the module docstring."""
+    h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
+    f, up, f_s, up_s = expert_widths(spec)
+    saved = 2 * h + 4 * e + k * (2 * h + 2 * up + 2 * f + 2 * h) + (2 * up_s + 2 * f_s if f_s else 0)
+    sorts = 2 * (4 * k * h) if dispatcher == "alltoall" and local_experts > 1 else 0.0
+    shared_add = 6 * h if f_s else 0
+    fwd = (8 * e + (2 * h + 2 * k * h) + sorts + k * (2 * up + 2 * f) + (2 * k * h + 2 * h) + shared_add
+           + (2 * up_s + 2 * f_s if f_s else 0))
+    bwd = ((2 * h + 4 * k * h) + sorts + k * (4 * up + 2 * f) + (2 * k * h + 2 * h) + 12 * e + shared_add
+           + (4 * up_s + 2 * f_s if f_s else 0))
+    return MoEBlockBytes(saved=saved, fwd=fwd, bwd=bwd)
+
