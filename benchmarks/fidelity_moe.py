@@ -38,7 +38,6 @@ import yaml
 from paraplan.models import load_model_spec, spec_from_mapping
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
-from paraplan.planner.framework import framework as framework_profile
 from paraplan.planner.layout import Layout
 from paraplan.planner.workload import Workload
 
@@ -50,11 +49,12 @@ FIT = ("dgxc-v24.11.1-grok1-314b-bf16-32gpu", "mbridge-26.04-h100-qwen3_30b_a3b-
 # qwen3_workload_base_configs.py and qwen3_llm_pretrain.py, deepseek/deepseek_workload_base_configs.py, at the
 # commits the code search stores), applied to the rows whose layout is the recipe's: the token dispatcher
 # (moe_token_dispatcher_type "flex" with moe_flex_dispatcher_backend "hybridep", or "alltoall"),
-# moe_a2a_overlap, and Qwen3's grad_reduce_in_fp32 = False (16-bit gradient buffers). Rows of other layouts
-# (earlier recipe versions) keep the profile's defaults (alltoall, no overlap).
+# moe_a2a_overlap, and Qwen3's grad_reduce_in_fp32 = False (16-bit gradient buffers), given as the CLI's switches
+# (--moe-dispatcher, --moe-a2a-overlap, --grad-reduce-in-fp32). Rows of other layouts (earlier recipe versions)
+# keep the profile's defaults (alltoall, no overlap).
 RECIPES = {
-    ("qwen3-30b-a3b", 1, 1, 16): dict(moe_dispatcher="hybridep", grad_bytes=2),
-    ("qwen3-235b-a22b", 2, 8, 32): dict(moe_a2a_overlap=True, grad_bytes=2),
+    ("qwen3-30b-a3b", 1, 1, 16): dict(moe_dispatcher="hybridep", grad_reduce_in_fp32=False),
+    ("qwen3-235b-a22b", 2, 8, 32): dict(moe_a2a_overlap=True, grad_reduce_in_fp32=False),
     ("deepseek-v3 (dropless)", 2, 8, 64): dict(moe_dispatcher="hybridep"),
 }
 # The Megatron-Bridge model names of the rows, as our presets (or specs built below).
@@ -137,8 +137,9 @@ def predict(row: dict, framework: str = FRAMEWORK):
     if published_step(row) is None or not isinstance(row.get("tp"), int):
         return None, "no step time or layout"
     lay = layout_of(row)
-    fw = framework_profile(framework).replace(**recipe(row))
-    work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=max(1, lay.num_gpus // 8), framework=fw)
+    # the recipe's switches as the CLI takes them (--moe-dispatcher, --moe-a2a-overlap, --no-grad-reduce-in-fp32)
+    work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=max(1, lay.num_gpus // 8), framework=framework,
+                           **recipe(row))
     try:
         pred, _ = simulate(work, lay, event_sim=False)
     except PlanError as e:

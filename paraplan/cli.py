@@ -81,6 +81,14 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
     p.add_argument("--overlap-tp", action=argparse.BooleanOptionalAction, default=None,
                    help="hide tensor-parallel input-gradient all-reduces behind weight-gradient GEMMs (overrides "
                         "the framework)")
+    p.add_argument("--moe-dispatcher", choices=("alltoall", "hybridep"),
+                   help="MoE token dispatcher: one all-to-all per routed copy, or DeepEP/HybridEP (one copy per "
+                        "remote node, forwarded over NVLink) (overrides the framework)")
+    p.add_argument("--moe-a2a-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="hide each MoE all-to-all behind another micro-batch's compute (overrides the framework)")
+    p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep and reduce gradients in fp32 (--no-...: in the 16-bit training dtype) (overrides "
+                        "the framework)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine first when no calibration of it exists (local cluster, "
                         "validate); predictions are then labelled uncalibrated (env: PARAPLAN_NO_CALIBRATE=1)")

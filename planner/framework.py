@@ -19,6 +19,7 @@ from .compute import ATTENTION_KERNELS
 from .errors import PlanError
 
 CP_COMM = ("all_gather", "ring", "all_gather_overlap")
+MOE_DISPATCHERS = ("alltoall", "hybridep")
 
 
 @dataclass(frozen=True)
@@ -192,17 +193,33 @@ FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATR
 
 
 def framework(profile: str | Framework, attention: str | None = None, overlap_dp: bool | None = None,
-              overlap_tp: bool | None = None) -> Framework:
-    """The named profile (or the given one) with explicit switches on top (``--attention``,
-    ``--overlap-dp``, ``--overlap-tp``)."""
+              overlap_tp: bool | None = None, moe_dispatcher: str | None = None, moe_a2a_overlap: bool | None = None,
+              grad_reduce_in_fp32: bool | None = None) -> Framework:
+    """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
+    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``: the settings of a
+    recipe, Megatron-Bridge's names). Switches a stack cannot run are refused, not priced: this executor (and
+    torchtitan) dispatch tokens with one all-to-all each way, exposed, and reduce fp32 gradients."""
     if isinstance(profile, Framework):
         fw = profile
     elif profile in FRAMEWORKS:
         fw = FRAMEWORKS[profile]
     else:
         raise PlanError(f"unknown framework {profile!r} (one of {', '.join(FRAMEWORKS)})")
-    changes = {k: v for k, v in (("attention", attention), ("overlap_dp", overlap_dp), ("overlap_tp", overlap_tp))
+    changes = {k: v for k, v in (("attention", attention), ("overlap_dp", overlap_dp), ("overlap_tp", overlap_tp),
+                                 ("moe_dispatcher", moe_dispatcher), ("moe_a2a_overlap", moe_a2a_overlap))
                if v is not None}
+    if grad_reduce_in_fp32 is not None:
+        changes["grad_bytes"] = 4 if grad_reduce_in_fp32 else 2
     if changes.get("attention", fw.attention) not in ATTENTION_KERNELS:
         raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+    if changes.get("moe_dispatcher", fw.moe_dispatcher) not in MOE_DISPATCHERS:
+        raise PlanError(f"MoE token dispatcher must be one of {', '.join(MOE_DISPATCHERS)}")
+    if fw.states == "executor":
+        for flag, key, runs in (("--moe-dispatcher hybridep", "moe_dispatcher", "alltoall"),
+                                ("--moe-a2a-overlap", "moe_a2a_overlap", False),
+                                ("--no-grad-reduce-in-fp32", "grad_bytes", fw.grad_bytes)):
+            if changes.get(key, runs) != runs:
+                raise PlanError(f"{flag}: the {fw.name} stack does not run it (it reduces fp32 gradients and "
+                                "dispatches tokens with one exposed all-to-all each way); price a stack that does, "
+                                "e.g. --framework megatron-core")
     return fw.replace(**changes) if changes else fw

@@ -38,7 +38,7 @@ class Workload:
     def create(cls, model: str | ModelSpec, cluster: str | ClusterSpec, global_batch: int,
                seq_length: int | None = None, nodes: int | None = None, framework: str | Framework = "paraplan",
                attention: str | None = None, overlap_dp: bool | None = None,
-               overlap_tp: bool | None = None) -> Workload:
+               overlap_tp: bool | None = None, **switches) -> Workload:
         spec = load_model_spec(model) if isinstance(model, str) else model
         if spec.family == "custom":
             raise PlanError(f"{spec.name}: planning needs a zoo model or spec file (a callable's module has no "
@@ -51,7 +51,7 @@ class Workload:
             cluster.with_nodes(nodes) if nodes else cluster)
         if global_batch <= 0:
             raise PlanError(f"--global-batch must be positive, got {global_batch}")
-        fw = framework_profile(framework, attention, overlap_dp, overlap_tp)
+        fw = framework_profile(framework, attention, overlap_dp, overlap_tp, **switches)
         model_ref = model if isinstance(model, str) else spec.name
         cluster_ref = cluster if isinstance(cluster, str) else cl.name
         return cls(model_ref=model_ref, spec=spec, cluster_ref=cluster_ref, cluster=cl, global_batch=global_batch,

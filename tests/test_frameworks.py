@@ -40,6 +40,33 @@ def test_explicit_switches_override_a_profile():
         framework("megatron-1999")
 
 
+def test_recipe_switches_reach_the_profile_from_the_cli_and_stacks_that_cannot_run_them_refuse():
+    """The MoE recipes' settings a fidelity check uses (benchmarks/fidelity_moe.py) are CLI switches: the token
+    dispatcher, the all-to-all overlap, gradients reduced in 16 bits. simulate --json with them prices what
+    the Workload built with them prices; this executor runs none of them and refuses in one line."""
+    from conftest import assert_one_line_error, run_cli, run_cli_json
+
+    fw = framework("megatron-core", moe_dispatcher="hybridep", moe_a2a_overlap=True, grad_reduce_in_fp32=False)
+    assert (fw.moe_dispatcher, fw.moe_a2a_overlap, fw.grad_bytes) == ("hybridep", True, 2)
+    assert framework("megatron-core", grad_reduce_in_fp32=True).grad_bytes == 4
+    args = ["simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch",
+            "64", "--seq-len", "1024", "--dp", "16", "--tp", "1", "--pp", "1", "--ep", "16", "--micro-batch", "1",
+            "--zero", "1", "--framework", "megatron-core"]
+    plain = run_cli_json(*args)
+    switched = run_cli_json(*args, "--moe-dispatcher", "hybridep", "--no-grad-reduce-in-fp32")
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, seq_length=1024, nodes=2, framework="megatron-core",
+                           moe_dispatcher="hybridep", grad_reduce_in_fp32=False)
+    model = CostModel(work)
+    lay = Layout(dp=16, tp=1, pp=1, ep=16, micro_batch=1, global_batch=64, zero=1)
+    from paraplan.planner.costmodel import default_stages
+
+    expected = model.evaluate(lay, default_stages(model, lay)).iteration_time_s
+    assert switched["iteration_time_s"] == pytest.approx(expected, rel=1e-6)
+    assert switched["iteration_time_s"] != pytest.approx(plain["iteration_time_s"], rel=1e-6)
+    p = run_cli(*args[:-2], "--moe-dispatcher", "hybridep")  # --framework paraplan: this executor
+    assert_one_line_error(p, "--moe-dispatcher hybridep", "megatron-core")
+
+
 def test_megatron_core_distributed_optimizer_bytes():
     """Megatron-LM docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients keep 6 + 12/d bytes per
     parameter under the distributed optimizer (ZeRO 1), 18 without; NeMo's performance runs reduce bf16 gradients

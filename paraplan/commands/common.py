@@ -13,7 +13,9 @@ from paraplan.planner.workload import Workload
 def workload_from_args(args, global_batch: int | None = None) -> Workload:
     return Workload.create(args.model, args.cluster, global_batch or args.global_batch, seq_length=args.seq_len,
                            nodes=args.nodes, framework=args.framework, attention=args.attention,
-                           overlap_dp=args.overlap_dp, overlap_tp=args.overlap_tp)
+                           overlap_dp=args.overlap_dp, overlap_tp=args.overlap_tp,
+                           moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
+                           grad_reduce_in_fp32=args.grad_reduce_in_fp32)
 
 
 def ensure_calibrated(args, work: Workload, validating: bool = False) -> Workload:
