@@ -25,7 +25,7 @@ import fit_h100  # noqa: E402
 import published  # noqa: E402
 
 from paraplan.models import spec_from_mapping
-from paraplan.planner.costmodel import CostModel, default_stages, validate_layout
+from paraplan.planner.costmodel import CostModel, framework_stages, validate_layout
 from paraplan.planner.layout import Layout
 from paraplan.planner.placement import placement
 from paraplan.planner.workload import Workload
@@ -54,7 +54,7 @@ def predict_run(run: dict):
                  global_batch=run["global_batch"], schedule="interleaved-1f1b" if run["v"] > 1 else "1f1b",
                  virtual_stages=run["v"], recompute=run["recompute"], sequence_parallel=run["sp"])
     validate_layout(model, lay)
-    return model.evaluate(lay, default_stages(model, lay))
+    return model.evaluate(lay, framework_stages(model, lay))
 
 
 def layer_times(table: dict) -> list[tuple[dict, float, float]]:
@@ -90,7 +90,7 @@ def narayanan_published() -> list[tuple[dict, float, float, Layout]]:
                      schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full",
                      dtype="fp16")
         validate_layout(model, lay)
-        pred = model.evaluate(lay, default_stages(model, lay))
+        pred = model.evaluate(lay, framework_stages(model, lay))
         s, vocab = 2048, 51200
         flops = 96 * gb * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))  # their Eq. 3
         out.append((row, flops / (gpus * pred.iteration_time_s) / 1e12,
@@ -140,7 +140,7 @@ def bloom_sweep() -> list[tuple[dict, float, object]]:
                      global_batch=row["global_batch"], recompute="full", dtype="fp16",
                      zero=row.get("zero_stage", 1) if row["dp"] > 1 else 0)
         validate_layout(model, lay)
-        pred = model.evaluate(lay, default_stages(model, lay))
+        pred = model.evaluate(lay, framework_stages(model, lay))
         s, vocab, gb = 2048, 250880, row["global_batch"]
         flops = 96 * gb * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
         out.append((row, flops / (384 * pred.iteration_time_s) / 1e12, pred))

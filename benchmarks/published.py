@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from paraplan.models import load_model_spec, spec_from_mapping
-from paraplan.planner.costmodel import CostModel, default_stages, validate_layout
+from paraplan.planner.costmodel import CostModel, framework_stages, validate_layout
 from paraplan.planner.errors import InvalidLayout
 from paraplan.planner.layout import Layout
 from paraplan.planner.workload import Workload
@@ -218,7 +218,7 @@ def predict(run: Run, cluster: str = "dgx-h100", efficiency=None) -> Predicted:
             validate_layout(model, lay)
         except InvalidLayout as e:
             return Predicted(run, None, None, None, f"invalid: {e}")
-        pred = model.evaluate(lay, default_stages(model, lay))
+        pred = model.evaluate(lay, framework_stages(model, lay))
         best = (pred, lay)
         if pred.fits:
             break

@@ -6,7 +6,7 @@ the Prediction and the runnable Plan (DESIGN.md: one object from planner to simu
 
 from __future__ import annotations
 
-from .costmodel import CostModel, Prediction, default_stages, validate_layout
+from .costmodel import CostModel, Prediction, framework_stages, validate_layout
 from .errors import PlanError
 from .layout import Layout
 from .plan import Plan
@@ -40,10 +40,11 @@ def stage_indices(work: Workload, lay: Layout, plan_stages: list[list[str]]) -> 
 def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
              stage_recompute: list[str] | None = None, event_sim: bool = True,
              keep_timeline: bool = False) -> tuple[Prediction, Plan]:
-    """Price ``lay`` on ``work`` (balanced stages unless given) and return the prediction and the plan."""
+    """Price ``lay`` on ``work`` (unless given, stages as its framework cuts them: costmodel.framework_stages)
+    and return the prediction and the plan."""
     model = CostModel(work)
     validate_layout(model, lay)
-    stages = stages or default_stages(model, lay)
+    stages = stages or framework_stages(model, lay)
     tasks = lay.num_stages * lay.num_micro_batches * 3
     use_sim = (event_sim or keep_timeline) and tasks <= EVENT_SIM_MAX_TASKS
     pred = model.evaluate(lay, stages, stage_recompute, simulate=use_sim, keep_timeline=keep_timeline)

@@ -732,6 +732,25 @@ def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     return [list(s) for s in _balanced_cached(weights, lay.num_stages)]
 
 
+def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
+    """Stage boundaries as the priced stack cuts the model when told only pp and vp: Megatron (and Megatron-
+    DeepSpeed's ``type:transformer`` partition) gives each of the pp·vp chunks the same number of transformer
+    layers, the embedding riding with the first chunk and the head with the last (Megatron-LM's
+    get_num_layers_to_build: num_layers / (pp·vp)). This executor, or layers that do not divide evenly (or
+    blocks other than transformer layers between the ends): the balanced split (:func:`default_stages`)."""
+    layers = model.work.profile(lay.dtype).layers
+    n, k = len(layers), lay.num_stages
+    middle = layers[1:-1]
+    if model.work.framework.runs_on_executor or k == 1 or len(middle) % k or \
+            any(x.kind != "transformer_layer" for x in middle):
+        return default_stages(model, lay)
+    per = len(middle) // k
+    stages = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(k)]
+    stages[0].insert(0, 0)
+    stages[-1].append(n - 1)
+    return stages
+
+
 @lru_cache(maxsize=8192)
 def _balanced_cached(weights: tuple[float, ...], k: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s) for s in balanced_stages(list(weights), k))

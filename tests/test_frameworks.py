@@ -146,3 +146,26 @@ def test_grad_bytes_is_the_reduced_message():
     for fw, elem in (("megatron-deepspeed", 4), ("megatron-core", 2)):
         item = _items(_model(fw), lay)[0]
         assert item.sync.per_param == elem
+
+
+def test_megatron_stacks_cut_equal_layer_counts_per_chunk_and_this_executor_balances():
+    """Megatron-LM's get_num_layers_to_build: num_layers / (pp·vp) transformer layers per model chunk, the
+    embedding with the first chunk and the head with the last — what simulate prices for a Megatron stack when
+    the stages are not given; this executor's own split balances the stages' time instead."""
+    from paraplan.planner.costmodel import default_stages, framework_stages
+
+    model = _model("megatron-core")
+    blocks = len(model.work.profile("bf16").layers)
+    layers = blocks - 2
+    lay = Layout(dp=2, tp=1, pp=2, micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=2)
+    assert layers % 4 == 0
+    stages = framework_stages(model, lay)
+    per = layers // 4
+    assert stages[0] == [0, *range(1, 1 + per)]
+    assert stages[1] == list(range(1 + per, 1 + 2 * per))
+    assert stages[-1] == [*range(1 + 3 * per, 1 + 4 * per), blocks - 1]
+    executor = _model("paraplan")
+    assert framework_stages(executor, lay) == default_stages(executor, lay)
+    odd = lay.replace(pp=3, virtual_stages=1, schedule="1f1b", dp=1)
+    assert layers % 3  # layers that do not divide: the balanced split
+    assert framework_stages(model, odd) == default_stages(model, odd)
