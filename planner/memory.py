@@ -21,6 +21,7 @@ modules save.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from paraplan.hardware_specs import GPUSpec
 from paraplan.profiler import LayerProfile
@@ -114,6 +115,7 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
+@lru_cache(maxsize=4096)  # a pure function of two frozen dataclasses, asked for once per layout and rank kind
 def state_bytes(framework, lay) -> StateBytes:
     """Model-state bytes per parameter for ``lay`` under ``framework`` (planner/framework.py).
 

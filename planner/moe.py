@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from paraplan.profiler import LayerProfile
 
@@ -309,6 +310,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
 
 # ---- gradients, optimizer, memory ----
 
+@lru_cache(maxsize=4096)
 def expert_states(framework, lay: Layout) -> StateBytes:
     """Model-state bytes per expert-parallel parameter: memory.state_bytes with ZeRO sharding over edp."""
     return state_bytes(framework, lay.replace(dp=edp(lay), cp=1))
