@@ -58,7 +58,8 @@ def gemm_dtype(dtype: str, layer_kind: str, core: bool) -> str:
 
 
 def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, sp: bool, gpu: GPUSpec, dtype: str,
-                        attention: str, elementwise: float = 1.0, causal_fraction: float = 1.0) -> PassTimes:
+                        attention: str, elementwise: float = 1.0, causal_fraction: float = 1.0,
+                        fp8_experts: bool = True) -> PassTimes:
     """Peak-and-efficiency estimate for a block profiled at one micro-batch, scaled to ``micro_batch_scale``.
 
     Tensor parallelism divides the GEMMs and memory traffic of the sharded modules by ``tp``;
@@ -67,13 +68,16 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     (Framework.elementwise_traffic; the unfused attention's score and dropout traffic is modelled as such).
     ``causal_fraction``: the share of the attention core's s x s work a causal kernel computes (a flash kernel
     skips the tiles above the diagonal: about half, FlashAttention-2, Dao 2023, Sec. 3.1.1); its FLOPs are
-    still counted whole in the model FLOPs, as Megatron's formula counts them.
+    still counted whole in the model FLOPs, as Megatron's formula counts them. ``fp8_experts``: under FP8 the
+    routed experts' GEMMs (marked 2 in ``gemm_moe``) run in FP8 too (Framework.fp8_experts), or in bf16.
     """
     mix, b = layer.fwd_ops, micro_batch_scale
     gemm_all = gemm_core = 0.0
-    for flops, sharded, core in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, strict=True):
+    marks = mix.gemm_moe or [0] * len(mix.gemm_flops)
+    for flops, sharded, core, mark in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, marks, strict=True):
         done = flops * b / (tp if sharded else 1) * (causal_fraction if core else 1.0)
-        t = _gemm(done, gpu, gemm_dtype(dtype, layer.kind, core))
+        kind = "bf16" if dtype == "fp8" and mark == 2 and not fp8_experts else gemm_dtype(dtype, layer.kind, core)
+        t = _gemm(done, gpu, kind)
         gemm_all += t
         gemm_core += t if core else 0.0
     hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound

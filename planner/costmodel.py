@@ -250,12 +250,13 @@ class CostModel:
         cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
         fw = work.framework
         causal = context_parallel.attention_work_fraction(work, lay)
-        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal)
+        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
+                                    fw.fp8_experts)
         measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
             m = measured["layers"][i]
             base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
-                                       causal)
+                                       causal, fw.fp8_experts)
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
         colls = [c for style, ib, ob, tok in layer.region_io
                  for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []

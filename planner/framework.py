@@ -89,8 +89,8 @@ class Framework:
     # activation and unpermute kernels, whose traffic planner/fused_moe.py counts (not scaled)
     moe_kernels: str = "traced"
     # FP8 reaches the experts' GEMMs (TE's GroupedLinear under Megatron-Core). This executor's experts are stacked
-    # weights, not the nn.Linear modules torchao's float8 conversion swaps: planner/fp8.py casts and saves
-    # nothing for them (their GEMMs are still priced at the FP8 rate: compute.gemm_dtype has no per-GEMM dtype)
+    # weights, not the nn.Linear modules torchao's float8 conversion swaps: their GEMMs run in bf16
+    # (compute.estimate_pass_times) and planner/fp8.py casts and saves nothing for them
     fp8_experts: bool = False
     source: str = ""
 

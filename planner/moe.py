@@ -136,18 +136,20 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     fwd, bwd = layer.fwd_ops, layer.bwd_ops
     experts = [i for i, x in enumerate(fwd.gemm_moe) if x == 2]
     keep = experts[:len(experts) // ep]  # the rank's E/ep experts (balanced: all alike)
-    flops, sharded, core = [], [], []
+    flops, sharded, core, marks = [], [], [], []
     for f, s, c, m in zip(fwd.gemm_flops, fwd.gemm_sharded, fwd.gemm_core, fwd.gemm_moe, strict=True):
         if m == 2:
             continue
         flops.append(f)
         sharded.append(s or m > 0)
         core.append(c)
+        marks.append(m)
     # each expert's GEMMs at its own token count (a grouped GEMM runs them in one kernel, each problem at its size)
     routed = [fwd.gemm_flops[i] * ep * imbalance for i in keep]
     flops += routed
     sharded += [True] * len(routed)
     core += [False] * len(routed)
+    marks += [2] * len(routed)  # still the routed experts' (compute.estimate_pass_times: their dtype under FP8)
     kernels_left = (fwd.kernels_expert * (1 - 1 / ep) if not framework.moe_grouped_gemm or not num_experts else
                     fwd.kernels_expert * (1 - 1 / num_experts))
     bwd_left = bwd.kernels * kernels_left / fwd.kernels if fwd.kernels else 0.0
@@ -158,7 +160,7 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     moe_fwd = fwd.other_bytes_moe if framework.moe_kernels == "fused" else 0
     moe_bwd = min(2 * moe_fwd, bwd.other_bytes - bwd.other_bytes_fixed)
     new_fwd = dataclasses.replace(fwd, gemm_flops=flops, gemm_sharded=sharded, gemm_core=core,
-                                  gemm_moe=[0] * len(flops), other_bytes=fwd.other_bytes - moe_fwd,
+                                  gemm_moe=marks, other_bytes=fwd.other_bytes - moe_fwd,
                                   other_bytes_sharded=fwd.other_bytes_sharded + fwd.other_bytes_moe - moe_fwd,
                                   kernels=round(fwd.kernels - kernels_left))
     # the executor's per-expert weight gradients, profiled with all E experts on one rank: E/ep of them here,

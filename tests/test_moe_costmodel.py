@@ -384,3 +384,24 @@ def test_fp8_experts_are_cast_and_kept_as_fp8_copies_under_transformer_engine():
     assert te.grad_outputs == (a + 2 * kv) * d + h + k * (2 * f + h)
     dense = fp8.layer_linears(spec, 1, False, moe_layer=False)  # a dense layer of an MoE model has its MLP
     assert dense.linears == 4
+
+
+def test_fp8_reaches_the_experts_only_where_the_stack_converts_them():
+    """Under --dtype fp8 TE's GroupedLinear runs the routed experts in FP8 (megatron-core); this executor's
+    stacked expert weights are not nn.Linear modules, so torchao's float8 conversion leaves them bf16: each
+    routed GEMM is then priced at the bf16 rate and nothing else changes."""
+    from paraplan.planner import compute
+
+    work = Workload.create("mixtral-8x7b", "dgx-h100", 512, nodes=8)
+    gpu = work.cluster.gpu
+    lay = Layout(dp=64, tp=1, pp=1, micro_batch=1, global_batch=512, ep=8, dtype="fp8")
+    view = moe.rank_view(_layer(work), lay, work.framework, work.spec)
+    routed = [f for f, m in zip(view.fwd_ops.gemm_flops, view.fwd_ops.gemm_moe, strict=True) if m == 2]
+    assert len(routed) == 3  # one expert per rank (8 / ep 8), its three SwiGLU GEMMs
+    fp8 = compute.estimate_pass_times(view, 1, 1, False, gpu, "fp8", "flash", fp8_experts=True)
+    bf16 = compute.estimate_pass_times(view, 1, 1, False, gpu, "fp8", "flash", fp8_experts=False)
+    gap = sum(compute._gemm(f, gpu, "bf16") - compute._gemm(f, gpu, "fp8") for f in routed)
+    assert gap > 0
+    assert bf16.fwd - fp8.fwd == pytest.approx(gap)
+    assert bf16.bwd_weight - fp8.bwd_weight == pytest.approx(gap)  # one weight-gradient GEMM per forward GEMM
+    assert not FRAMEWORKS["paraplan"].fp8_experts and FRAMEWORKS["megatron-core"].fp8_experts
