@@ -5,8 +5,8 @@ measured step times, NeMo and Megatron-Bridge performance tables, Megatron-LM's 
 and turns each into what a user would give ``paraplan simulate``: the model (a preset, or the row's shape),
 the cluster (DGX H100 nodes), the global batch and sequence length, the layout, the dtype and the framework
 (``megatron-core`` for NeMo / Megatron runs, ``torchtitan`` for torchtitan's tables). Each prediction goes
-through ``Workload.create(..., framework=...)`` and ``CostModel.evaluate`` on the balanced stage split, as
-``paraplan simulate`` does.
+through ``Workload.create(..., framework=...)`` and ``CostModel.evaluate`` on the stage split the framework
+makes (Megatron: equal layers per chunk; costmodel.framework_stages), as ``paraplan simulate`` does.
 
 What a row leaves unstated is filled by a rule, never per row:
 - recomputation: the least (none, then selective, then full) that the cost model predicts to fit — what the
