@@ -115,8 +115,7 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
-@lru_cache(maxsize=4096)  # a pure function of two frozen dataclasses, asked for once per layout and rank kind
-def state_bytes(framework, lay) -> StateBytes:
+def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
     """Model-state bytes per parameter for ``lay`` under ``framework`` (planner/framework.py).
 
     ``executor`` (FSDP2 mixed precision, executor/data_parallel.py): fp32 master weights (4 B, sharded over
@@ -124,18 +123,26 @@ def state_bytes(framework, lay) -> StateBytes:
     keeps it until the step's last backward, ZeRO 3 gathers a unit at a time), fp32 gradients (4 B; sharded
     by ZeRO 2/3, whose reduce-scatter runs every micro-batch — except under ZB-V, which accumulates them
     unsharded), Adam's two fp32 moments (8 B, sharded by ZeRO 1-3). In fp32 there is no copy.
-    ``zero``: ZeRO's accounting (:func:`model_state_bytes`).
+    ``zero``: ZeRO's accounting (:func:`model_state_bytes`). ``data_ranks``: the ranks ZeRO shards over, when
+    not the layout's dp x cp (the experts' edp: moe.expert_states).
     """
-    dp, zero = lay.data_ranks, lay.zero  # ZeRO shards over the data-parallel and context-parallel ranks
-    if lay.dp_mode == "ps":
+    # ZeRO shards over the data-parallel and context-parallel ranks; the search asks for thousands of layouts
+    # that share these few fields
+    return _state_bytes(framework, lay.data_ranks if data_ranks is None else data_ranks, lay.zero, lay.dp_mode,
+                        lay.dtype, lay.pp, lay.schedule)
+
+
+@lru_cache(maxsize=4096)
+def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: int, schedule: str) -> StateBytes:
+    if dp_mode == "ps":
         zero = 0
-    fp8 = framework.fp8_weight_bytes if lay.dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
+    fp8 = framework.fp8_weight_bytes if dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
     if framework.states != "executor":
-        w, g, o = model_state_bytes(1.0, lay.dtype, zero, dp, optimizer_on_servers=lay.dp_mode == "ps",
+        w, g, o = model_state_bytes(1.0, dtype, zero, dp, optimizer_on_servers=dp_mode == "ps",
                                     grad_bytes=framework.grad_bytes)
-        elem = 4 if lay.dtype == "fp32" else 2
+        elem = 4 if dtype == "fp32" else 2
         return StateBytes(w + fp8, g, o, unit_weights=2 * elem if zero == 3 and dp > 1 else 0.0)
-    mixed = lay.dtype != "fp32"
+    mixed = dtype != "fp32"
     sharded = zero >= 2 and dp > 1
     weights = 4 / dp if sharded else 4.0
     copy = 2.0 if mixed else 4.0  # what FSDP2 gathers for compute
@@ -145,16 +152,16 @@ def state_bytes(framework, lay) -> StateBytes:
     elif sharded or mixed:
         weights += copy
     grads = 4 / dp if sharded else 4.0
-    if sharded and lay.pp > 1 and lay.schedule == "zb-v":
+    if sharded and pp > 1 and schedule == "zb-v":
         # ZB-V accumulates unsharded: fp32 sums (4 B) plus, in mixed precision, the 16-bit gradients of the
         # weight-gradient passes not yet folded into them (2 B); the fp32 shards appear only after the step
         grads = 4.0 + (2.0 if mixed else 0.0)
-    optimizer = 0.0 if lay.dp_mode == "ps" else (8 / dp if zero >= 1 else 8.0)
+    optimizer = 0.0 if dp_mode == "ps" else (8 / dp if zero >= 1 else 8.0)
     # FSDP2 reduces a unit's gradient through a flat fp32 buffer of the whole unit (traced: 4 B per parameter
     # of the unit); it meets the activation peak where units reduce during a backward — every micro-batch
     # (ZeRO 2/3 outside ZB-V) or the last one without a pipeline — not after a pipeline's last backward.
     # DDP's buckets are views of the gradients.
-    during_backward = (sharded and not (lay.pp > 1 and lay.schedule == "zb-v")) or lay.pp == 1
+    during_backward = (sharded and not (pp > 1 and schedule == "zb-v")) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root)
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from paraplan.profiler import LayerProfile
 
@@ -312,10 +311,9 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
 
 # ---- gradients, optimizer, memory ----
 
-@lru_cache(maxsize=4096)
 def expert_states(framework, lay: Layout) -> StateBytes:
     """Model-state bytes per expert-parallel parameter: memory.state_bytes with ZeRO sharding over edp."""
-    return state_bytes(framework, lay.replace(dp=edp(lay), cp=1))
+    return state_bytes(framework, lay, data_ranks=edp(lay))
 
 
 def expert_exposures(model, lay: Layout, place: Placement, root_experts: float = 0.0) -> list[Exposure]:
