@@ -26,6 +26,7 @@ from pathlib import Path
 
 from paraplan.hardware_specs import measurements_dir
 from paraplan.hardware_specs.identity import markdown_notes
+from paraplan.planner import chart_guard
 from paraplan.planner.api import plan_for
 from paraplan.planner.costmodel import CostModel, Prediction, validate_layout
 from paraplan.planner.errors import InvalidLayout, PlanError
@@ -224,15 +225,46 @@ def summary(rows: list[Row]) -> dict:
 def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str, calibrated: bool = True,
                   notes: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
     """The report (validation.md), the predicted-vs-measured chart and validation.json; ``calibrated`` and
-    ``notes`` (executor/autocalibrate.py) label uncalibrated predictions in all three."""
+    ``notes`` (executor/autocalibrate.py) label uncalibrated predictions in all three. A chart that cannot be
+    drawn is left out, and the report and JSON say why (planner/chart_guard.py)."""
+    files = {"report": str(Path(out_dir, "validation.md")), "chart": str(Path(out_dir, "predicted_vs_measured.png")),
+             "json": str(Path(out_dir, "validation.json"))}
+    notes = list(notes)
+    drawn = chart_guard.draw(notes, "predicted vs measured",
+                             lambda: _chart(rows, stats, files["chart"], title, calibrated))
+    if not drawn:
+        del files["chart"]
+    lines = [f"# Validation: {title}", "",
+             f"- layouts run: {stats['layouts']}; mean absolute percentage error **{100 * stats['mape']:.1f}%**; "
+             f"Kendall's tau **{stats['kendall_tau']:.2f}**",
+             f"- measured fastest: {stats['measured_fastest']}; recommended by the planner: {stats['recommended']} "
+             f"({100 * stats['recommended_vs_fastest']:+.1f}% against the fastest)",
+             *markdown_notes(notes), "",
+             "| # | layout | source | predicted s | measured s | error | predicted GiB | measured GiB | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | {r.layout.short()} | {r.source} | {_f(r.predicted_s)} | {_f(r.measured_s)} | "
+                     f"{'' if r.error is None else f'{100 * r.error:+.1f}%'} | "
+                     f"{_f(r.prediction.peak_memory_gib if r.prediction else None)} | {_f(r.measured_memory_gib)} | "
+                     f"{r.status} |")
+    lines += ["", "Measured step time: the median of the steps after the first, every layout after a two-step warm-up "
+              "run of the first (unrecorded). Measured memory: the largest "
+              "peak over the ranks (CPU: the process's peak resident set, torch included).", "",
+              *(["![predicted vs measured](predicted_vs_measured.png)", ""] if drawn else [])]
+    Path(files["report"]).write_text("\n".join(lines))
+    Path(files["json"]).write_text(json.dumps({**to_json(rows, stats), "calibrated": calibrated, "notes": list(notes)},
+                                              indent=1))
+    return files
+
+
+def _chart(rows: list[Row], stats: dict, path: str, title: str, calibrated: bool) -> None:
+    """Predicted against measured step time, log-log, the planner's pick starred, ±15% shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    files = {"report": str(Path(out_dir, "validation.md")), "chart": str(Path(out_dir, "predicted_vs_measured.png")),
-             "json": str(Path(out_dir, "validation.json"))}
     done = [r for r in rows if r.measured_s and r.predicted_s]
     fig, ax = plt.subplots(figsize=(6, 6))
     xs, ys = [r.measured_s for r in done], [r.predicted_s for r in done]
@@ -263,29 +295,8 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str, calibr
                  + ("" if calibrated else " (uncalibrated predictions)"))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(files["chart"], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    lines = [f"# Validation: {title}", "",
-             f"- layouts run: {stats['layouts']}; mean absolute percentage error **{100 * stats['mape']:.1f}%**; "
-             f"Kendall's tau **{stats['kendall_tau']:.2f}**",
-             f"- measured fastest: {stats['measured_fastest']}; recommended by the planner: {stats['recommended']} "
-             f"({100 * stats['recommended_vs_fastest']:+.1f}% against the fastest)",
-             *markdown_notes(notes), "",
-             "| # | layout | source | predicted s | measured s | error | predicted GiB | measured GiB | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r.layout.short()} | {r.source} | {_f(r.predicted_s)} | {_f(r.measured_s)} | "
-                     f"{'' if r.error is None else f'{100 * r.error:+.1f}%'} | "
-                     f"{_f(r.prediction.peak_memory_gib if r.prediction else None)} | {_f(r.measured_memory_gib)} | "
-                     f"{r.status} |")
-    lines += ["", "Measured step time: the median of the steps after the first, every layout after a two-step warm-up "
-              "run of the first (unrecorded). Measured memory: the largest "
-              "peak over the ranks (CPU: the process's peak resident set, torch included).", "",
-              "![predicted vs measured](predicted_vs_measured.png)", ""]
-    Path(files["report"]).write_text("\n".join(lines))
-    Path(files["json"]).write_text(json.dumps({**to_json(rows, stats), "calibrated": calibrated, "notes": list(notes)},
-                                              indent=1))
-    return files
 
 
 def _f(x: float | None) -> str:

@@ -11,6 +11,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 
+from . import chart_guard
 from .api import plan_for
 from .costmodel import CostModel, Prediction
 from .exports import report_lines
@@ -145,14 +146,20 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     if charts:
         files.update(_charts(result, out))
     if callable(scaling):
-        scaling = scaling()
+        replans, points = scaling, []  # the re-plans at fewer GPUs; if they fail, no scaling chart or table
+        scaling = points if chart_guard.draw(result.notes, "scaling", lambda: points.extend(replans())) else []
     if charts and scaling:
-        files["scaling"] = os.path.join(out, "scaling.png")
-        from . import charts as draw
+        path = os.path.join(out, "scaling.png")
 
-        draw.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
-                     files["scaling"], f"Throughput vs GPU count — {result.work.spec.name}",
-                     [s.best.layout.short() if s.best else "" for s in scaling])
+        def scaling_chart():
+            from . import charts as draw
+
+            draw.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
+                         path, f"Throughput vs GPU count — {result.work.spec.name}",
+                         [s.best.layout.short() if s.best else "" for s in scaling])
+
+        if chart_guard.draw(result.notes, "scaling", scaling_chart):
+            files["scaling"] = path
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     status = Counter(c.status for c in result.candidates)
@@ -236,26 +243,32 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
 
 
 def _charts(result: SearchResult, out: str) -> dict[str, str]:
-    """Every chart but the scaling one (its points may still be being computed)."""
-    from . import charts
-
-    files = {}
+    """Every chart but the scaling one (its points may still be being computed); a chart that fails is left
+    out with a note (planner/chart_guard.py)."""
+    files: dict[str, str] = {}
+    charts = chart_guard.charts_module(result.notes)
+    if charts is None:
+        return files
+    each = lambda key, name, what, chart: chart_guard.draw_file(  # noqa: E731
+        files, result.notes, key, os.path.join(out, name), what, chart)
     preds = [c.prediction for c in result.ranked]
     labels = [c.layout.short() for c in result.ranked]
     title = f"{result.work.spec.name} on {result.gpus} x {result.work.cluster.gpu.name}"
-    files["breakdown"] = os.path.join(out, "time_breakdown.png")
-    charts.time_breakdown(preds, labels, files["breakdown"], f"Where the time goes — {title}")
-    files["memory"] = os.path.join(out, "memory.png")
-    charts.memory_vs_capacity(preds, labels, files["memory"], f"Memory per GPU — {title}")
+    each("breakdown", "time_breakdown.png", "time breakdown",
+         lambda path: charts.time_breakdown(preds, labels, path, f"Where the time goes — {title}"))
+    each("memory", "memory.png", "memory",
+         lambda path: charts.memory_vs_capacity(preds, labels, path, f"Memory per GPU — {title}"))
     best = result.ranked[0]
     if best.prediction.method == "event simulation":  # what the report prints (planner/refine.py), drawn
-        model = result.model or CostModel(result.work)
-        sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
-        files["timeline"] = os.path.join(out, "timeline.png")
-        charts.gantt(sim, files["timeline"])
+        def timeline(path: str) -> None:
+            model = result.model or CostModel(result.work)
+            sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
+            charts.gantt(sim, path)
+
+        each("timeline", "timeline.png", "timeline", timeline)
     priced = [c for c in result.candidates if c.prediction is not None]
     if priced:
-        files["pareto"] = os.path.join(out, "pareto.png")
-        charts.pareto([c.prediction for c in priced], [c in result.ranked for c in priced], files["pareto"],
-                      f"Throughput vs memory — {title}")
+        each("pareto", "pareto.png", "throughput vs memory",
+             lambda path: charts.pareto([c.prediction for c in priced], [c in result.ranked for c in priced], path,
+                                        f"Throughput vs memory — {title}"))
     return files

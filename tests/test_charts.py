@@ -89,3 +89,69 @@ def test_a_short_pipeline_is_drawn_whole(tmp_path):
     assert timeline_windows(pred) == [(0.0, pred.iteration_time_s)]
     gantt(pred, str(tmp_path / "t.png"), note="uncalibrated")
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG
+
+
+# ---------------- a chart that fails never takes the command down (planner/chart_guard.py) ----------------
+
+
+def _small_plan():
+    work = Workload.create("gpt-tiny", "dgx-a100-80gb", 16, nodes=1)
+    result = search(work, 8, top_k=2)
+    simulate_ranked(result)
+    return result
+
+
+def test_a_failing_chart_or_re_plan_leaves_a_note_and_the_rest_of_the_report(tmp_path, monkeypatch):
+    """One chart raising (a full disk, a broken matplotlib) and the scaling re-plans failing: the report,
+    plan.json and the other charts are still written; the notes (printed by `plan`, listed in report.md) say
+    which chart is missing and why."""
+    from paraplan.planner import charts
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    def replans_fail():
+        raise RuntimeError("re-plan child died")
+
+    monkeypatch.setattr(charts, "time_breakdown", broken)
+    result = _small_plan()
+    files = write_report(result, str(tmp_path), replans_fail, charts=True)
+    assert "breakdown" not in files and "scaling" not in files
+    assert open(files["memory"], "rb").read(8) == PNG
+    assert "time breakdown chart not drawn (OSError: No space left on device)" in result.notes
+    assert "scaling chart not drawn (RuntimeError: re-plan child died)" in result.notes
+    report = open(files["report"]).read()
+    assert "note: time breakdown chart not drawn" in report and "time_breakdown.png" not in report
+    assert open(files["plan"]).read().strip().startswith("{")
+
+
+def test_compare_simulate_and_validate_charts_degrade_too(tmp_path, monkeypatch):
+    """The same guard behind compare's charts, simulate --gantt and validate's scatter."""
+    from paraplan.commands.compare import _draw_charts
+    from paraplan.commands.simulate import _draw_gantt
+    from paraplan.executor.validate import Row, write_outputs
+    from paraplan.planner import charts
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot plot")
+
+    for name in ("time_breakdown", "memory_vs_capacity", "sync_vs_workers", "gantt"):
+        monkeypatch.setattr(charts, name, broken)
+    work = Workload.create("gpt-tiny", "dgx-a100-80gb", 16, nodes=1)
+    notes: list[str] = []
+    assert _draw_charts(work, 8, [], [2, 4], {"ring": [1.0, 2.0]}, str(tmp_path), notes) == {}
+    assert notes == ["parameter server vs ring chart not drawn (ValueError: cannot plot)"]
+    pred, _ = simulate(work, Layout(dp=8, tp=1, pp=1, micro_batch=2, global_batch=16), keep_timeline=True)
+    notes = []
+    assert _draw_gantt(pred, str(tmp_path / "t.png"), "", notes) is False
+    assert notes == ["timeline chart not drawn (ValueError: cannot plot)"]
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "subplots", broken)
+    row = Row("dp8", "default", Layout(dp=8, tp=1, pp=1, micro_batch=2, global_batch=16))
+    row.prediction, row.measured_s = pred, pred.iteration_time_s * 1.1
+    stats = {"mape": 0.1, "kendall_tau": float("nan"), "layouts": 1, "measured_fastest": "dp8",
+             "recommended": "dp8", "recommended_vs_fastest": 0.0}
+    files = write_outputs([row], stats, str(tmp_path), "gpt-tiny")
+    assert "chart" not in files
+    assert "predicted vs measured chart not drawn (ValueError: cannot plot)" in open(files["report"]).read()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from paraplan.hardware_specs.identity import markdown_notes
+from paraplan.planner import chart_guard
 from paraplan.planner.compare import compare, dp_optimisations, dp_per_layout, ps_vs_ring
 from paraplan.planner.errors import PlanError
 
@@ -93,6 +94,30 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
         f.write("\n".join(lines))
 
 
+def _draw_charts(work, gpus: int, rows: list, workers: list[int], series: dict, out: str,
+                 notes: list[str]) -> dict[str, str]:
+    """The comparison's charts, {what: path}; one that cannot be drawn is left out with a line in ``notes``
+    (planner/chart_guard.py)."""
+    files: dict[str, str] = {}
+    charts = chart_guard.charts_module(notes)
+    if charts is None:
+        return files
+    each = lambda key, name, what, chart: chart_guard.draw_file(files, notes, key, os.path.join(out, name),  # noqa: E731
+                                                                what, chart)
+    priced = [r for r in rows if r.prediction is not None]
+    title = f"{work.spec.name} on {gpus} x {work.cluster.gpu.name}"
+    if priced:
+        labels = [f"{r.name}\n{r.layout.short()}" if r.name != r.layout.short() else r.name for r in priced]
+        preds = [r.prediction for r in priced]
+        each("breakdown", "time_breakdown.png", "time breakdown",
+             lambda path: charts.time_breakdown(preds, labels, path, f"{title}: where the time goes"))
+        each("memory", "memory.png", "memory",
+             lambda path: charts.memory_vs_capacity(preds, labels, path, f"{title}: memory per GPU"))
+    each("ps_vs_ring", "ps_vs_ring.png", "parameter server vs ring", lambda path: charts.sync_vs_workers(
+        workers, series, path, f"Gradient sync of {work.spec.name} ({work.cluster.name}): parameter server vs ring"))
+    return files
+
+
 def run(args) -> int:
     work = workload_from_args(args)
     dtype = args.dtype or work.default_dtype()
@@ -115,23 +140,9 @@ def run(args) -> int:
         dp_base = short if synced[0].name == short else f"{short} ({synced[0].name})"
     dp_rows = dp_optimisations(work, synced[0]) if synced else []
     os.makedirs(out, exist_ok=True)
-    from paraplan.planner import charts
-
-    priced = [r for r in rows if r.prediction is not None]
-    files = {}
-    if priced:
-        labels = [f"{r.name}\n{r.layout.short()}" if r.name != r.layout.short() else r.name for r in priced]
-        files["breakdown"] = os.path.join(out, "time_breakdown.png")
-        charts.time_breakdown([r.prediction for r in priced], labels, files["breakdown"],
-                              f"{work.spec.name} on {gpus} x {work.cluster.gpu.name}: where the time goes")
-        files["memory"] = os.path.join(out, "memory.png")
-        charts.memory_vs_capacity([r.prediction for r in priced], labels, files["memory"],
-                                  f"{work.spec.name} on {gpus} x {work.cluster.gpu.name}: memory per GPU")
-    files["ps_vs_ring"] = os.path.join(out, "ps_vs_ring.png")
-    charts.sync_vs_workers(workers, series, files["ps_vs_ring"],
-                           f"Gradient sync of {work.spec.name} ({work.cluster.name}): parameter server vs ring")
-    files["table"] = os.path.join(out, "comparison.md")
     calibrated, notes, suffix = calibration_labels(work)
+    files = _draw_charts(work, gpus, rows, workers, series, out, notes)  # a chart that fails leaves a note
+    files["table"] = os.path.join(out, "comparison.md")
     _write_markdown(files["table"], work, gpus, rows, workers, series, dp_layouts, dp_rows, dp_base, notes)
     if args.json:
         print_json({"calibrated": calibrated, "notes": notes, "strategies": [_row_json(r) for r in rows],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paraplan.planner import chart_guard
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
 
@@ -31,6 +32,13 @@ def prediction_rows(d: dict) -> list[list[str]]:
     return rows
 
 
+def _draw_gantt(pred, path: str, note: str, notes: list[str]) -> bool:
+    """The timeline to ``path``; if it cannot be drawn, a line in ``notes`` says why and the prediction stands
+    (planner/chart_guard.py). matplotlib is slow to import: only when drawing."""
+    charts = chart_guard.charts_module(notes)
+    return charts is not None and chart_guard.draw(notes, "timeline", lambda: charts.gantt(pred, path, note=note))
+
+
 def run(args) -> int:
     work = workload_from_args(args)
     lay = layout_from_args(args, work)
@@ -46,11 +54,9 @@ def run(args) -> int:
     plan.prediction["calibrated"] = calibrated  # the plan file says so too
     if args.write_plan:
         plan.write(args.write_plan)
-    if args.gantt:
-        from paraplan.planner.charts import gantt  # matplotlib is slow to import; only when drawing
-
-        gantt(pred, args.gantt, note=suffix.strip(" —"))
-    out = {**plan.prediction, "notes": [*pred.notes, *cal_notes],
+    chart_notes: list[str] = []
+    drawn = bool(args.gantt) and _draw_gantt(pred, args.gantt, suffix.strip(" —"), chart_notes)
+    out = {**plan.prediction, "notes": [*pred.notes, *cal_notes, *chart_notes],
            "plan": {k: v for k, v in plan.to_dict().items() if k != "prediction"}}
     if args.json:
         print_json(out)
@@ -63,6 +69,6 @@ def run(args) -> int:
         stdout.print(f"note: {note}", markup=False)
     if args.write_plan:
         stderr.print(f"plan written to {args.write_plan}")
-    if args.gantt:
+    if drawn:
         stderr.print(f"timeline drawn to {args.gantt}")
     return 0
