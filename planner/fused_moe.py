@@ -11,9 +11,12 @@ tensors (2 bytes) and fp32 router scores:
 Kept for backward:
 - the router: its input, the pre-MLP norm's output (2h; the shared experts read the same tensor), and its
   scores after the fused top-k softmax (4E);
-- per routed copy (k of them): the first expert GEMM's input (2h), the fused activation's input (2·up), the
-  second GEMM's input (2f), and the expert output the fused unpermute weights by the router probabilities
-  (2h: the probabilities' gradient needs it); the permutation itself keeps only index maps;
+- per routed copy (k of them): the first expert GEMM's input (2h), the fused activation's input (2·up) and its
+  router probability (4: today's Megatron-Core hands the permuted probabilities to the experts, whose fused
+  weighted activation applies them before the second GEMM — TEGroupedMLP.forward's ``permuted_probs``), the
+  second GEMM's input (2f); the permutation and the unpermute keep only index maps (before Megatron-Core 0.13
+  the unpermute weighted the outputs and kept them, 2h per copy more: the 2024-25 rows of
+  benchmarks/data/published_moe.yaml ran that, and are priced as today's kernels);
 - the shared experts (width f_s): the activation's input (2·up_s) and the second GEMM's input (2·f_s).
 
 Moved by the kernels other than GEMMs (reads plus writes; GEMMs are priced by their FLOPs), forward:
@@ -21,12 +24,12 @@ Moved by the kernels other than GEMMs (reads plus writes; GEMMs are priced by th
 - fused permute: read the token (2h), write its k copies (2kh); with the all-to-all dispatcher and more than
   one expert on the rank, the received tokens are sorted by expert and the outputs sorted back
   (``sort_chunks_by_idxs``: read and write 2kh, twice); DeepEP / HybridEP write them in expert order;
-- fused activation: read 2·up, write 2f per copy (and per shared-expert token);
-- fused unpermute with probabilities: read the k outputs (2kh), write one token (2h); adding the shared
-  experts' output: read 4h, write 2h.
-Backward, the transposes: the unpermute's gradient reads the output gradient (2h) and the saved outputs (2kh)
-and writes the copies' gradients (2kh); the sorts again (4kh each, where there); the activation's gradient
-reads its input and the output gradient and writes the input gradient (2·up + 2f + 2·up per copy); the
+- fused (weighted) activation: read 2·up, write 2f per copy (and per shared-expert token);
+- fused unpermute: read the k outputs (2kh), write one token (2h); adding the shared experts' output: read
+  4h, write 2h.
+Backward, the transposes: the unpermute's gradient reads the output gradient (2h) and writes the copies'
+gradients (2kh); the sorts again (4kh each, where there); the activation's gradient reads its input and the
+output gradient and writes the input gradient (2·up + 2f + 2·up per copy; the probabilities' gradient with it); the
 permute's gradient sums the k copies (read 2kh, write 2h); the top-k softmax's gradient reads scores and
 gradient and writes a gradient (12E); the shared experts' activation as the routed ones'.
 
@@ -61,12 +64,12 @@ def block_bytes(spec, local_experts: int, dispatcher: str) -> MoEBlockBytes:
     token ``dispatcher`` (``alltoall`` or ``hybridep``): see the module docstring."""
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     f, up, f_s, up_s = expert_widths(spec)
-    saved = 2 * h + 4 * e + k * (2 * h + 2 * up + 2 * f + 2 * h) + (2 * up_s + 2 * f_s if f_s else 0)
+    saved = 2 * h + 4 * e + k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
     sorts = 2 * (4 * k * h) if dispatcher == "alltoall" and local_experts > 1 else 0.0
     shared_add = 6 * h if f_s else 0
     fwd = (8 * e + (2 * h + 2 * k * h) + sorts + k * (2 * up + 2 * f) + (2 * k * h + 2 * h) + shared_add
            + (2 * up_s + 2 * f_s if f_s else 0))
-    bwd = ((2 * h + 4 * k * h) + sorts + k * (4 * up + 2 * f) + (2 * k * h + 2 * h) + 12 * e + shared_add
+    bwd = ((2 * h + 2 * k * h) + sorts + k * (4 * up + 2 * f) + (2 * k * h + 2 * h) + 12 * e + shared_add
            + (4 * up_s + 2 * f_s if f_s else 0))
     return MoEBlockBytes(saved=saved, fwd=fwd, bwd=bwd)
 

@@ -315,8 +315,8 @@ def test_dry_run_of_an_expert_parallel_plan_matches_the_prediction(tmp_path):
 
 def test_fused_moe_block_bytes_follow_the_kernel_accounting():
     """Mixtral 8x7B (h 4096, 8 SwiGLU experts of f 14336, top-2): per token, the router's input and fp32 scores
-    (2h + 4E), per routed copy the two expert GEMMs' inputs, the activation's input and the expert output the
-    unpermute weights (2h + 2·2f + 2f + 2h); the forward's non-GEMM kernels: top-k softmax 8E, permute 2h + 2kh,
+    (2h + 4E), per routed copy the two expert GEMMs' inputs, the weighted activation's input and its fp32
+    probability (2h + 2·2f + 4 + 2f); the forward's non-GEMM kernels: top-k softmax 8E, permute 2h + 2kh,
     activation k·(2·2f + 2f), unpermute 2kh + 2h, and with the all-to-all dispatcher and several local experts
     the sort and unsort (4kh each)."""
     from paraplan.models import load_model_spec
@@ -325,13 +325,13 @@ def test_fused_moe_block_bytes_follow_the_kernel_accounting():
     spec = load_model_spec("mixtral-8x7b")
     h, f, k, e = 4096, 14336, 2, 8
     got = fused_moe.block_bytes(spec, 2, "alltoall")
-    assert got.saved == 2 * h + 4 * e + k * (2 * h + 4 * f + 2 * f + 2 * h)
+    assert got.saved == 2 * h + 4 * e + k * (2 * h + 4 * f + 4 + 2 * f)
     fwd_no_sort = 8 * e + 2 * h + 2 * k * h + k * (4 * f + 2 * f) + 2 * k * h + 2 * h
     assert got.fwd == fwd_no_sort + 8 * k * h
     assert fused_moe.block_bytes(spec, 1, "alltoall").fwd == fwd_no_sort  # one local expert: nothing to sort
     assert fused_moe.block_bytes(spec, 2, "hybridep").fwd == fwd_no_sort  # DeepEP writes expert order
     bwd = fused_moe.block_bytes(spec, 1, "alltoall").bwd
-    assert bwd == (2 * h + 4 * k * h) + k * (8 * f + 2 * f) + (2 * k * h + 2 * h) + 12 * e
+    assert bwd == (2 * h + 2 * k * h) + k * (8 * f + 2 * f) + (2 * k * h + 2 * h) + 12 * e
 
 
 def test_megatron_core_moe_layer_keeps_the_fused_count_not_the_eager_trace():
