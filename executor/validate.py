@@ -1,10 +1,11 @@
 """Close the loop: run layouts through the executor, compare measured with predicted.
 
 For each layout: the planner's stage split and prediction (the same cost model `plan` uses), a plan
-file, `paraplan execute` for a few steps, the measured step time (the median of the steps after the
-first, which warms up) and peak memory. Then the mean absolute percentage error of the predicted step
-times, Kendall's tau between the predicted and the measured rankings, a predicted-vs-measured chart
-with the y = x line, and whether the planner's recommendation is the measured-fastest.
+file, `paraplan execute` for a few steps, in PASSES passes over all the layouts, the measured step time
+(the fastest pass's median of the steps after the first, which warms up) and peak memory. Then the mean
+absolute percentage error of the predicted step times, Kendall's tau between the predicted and the
+measured rankings, a predicted-vs-measured chart with the y = x line, and whether the planner's
+recommendation is the measured-fastest.
 
 ``update_spec`` feeds the measurements back: the measured times are fitted as
 a·(predicted compute) + c·(predicted communication) (non-negative least squares over the layouts), and
@@ -21,7 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from paraplan.hardware_specs import measurements_dir
@@ -40,6 +41,7 @@ from .errors import ExecutionError
 
 COMPUTE_KEYS = ("compute", "recompute", "bubble", "optimizer")
 COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm")
+PASSES = 2  # each layout is run this many times, in turn with the others; the fastest pass counts
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Row:
     measured_memory_gib: float | None = None
     status: str = "ok"
     plan_path: str = ""
+    pass_medians_s: list[float] = field(default_factory=list)  # each pass's median step time
 
     @property
     def predicted_s(self) -> float | None:
@@ -146,7 +149,12 @@ def collect_layouts(work: Workload, gpus: int, strategies: list[str], top: int, 
 
 
 def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: int, out_dir: str,
-             timeout: float = 300.0, progress=None, measure_blocks: bool = True) -> list[Row]:
+             timeout: float = 300.0, progress=None, measure_blocks: bool = True, passes: int = PASSES) -> list[Row]:
+    """Price every layout, then run them all ``passes`` times over, in turn: a layout's measured step time is
+    the fastest of its passes' medians — how calibrate measures the framework's costs the predictions rest on
+    (executor/framework_fit.py), so that a prediction and its measurement are taken alike. On a machine others
+    share, work that is not ours only ever slows a run; passes spread over the whole validation also keep a
+    slow first run (the machine warming up) or a busy minute from landing on one layout."""
     dtype = work.default_dtype()
     rows = collect_layouts(work, gpus, strategies, top, dtype)
     if measure_blocks and work.cluster.gpu.is_cpu:
@@ -157,29 +165,38 @@ def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: 
         work._measurements.clear()
     model = CostModel(work)
     Path(out_dir, "plans").mkdir(parents=True, exist_ok=True)
-    warm_up(work, model, rows, out_dir, timeout)
-    loads = []  # the 1-minute load average after each run: was the machine busy with others' work?
     for i, row in enumerate(rows):
-        if progress:
-            progress(i, len(rows), row.name)
         try:
             pred, stages, modes = price(model, row.layout, getattr(row, "fixed", False))
         except (InvalidLayout, PlanError) as e:
             row.status = f"invalid: {e}"
             continue
         row.prediction = pred
-        plan = plan_for(work, row.layout, stages, pred, modes)
         row.plan_path = str(Path(out_dir, "plans", f"{i:02d}.json"))
-        plan.write(row.plan_path)
-        try:
-            row.measured_s, row.measured_memory_gib = run_plan(row.plan_path, steps,
-                                                               str(Path(out_dir, "runs", f"{i:02d}")), timeout)
-        except (ExecutionError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-            row.status = f"failed: {e}"
-        if hasattr(os, "getloadavg"):
-            loads.append(os.getloadavg()[0])
+        plan_for(work, row.layout, stages, pred, modes).write(row.plan_path)
+    runnable = [(i, row) for i, row in enumerate(rows) if row.plan_path]
+    loads = []  # the 1-minute load average after each run: was the machine busy with others' work?
+    for p in range(passes):
+        for k, (i, row) in enumerate(runnable):
+            if row.status != "ok":  # failed in an earlier pass: not again
+                continue
+            if progress:
+                progress(p * len(runnable) + k, passes * len(runnable), row.name)
+            run_dir = Path(out_dir, "runs", f"{i:02d}" if p == 0 else f"{i:02d}-pass{p + 1}")
+            try:
+                median, memory = run_plan(row.plan_path, steps, str(run_dir), timeout)
+            except (ExecutionError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+                row.status = f"failed: {e}"
+                row.measured_s = None
+                continue
+            row.pass_medians_s.append(median)
+            row.measured_s = min(row.pass_medians_s)
+            if memory is not None:
+                row.measured_memory_gib = max(memory, row.measured_memory_gib or 0.0)
+            if hasattr(os, "getloadavg"):
+                loads.append(os.getloadavg()[0])
     if progress:
-        progress(len(rows), len(rows), "")
+        progress(passes * len(runnable), passes * len(runnable), "")
     from .calibrate import busy_note
 
     note = busy_note(statistics.mean(loads) if loads else None, gpus,
@@ -187,24 +204,6 @@ def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: 
     if note:
         work.notes.append(note)
     return rows
-
-
-def warm_up(work: Workload, model: CostModel, rows: list[Row], out_dir: str, timeout: float) -> None:
-    """Run the first runnable layout for two steps, unrecorded, before anything is measured: a machine's first
-    run measures slow (seen here: the first of 15 layouts 35% slower than the same layout run later — CPU
-    frequency, page cache and allocator warm-up), which would count against the first layout only."""
-    for row in rows:
-        try:
-            pred, stages, modes = price(model, row.layout, getattr(row, "fixed", False))
-        except (InvalidLayout, PlanError):
-            continue
-        path = str(Path(out_dir, "plans", "warm-up.json"))
-        plan_for(work, row.layout, stages, pred, modes).write(path)
-        try:
-            run_plan(path, 2, str(Path(out_dir, "runs", "warm-up")), timeout)
-        except (ExecutionError, subprocess.TimeoutExpired, json.JSONDecodeError):
-            pass  # the measured run of this layout will say what went wrong
-        return
 
 
 def summary(rows: list[Row]) -> dict:
@@ -247,8 +246,9 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str, calibr
                      f"{'' if r.error is None else f'{100 * r.error:+.1f}%'} | "
                      f"{_f(r.prediction.peak_memory_gib if r.prediction else None)} | {_f(r.measured_memory_gib)} | "
                      f"{r.status} |")
-    lines += ["", "Measured step time: the median of the steps after the first, every layout after a two-step warm-up "
-              "run of the first (unrecorded). Measured memory: the largest "
+    lines += ["", "Measured step time: the faster of the layout's passes (all layouts are run in turn, then again), "
+              "each pass the median of the steps after the first — as calibrate measures this machine. Measured "
+              "memory: the largest "
               "peak over the ranks (CPU: the process's peak resident set, torch included).", "",
               *(["![predicted vs measured](predicted_vs_measured.png)", ""] if drawn else [])]
     Path(files["report"]).write_text("\n".join(lines))
@@ -308,6 +308,7 @@ def to_json(rows: list[Row], stats: dict) -> dict:
                                "predicted_s": r.predicted_s, "measured_s": r.measured_s, "error": r.error,
                                "predicted_memory_gib": r.prediction.peak_memory_gib if r.prediction else None,
                                "measured_memory_gib": r.measured_memory_gib, "status": r.status,
+                               "measured_passes_s": r.pass_medians_s,
                                "plan_file": r.plan_path} for r in rows]}
 
 

@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps per layout (the first warms up and is not timed; the median of the rest "
                         "is the measured step time)")
     p.add_argument("--top", type=_non_negative_int, default=3, help="planner's top-k added to the layouts (0: none)")
+    p.add_argument("--passes", type=_positive_int, default=2,
+                   help="times every layout is run, all in turn; the fastest pass's median is measured (as "
+                        "calibrate measures), so a busy minute or the machine's warm-up lands on no one layout")
     p.add_argument("--out", help="folder for the report")
     p.add_argument("--update-spec", action="store_true", help="feed the measurements back into the cluster spec")
     p.add_argument("--no-block-times", action="store_true",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -127,7 +128,35 @@ def test_validate_command_runs_layouts_and_compares(tmp_path):
     for row in r["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0
         assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
+        assert len(row["measured_passes_s"]) == 2 and row["measured_s"] == min(row["measured_passes_s"])
     assert (tmp_path / "validation.md").exists() and (tmp_path / "predicted_vs_measured.png").exists()
+
+
+def test_validate_runs_every_layout_in_passes_and_keeps_the_fastest(tmp_path, monkeypatch):
+    """All layouts run in turn, then again; each keeps its faster pass's median (calibrate's own rule); a
+    layout that fails is not run again and has no measurement."""
+    from paraplan.executor import validate as v
+    from paraplan.executor.errors import ExecutionError
+    from paraplan.planner.workload import Workload
+
+    times = {("00", 1): 0.30, ("01", 1): 0.20, ("00", 2): 0.25, ("01", 2): 0.40}
+    calls = []
+
+    def fake_run(plan_path, steps, out_dir, timeout):
+        name = os.path.basename(out_dir)
+        index, pass_ = name[:2], 2 if "pass2" in name else 1
+        calls.append((index, pass_))
+        if index == "02":
+            raise ExecutionError("rank 1 exited with code 1")
+        return times[(index, pass_)], 0.5
+
+    monkeypatch.setattr(v, "run_plan", fake_run)
+    work = Workload.create("gpt-tiny", "local", 8)
+    rows = v.validate(work, 2, ["dp=2,mb=4", "pp=2,schedule=1f1b,mb=2", "tp=2,mb=4"], 3, 0, str(tmp_path),
+                      measure_blocks=False)
+    assert calls == [("00", 1), ("01", 1), ("02", 1), ("00", 2), ("01", 2)]
+    assert [r.measured_s for r in rows] == [0.25, 0.20, None]
+    assert rows[0].pass_medians_s == [0.30, 0.25] and rows[2].status.startswith("failed: rank 1")
 
 
 def test_validate_refuses_more_gpus_than_the_cluster():

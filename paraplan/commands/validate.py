@@ -24,7 +24,7 @@ def run(args) -> int:
     show = not args.json and sys.stderr.isatty()
     progress = (lambda i, n, name: stderr.print(f"[{i + 1}/{n}] {name}") if i < n else None) if show else None
     rows = validate(work, args.gpus, args.strategy, args.steps, args.top, out, progress=progress,
-                    measure_blocks=not args.no_block_times)
+                    measure_blocks=not args.no_block_times, passes=args.passes)
     stats = summary(rows)
     calibrated, notes, suffix = calibration_labels(work, validating=True)
     files = write_outputs(rows, stats, out, f"{work.spec.name} on {args.gpus} x {work.cluster.gpu.name} "
