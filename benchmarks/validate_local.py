@@ -9,7 +9,7 @@ is copied beside the report, so the figures can be traced to what was measured.
 
 Prints the MAPE, Kendall's tau, how the planner's pick fared against the measured-fastest layout, what
 the calibration cost, and the machine's load before and after (others' work skews every timing: run it
-on an otherwise idle machine). Takes ~5 minutes on 2 cores.
+on an otherwise idle machine). Takes ~10 minutes on 2 cores (every layout runs twice).
 Run: .venv/bin/python benchmarks/validate_local.py [--use-existing-calibration]
 """
 
