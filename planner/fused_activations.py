@@ -43,8 +43,7 @@ def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, mo
     if moe_layer:
         # the attention's norm + linear pair, the pre-MLP norm's input; each tensor-parallel rank routes its own
         # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP)
-        moe_saved = fused_moe.block_bytes(spec, 1, "alltoall").saved
-        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + (attention + moe_saved) / tp)
+        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + (attention + fused_moe.saved_bytes(spec)) / tp)
     ffn = spec.ffn_size
     up = 2 * ffn if spec.family == "llama" else ffn
     replicated = 4 * h + 4 * h  # the two norms' inputs and outputs

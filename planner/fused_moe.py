@@ -64,12 +64,18 @@ def block_bytes(spec, local_experts: int, dispatcher: str) -> MoEBlockBytes:
     token ``dispatcher`` (``alltoall`` or ``hybridep``): see the module docstring."""
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     f, up, f_s, up_s = expert_widths(spec)
-    saved = 2 * h + 4 * e + k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
     sorts = 2 * (4 * k * h) if dispatcher == "alltoall" and local_experts > 1 else 0.0
     shared_add = 6 * h if f_s else 0
     fwd = (8 * e + (2 * h + 2 * k * h) + sorts + k * (2 * up + 2 * f) + (2 * k * h + 2 * h) + shared_add
            + (2 * up_s + 2 * f_s if f_s else 0))
     bwd = ((2 * h + 2 * k * h) + sorts + k * (4 * up + 2 * f) + (2 * k * h + 2 * h) + 12 * e + shared_add
            + (4 * up_s + 2 * f_s if f_s else 0))
-    return MoEBlockBytes(saved=saved, fwd=fwd, bwd=bwd)
+    return MoEBlockBytes(saved=saved_bytes(spec), fwd=fwd, bwd=bwd)
+
+
+def saved_bytes(spec) -> float:
+    """Bytes the block keeps for backward per token a rank routes (the module docstring's first list)."""
+    h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
+    f, up, f_s, up_s = expert_widths(spec)
+    return 2 * h + 4 * e + k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
 

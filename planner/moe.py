@@ -153,9 +153,9 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
                     fwd.kernels_expert * (1 - 1 / num_experts))
     bwd_left = bwd.kernels * kernels_left / fwd.kernels if fwd.kernels else 0.0
     # the block's other traffic: the trace's, split over tp like a sharded region; or, for a stack of fused MoE
-    # kernels, none of it here (fused_kernel_seconds prices theirs): the forward's traced share out, and as much
-    # again twice out of the backward's (its MoE share is not traced apart; backward kernels move about twice
-    # what forward ones do)
+    # kernels, none of it here (fused_kernel_seconds prices theirs): the forward's traced MoE share taken out,
+    # and twice that out of the backward's (whose MoE share is not traced apart: a backward kernel moves about
+    # twice what its forward does)
     moe_fwd = fwd.other_bytes_moe if framework.moe_kernels == "fused" else 0
     moe_bwd = min(2 * moe_fwd, bwd.other_bytes - bwd.other_bytes_fixed)
     new_fwd = dataclasses.replace(fwd, gemm_flops=flops, gemm_sharded=sharded, gemm_core=core,
