@@ -49,10 +49,11 @@ def _gemm(flops: float, gpu: GPUSpec, dtype: str) -> float:
     return flops / (gpu.peak_flops(dtype) * gpu.efficiency.matmul_fraction(flops, dtype))
 
 
-def gemm_dtype(dtype: str, layer_kind: str, core: bool) -> str:
+def gemm_dtype(dtype: str, layer_kind: str, core: bool, bf16_expert: bool = False) -> str:
     """The dtype a GEMM runs in: under ``fp8`` only the transformer layers' linears run in FP8; the attention
-    core, the embedding and the output layer stay bf16 (planner/fp8.py)."""
-    if dtype == "fp8" and (core or layer_kind != "transformer_layer"):
+    core, the embedding and the output layer stay bf16 (planner/fp8.py), and so do routed experts a stack does
+    not convert (``bf16_expert``: Framework.fp8_experts off)."""
+    if dtype == "fp8" and (core or bf16_expert or layer_kind != "transformer_layer"):
         return "bf16"
     return dtype
 
@@ -76,8 +77,7 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     marks = mix.gemm_moe or [0] * len(mix.gemm_flops)
     for flops, sharded, core, mark in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, marks, strict=True):
         done = flops * b / (tp if sharded else 1) * (causal_fraction if core else 1.0)
-        kind = "bf16" if dtype == "fp8" and mark == 2 and not fp8_experts else gemm_dtype(dtype, layer.kind, core)
-        t = _gemm(done, gpu, kind)
+        t = _gemm(done, gpu, gemm_dtype(dtype, layer.kind, core, bf16_expert=mark == 2 and not fp8_experts))
         gemm_all += t
         gemm_core += t if core else 0.0
     hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound

@@ -26,6 +26,7 @@ def test_which_gemms_run_in_fp8():
     assert gemm_dtype("fp8", "transformer_layer", core=True) == "bf16"  # softmax(QK^T)V stays bf16
     assert gemm_dtype("fp8", "lm_head", core=False) == "bf16"  # TE / torchao leave the output layer out
     assert gemm_dtype("bf16", "transformer_layer", core=False) == "bf16"
+    assert gemm_dtype("fp8", "transformer_layer", core=False, bf16_expert=True) == "bf16"  # unconverted experts
 
 
 def test_fp8_linears_at_twice_the_rate_when_the_curve_matches():
