@@ -127,8 +127,25 @@ class Exposure:
             t = max(t, self.last_bucket_time(min(self.sync.nbytes(load), self.bucket_bytes)))
         return self.count * t
 
+    def least_seconds(self, load: RankLoad) -> float:
+        """A lower bound on :meth:`seconds`, convex in the load (the search's lower bound evaluates it at the
+        pipeline ranks' mean load, which by Jensen's inequality bounds their mean wait): the transfer at its
+        least cost per byte — every collective time here is concave in the message (the faster of ring and
+        tree, hierarchical sums of those, latencies >= 0), so time(n) >= n x its slope for large n — the
+        floor relaxed to zero, and nothing for what overlaps the makespan, which a bound does not know."""
+        if self.hidden.makespan or self.sync.extra.makespan:
+            return 0.0
+        t = least_slope(self.sync.time) * self.sync.nbytes(load) + self.sync.extra.at(load) - self.hidden.at(load)
+        return self.count * (t if self.floor == "none" else max(0.0, t))
+
     def traffic(self, load: RankLoad) -> tuple[str, float]:
         return self.sync.kind, self.count * self.sync.nbytes(load)
+
+
+def least_slope(time: Callable[[float], float]) -> float:
+    """Seconds per byte of a concave, piecewise-affine transfer time at large messages: its least slope."""
+    big = float(2**50)
+    return max(0.0, (time(2 * big) - time(big)) / big)
 
 
 def exposed_seconds(items: list[Exposure], load: RankLoad) -> float:

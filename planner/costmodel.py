@@ -16,6 +16,7 @@ Composition (each piece is its own module, each formula tested against its sourc
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,26 @@ class _BlockTable:
     costs: list[BlockCost]  # each block's own
     weights: tuple[float, ...]  # each block's time (compute, recompute, TP communication): balances stages
     whole: dict[str, float] | None = None  # CostModel.totals, computed once
+    _fullest: dict[int, float] = field(default_factory=dict)  # fullest_rank per rank count
+
+    @cached_property
+    def largest_output(self) -> float:
+        """The largest boundary tensor a block sends (bytes per rank and micro-batch)."""
+        return max(c.output_bytes for c in self.costs)
+
+    def fullest_rank(self, ranks: int) -> float:
+        """A lower bound on the heaviest of ``ranks`` ranks' summed weights, however the (whole) blocks are
+        dealt: of the j heaviest blocks some rank holds at least ceil(j/ranks), so at least the lightest
+        ceil(j/ranks) of them — the largest of these over j (pigeonhole; cached per rank count)."""
+        got = self._fullest.get(ranks)
+        if got is None:
+            heavy = sorted(self.weights, reverse=True)
+            prefix = [0.0]
+            for w in heavy:
+                prefix.append(prefix[-1] + w)
+            got = max(prefix[j] - prefix[j - -(-j // ranks)] for j in range(1, len(heavy) + 1))
+            self._fullest[ranks] = got
+        return got
 
     def span(self, lo: int, hi: int) -> list[float]:
         """Every SUMMED field over blocks lo..hi-1, in SUMMED order (one pass: a stage priced in O(fields))."""
@@ -224,6 +245,7 @@ class CostModel:
         self._tables: dict[tuple, _BlockTable] = {}
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
+        self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
 
@@ -397,7 +419,7 @@ class CostModel:
         return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
                 and len({x.signature for x in layers[1:-1]}) == 1)
 
-    def _table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
+    def block_table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
         key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
                lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep,
@@ -419,7 +441,7 @@ class CostModel:
         """Whole-model sums of the per-block costs (SUMMED fields) in recomputation ``mode``, the largest
         working set of a block (``working``) and the last block's parameters on a rank (``head_params``):
         what the search's lower bound needs."""
-        table = self._table(lay, layout_placement(self.work.cluster, lay), mode)
+        table = self.block_table(lay, layout_placement(self.work.cluster, lay), mode)
         if table.whole is None:
             out = dict(zip(SUMMED, table.span(0, len(table.rows) - 1), strict=True))
             out["working"] = max(table.working)
@@ -442,7 +464,7 @@ class CostModel:
             st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
             table = by_mode.get(mode)
             if table is None:
-                table = by_mode[mode] = self._table(lay, place, mode)
+                table = by_mode[mode] = self.block_table(lay, place, mode)
             tables.append(table)
             lo, hi = blocks[0], blocks[-1] + 1
             (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes, st.params,
@@ -502,10 +524,14 @@ class CostModel:
         depends on the stage split, and only without a pipeline); the stage ILP prices these too. Ranks
         alike (holding the tied weight's ends or not, the same root parameters) share one list."""
         ends = {stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in (0, lay.num_stages - 1)}
-        key = (lay, place, rank in ends and len(ends) == 2, root)
+        return self.dp_items_of(lay, place, rank in ends and len(ends) == 2, root)
+
+    def dp_items_of(self, lay: Layout, place: Placement, tied_end: bool, root: float):
+        """:meth:`rank_dp_items` of a rank that holds an end of a split tied weight (``tied_end``) or not."""
+        key = (lay, place, tied_end, root)
         hit = self._dp_items.get(key)
         if hit is None:
-            hit = self._dp_items[key] = self._rank_dp_items(lay, place, key[2], root)
+            hit = self._dp_items[key] = self._rank_dp_items(lay, place, tied_end, root)
         return hit
 
     def _rank_dp_items(self, lay: Layout, place: Placement, tied_end: bool, root: float):
@@ -523,6 +549,43 @@ class CostModel:
             summed = moe.tp_summed_exposure(self, lay, place)
             items += [summed] if summed is not None else []
         return items
+
+    def rank_memory_breakdowns(self, lay: Layout, costs: list[StageCost], ranks: list[tuple[int, ...]],
+                               flights: list[dict[int, int]], sim: SimResult | None = None
+                               ) -> list[dict[str, float]]:
+        """GiB by kind on each pipeline rank (memory.rank_memory): its model states, its stages' activations
+        times their micro-batches in flight (or the simulated peak), the largest working set. A rank's memory
+        depends only on its own stages."""
+        work = self.work
+        states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
+        out = []
+        for r, stages in enumerate(ranks):
+            if sim is not None and sim.peak_activation_bytes:
+                acts = sim.peak_activation_bytes[r]
+            else:
+                acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in stages)
+            acts += max(costs[s].act_working for s in stages)
+            unit = max(costs[s].largest_unit for s in stages)
+            first_freed = None if self.grads_at_activation_peak(lay, stages, flights[r]) else \
+                sum(costs[s].act_bytes for s in stages)
+            experts = sum(costs[s].experts for s in stages)
+            breakdown = rank_memory(states, sum(costs[s].params for s in stages) - experts, unit, acts,
+                                    work.cluster.gpu, first_freed, experts=experts, expert_states=expert_states,
+                                    root_params=sum(costs[s].root_params for s in stages))
+            out.append({k: x / GiB for k, x in breakdown.items()})
+        return out
+
+    def ranks_fit(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
+                  ) -> list[bool]:
+        """Does each pipeline rank fit its GPU with these stages (closed-form in-flight counts)? The memory
+        part of :meth:`evaluate` alone, for trying recomputation modes without pricing time."""
+        p, v = lay.pp, lay.virtual_stages
+        schedule = lay.schedule if p > 1 else "1f1b"
+        ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
+        costs = self.stage_costs(lay, stages, stage_recompute)
+        flights = list(in_flight(schedule, p, v, lay.num_micro_batches))
+        cap = self.work.cluster.gpu.memory_GiB
+        return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(lay, costs, ranks, flights)]
 
     @staticmethod
     def grads_at_activation_peak(lay: Layout, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
@@ -617,22 +680,8 @@ class CostModel:
                   "ep_comm": ep_comm}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
-        states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
-        rank_mem, breakdowns = [], []
-        for r in range(p):
-            if sim is not None and sim.peak_activation_bytes:
-                acts = sim.peak_activation_bytes[r]
-            else:
-                acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in ranks[r])
-            acts += max(costs[s].act_working for s in ranks[r])
-            unit = max(costs[s].largest_unit for s in ranks[r])
-            first_freed = None if self.grads_at_activation_peak(lay, ranks[r], flights[r]) else \
-                sum(costs[s].act_bytes for s in ranks[r])
-            breakdown = rank_memory(states, loads[r].params, unit, acts, gpu, first_freed,
-                                    experts=loads[r].experts, expert_states=expert_states,
-                                    root_params=sum(costs[s].root_params for s in ranks[r]))
-            breakdowns.append({k: x / GiB for k, x in breakdown.items()})
-            rank_mem.append(sum(breakdown.values()) / GiB)
+        breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim)
+        rank_mem = [sum(b.values()) for b in breakdowns]
         worst = max(range(p), key=lambda r: rank_mem[r])
         peak = rank_mem[worst]
         # ---- throughput and FLOP utilisation ----
@@ -685,41 +734,40 @@ def _check_stages(stages: list[list[int]], n_blocks: int, lay: Layout) -> None:
 
 
 def balanced_stages(weights: list[float], k: int) -> list[list[int]]:
-    """Contiguous split of blocks into k non-empty stages minimising the heaviest (binary search + greedy)."""
+    """Contiguous split of blocks into k non-empty stages minimising the heaviest: binary search on the
+    heaviest stage's weight, each trial packing stages greedily (by bisection on the running sums)."""
     n = len(weights)
     assert 1 <= k <= n
+    cum = [0.0]
+    for w in weights:
+        cum.append(cum[-1] + w)
 
-    def split(limit: float) -> list[list[int]] | None:
-        stages, cur, acc = [], [], 0.0
-        for i, w in enumerate(weights):
-            remaining_blocks = n - i
-            remaining_stages = k - len(stages)
-            if cur and (acc + w > limit or remaining_blocks < remaining_stages):
-                stages.append(cur)
-                cur, acc = [], 0.0
-            cur.append(i)
-            acc += w
-        stages.append(cur)
-        if len(stages) > k:
-            return None
-        while len(stages) < k:  # split the largest stage with at least two blocks
-            j = max((s for s in range(len(stages)) if len(stages[s]) > 1), key=lambda s: len(stages[s]))
-            stages[j:j + 1] = [stages[j][:1], stages[j][1:]]
-        return stages
+    def split(limit: float) -> list[int] | None:
+        """Stage starts packing each stage up to ``limit`` (leaving a block for every later stage), or None."""
+        starts, lo = [], 0
+        for j in range(k - 1):
+            starts.append(lo)
+            end = bisect.bisect_right(cum, cum[lo] + limit, lo + 1) - 1  # the most blocks within the limit
+            lo = min(max(end, lo + 1), n - (k - 1 - j))
+        starts.append(lo)
+        return starts if cum[n] - cum[lo] <= limit else None
 
-    lo, hi = max(weights), sum(weights)
-    best = split(hi)
-    for _ in range(40):
+    lo, hi = max(max(weights), cum[n] / k), cum[n]
+    best = split(hi * (1 + 1e-12))
+    for _ in range(60):
+        if hi - lo <= 1e-6 * max(hi, 1e-30):
+            break
         mid = (lo + hi) / 2
         got = split(mid)
         if got is not None:
             best, hi = got, mid
         else:
             lo = mid
-        if hi - lo <= 1e-6 * max(hi, 1e-30):
-            break
+    got = split(lo)  # the bound itself may be reached (equal blocks)
+    best = got if got is not None else best
     assert best is not None
-    return best
+    bounds = [*best, n]
+    return [list(range(bounds[j], bounds[j + 1])) for j in range(k)]
 
 
 def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
@@ -729,8 +777,29 @@ def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     if lay.num_stages > n:
         raise InvalidLayout(f"pp x virtual stages = {lay.num_stages} exceeds the model's {n} blocks",
                             "more stages than blocks")
-    weights = model._table(lay, place, lay.recompute).weights
-    return [list(s) for s in _balanced_cached(weights, lay.num_stages)]
+    weights = model.block_table(lay, place, lay.recompute).weights
+    schedule = lay.schedule if lay.pp > 1 else "1f1b"
+    return [list(s) for s in _balanced_cached(weights, lay.num_stages, schedule, lay.pp)]
+
+
+def proportional_stages(weights: list[float], k: int) -> list[list[int]]:
+    """Contiguous split of blocks into k non-empty stages cut where the running weight is nearest to each
+    j/k of the whole: near-equal stages throughout, where the bottleneck split (balanced_stages) packs the
+    first stages full and leaves the last ones light."""
+    n = len(weights)
+    assert 1 <= k <= n
+    cum = [0.0]
+    for w in weights:
+        cum.append(cum[-1] + w)
+    cuts = [0]
+    for j in range(1, k):
+        target = cum[n] * j / k
+        i = bisect.bisect_left(cum, target)
+        if i > 0 and target - cum[i - 1] <= cum[min(i, n)] - target:
+            i -= 1
+        cuts.append(min(max(i, cuts[-1] + 1), n - (k - j)))  # every stage keeps at least one block
+    cuts.append(n)
+    return [list(range(cuts[j], cuts[j + 1])) for j in range(k)]
 
 
 def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
@@ -753,8 +822,45 @@ def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
 
 
 @lru_cache(maxsize=8192)
-def _balanced_cached(weights: tuple[float, ...], k: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(s) for s in balanced_stages(list(weights), k))
+def _balanced_cached(weights: tuple[float, ...], k: int, schedule: str, pp: int) -> tuple[tuple[int, ...], ...]:
+    """The bottleneck split; where ranks run several stages (interleaved, ZB-V) — a rank's time per micro-batch
+    being the sum of its stages' — the proportional split moved a block at a time across stage boundaries while
+    that lightens the most loaded rank (then the ranks' spread), if it ends lighter than the bottleneck split."""
+    bottleneck = balanced_stages(list(weights), k)
+    if k <= pp:
+        return tuple(tuple(s) for s in bottleneck)
+    owner = [stage_rank(schedule, s, pp) for s in range(k)]
+
+    def loads(cuts: list[int]) -> list[float]:
+        out = [0.0] * pp
+        for s in range(k):
+            out[owner[s]] += sum(weights[cuts[s]:cuts[s + 1]])
+        return out
+
+    cuts = [s[0] for s in proportional_stages(list(weights), k)] + [len(weights)]
+    load = loads(cuts)
+    score = (max(load), sum(x * x for x in load))
+    for _ in range(4 * k):
+        improved = False
+        for j in range(1, k):
+            for step in (-1, 1):
+                c = cuts[j] + step
+                if not cuts[j - 1] < c < cuts[j + 1]:
+                    continue
+                block = cuts[j] if step > 0 else c  # +1: block cuts[j] joins stage j-1; -1: block c joins stage j
+                w = weights[block]
+                trial = list(load)
+                gain, lose = (owner[j - 1], owner[j]) if step > 0 else (owner[j], owner[j - 1])
+                trial[gain] += w
+                trial[lose] -= w
+                new = (max(trial), sum(x * x for x in trial))
+                if new < score:
+                    cuts[j], load, score, improved = c, trial, new, True
+        if not improved:
+            break
+    spread = [list(range(cuts[s], cuts[s + 1])) for s in range(k)]
+    best = min((bottleneck, spread), key=lambda st: max(loads([x[0] for x in st] + [len(weights)])))
+    return tuple(tuple(s) for s in best)
 
 
 def validate_layout(model: CostModel, lay: Layout) -> None:

@@ -32,7 +32,8 @@ from .errors import InvalidLayout, PlanError
 from .ilp import best_partition, modes_for
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
-from .schedules import in_flight, rank_stages
+from .placement import layout_placement
+from .schedules import in_flight, rank_stages, stage_rank
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -153,17 +154,86 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
     return out
 
 
-def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_recomputation: bool = True
-                ) -> tuple[float, dict[str, float]]:
+@dataclass
+class _BoundParts:
+    """What a layout's lower bound is made of (computed once per layout and set of modes; the search asks
+    for the bound twice, the second time with the recomputation memory forces)."""
+
+    total: float  # all ranks' time per micro-batch, every block in its cheapest mode
+    fullest: float  # the slowest rank's time per micro-batch at least, blocks being whole
+    bwd_weight: float
+    opt: float  # the optimizer step
+    memory: dict[str, float]  # per mode, bytes on the most loaded rank at least
+    forcing: tuple | None  # recomputation_bound's arguments where memory forces recomputation
+    coupling: tuple  # slowest_rank_bound's arguments (time and memory per mode and kind of rank)
+    waiting: tuple | None  # least_dp_wait's arguments (None: not bounded for this schedule)
+    forced_total: float | None = None
+    coupled: float | None = None  # slowest_rank_bound, once asked for
+    wait: float | None = None  # the ranks' mean data-parallel wait at least, once asked for
+
+
+def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_recomputation: bool = True,
+                data_parallel_wait: bool = True, beat: float = float("inf")) -> tuple[float, dict[str, float]]:
     """The time no stage split of ``lay`` can beat, and per recomputation mode the memory (bytes) its
     most loaded rank needs at least (see the module docstring). ``forced_recomputation``: charge the
-    recomputation memory forces (see recomputation_bound; tighter, and dearer to compute).
+    recomputation memory forces (see recomputation_bound; tighter, and dearer to compute);
+    ``data_parallel_wait``: charge the ranks' least data-parallel wait (least_dp_wait; dearer too). Each part is
+    computed once per layout (CostModel.bound_parts); the dearest (slowest_rank_bound) only while the bound
+    stays below ``beat``.
 
+    Time: the pipeline's closed form with perfectly divided work (or the slowest rank's whole blocks),
+    the ranks' mean data-parallel wait after their own work, the optimizer step.
     Memory: the most loaded rank holds at least the average of all ranks: model states over pp ranks,
     plus activations with the least-memory recomputation, each stage holding at least as many
     micro-batches as the schedule's least-loaded stage, plus the framework allowance.
     """
+    key = (lay, modes)
+    parts = model.bound_parts.get(key)
+    if parts is None:
+        parts = model.bound_parts[key] = _bound_parts(model, lay, modes)
+    total, p = parts.total, lay.pp
+    slowest = parts.fullest
+    if forced_recomputation and parts.forcing is not None:
+        if parts.forced_total is None:
+            parts.forced_total = max(total, recomputation_bound(*parts.forcing))
+        total = parts.forced_total
+    per_rank = total / p
+    slowest = max(per_rank, slowest)
+    if forced_recomputation and p > 1 and (parts.coupled is not None or beat == float("inf") or _pipeline_bound(
+            model, lay, parts, total, slowest, data_parallel_wait) < beat):
+        if parts.coupled is None:
+            parts.coupled = slowest_rank_bound(*parts.coupling)
+        slowest = max(slowest, parts.coupled)
+    return _pipeline_bound(model, lay, parts, total, slowest, data_parallel_wait), parts.memory
+
+
+def _pipeline_bound(model: CostModel, lay: Layout, parts: _BoundParts, total: float, slowest: float,
+                    data_parallel_wait: bool) -> float:
+    """lower_bound's time from the ranks' summed and the slowest rank's time per micro-batch."""
+    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    per_rank = total / p
+    if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
+        pipe = (m - 1) * slowest + total
+    elif lay.schedule == "interleaved-1f1b" and m >= p:
+        pipe = m * slowest + (p - 1) / v * per_rank
+    else:
+        # Any schedule: the first micro-batch's forward through every stage, then its backward back through
+        # them, one after another (ZB-V may leave the weight gradients for later): with few micro-batches
+        # per pipeline rank this chain, not the ranks' work, is what bounds the step.
+        chain = total - (parts.bwd_weight if lay.schedule == "zb-v" else 0.0)
+        pipe = max(m * slowest, chain)
+    if data_parallel_wait and parts.waiting is not None:
+        if parts.wait is None:
+            parts.wait = least_dp_wait(model, lay, *parts.waiting)
+        # The data-parallel waits come after a rank's own m micro-batches, so the ranks' mean end is at least
+        # m·total/p plus their mean wait (least_dp_wait). Without it ZeRO-3's per-micro-batch gathers went unbounded.
+        pipe = max(pipe, m * per_rank + parts.wait)
+    return pipe + parts.opt
+
+
+def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _BoundParts:
     work = model.work
+    place = layout_placement(work.cluster, lay)
     totals = {u: model.totals(lay, u) for u in {*modes, "none"}}
     base = totals["none"]
     params = base["params"]
@@ -192,20 +262,13 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     total = sum(base[k] for k in ("fwd", "bwd_input", "bwd_weight", "tp_fwd", "tp_bwd"))
     room = (gpu.memory_bytes - allowance) / (1 + FRAGMENTATION)
     cheapest = min(times, key=times.get)
-    if forced_recomputation and len(modes) > 1 and \
-            1.0 / sum(c / (st + f * acts[cheapest]) for st, f, c in zip(states, least, counts, strict=True)) > room:
-        total = max(total, recomputation_bound(times, acts, min(states), least, room, counts))
-    per_rank = total / p
-    if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
-        pipe = (m - 1) * per_rank + total
-    elif lay.schedule == "interleaved-1f1b" and m >= p:
-        pipe = m * per_rank + (p - 1) / v * per_rank
-    else:
-        # Any schedule: the first micro-batch's forward through every stage, then its backward back through
-        # them, one after another (ZB-V may leave the weight gradients for later): with few micro-batches
-        # per pipeline rank this chain, not the ranks' work, is what bounds the step.
-        chain = total - (base["bwd_weight"] if lay.schedule == "zb-v" else 0.0)
-        pipe = max(m * per_rank, chain)
+    forcing = (times, acts, min(states), least, room, counts) if len(modes) > 1 and 1.0 / sum(
+        c / (st + f * acts[cheapest]) for st, f, c in zip(states, least, counts, strict=True)) > room else None
+    coupling = (times, acts, states, least, counts, room, p)
+    # the mean wait after the ranks' own work bounds the closed forms' drain and the simulator alike (not where
+    # the interleaved warm-up is simulated)
+    waiting = (totals, modes, params, experts) \
+        if lay.head_parallel == 1 and not (p > 1 and schedule == "interleaved-1f1b" and m < p) else None
     opt = optimizer_step(model, lay).at(RankLoad(params=params / p)) + \
         moe.expert_optimizer_step(model, lay).at(RankLoad(experts=experts / p))
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
@@ -216,7 +279,31 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
         tensors = 1.0 / sum(c / (st + f * acts[u]) for st, f, c in zip(states, least, counts, strict=True)) + \
             working[u]
         memory[u] = tensors + untracked_bytes(gpu, tensors)
-    return pipe + opt, memory
+    # blocks are whole: with few layers per rank the slowest rank, not total/p, binds (on the cheapest costs)
+    fullest = model.block_table(lay, place, "none").fullest_rank(p)
+    return _BoundParts(total=total, fullest=fullest, bwd_weight=base["bwd_weight"], opt=opt, memory=memory,
+                       forcing=forcing, coupling=coupling, waiting=waiting)
+
+
+def least_dp_wait(model: CostModel, lay: Layout, totals: dict[str, dict[str, float]], modes: tuple[str, ...],
+                  params: float, experts: float) -> float:
+    """A lower bound on the pipeline ranks' mean data-parallel wait (dp_sync.py, moe.expert_exposures) over
+    every stage split and per-stage recomputation: each wait is convex in the rank's load from below
+    (Exposure.least_seconds) and falls as its overlap window grows, so the wait at the ranks' mean load — with
+    the window at most the dearest mode's backward, the stages' host overheads and every boundary's send —
+    bounds their mean. ``params``, ``experts``: the whole model's on one replica (a tied weight counted once)."""
+    work, p = model.work, lay.pp
+    place = layout_placement(work.cluster, lay)
+    base = totals["none"]
+    window = max(sum(totals[u][k] for k in ("bwd_input", "bwd_weight", "recompute", "tp_bwd")) for u in modes)
+    window += lay.num_stages * model.stage_host_overhead(lay) / 2
+    if p > 1:
+        boundary = model.block_table(lay, place, "none").largest_output
+        window += (lay.num_stages - 1) * max(model.p2p_seconds(lay, boundary, cross, place) for cross in (True, False))
+    load = RankLoad(params=params / p, fwd=base["fwd"] / p, bwd=(base["bwd_input"] + base["bwd_weight"]) / p,
+                    window=window / p, replicated=base["replicated"] / p, experts=experts / p,
+                    moe_shared=base["moe_shared"] / p)
+    return sum(e.least_seconds(load) for e in model.dp_items_of(lay, place, False, 0.0))
 
 
 @lru_cache(maxsize=4096)
@@ -261,6 +348,51 @@ def recomputation_bound(times: dict[str, float], acts: dict[str, float], states:
     return float(dual.max())
 
 
+def slowest_rank_bound(times: dict[str, float], acts: dict[str, float], states: list[float], least: list[int],
+                       counts: list[int], room: float, p: int) -> float:
+    """A lower bound on the slowest pipeline rank's time per micro-batch, time and memory together.
+
+    The relaxation of lower_bound's memory bound, with each rank's time: rank kind k (``counts[k]`` ranks,
+    holding at least ``least[k]`` micro-batches, ``states[k]`` bytes of model states per whole model) holds
+    fractions phi_u of the model's blocks in mode u (whole-model time T_u, activations a_u). Within a time tau
+    and its memory it holds at most cap_k(tau) = max sum phi_u s.t. sum phi_u T_u <= tau and
+    sum phi_u (states_k + least_k a_u) <= room — a two-row LP, whose optimum uses one mode or two with both rows
+    tight. Every block must be held: the slowest rank needs a tau with sum_k counts_k cap_k(tau) >= 1, and cap
+    grows with tau, so the least such tau is found on refined grids (numpy), kept at the grid point below it.
+    Where memory alone forces the first ranks (which hold the most micro-batches) to take less than 1/p of the
+    model, the others must take more: with few micro-batches this, not total/p, is the slowest rank's time.
+    """
+    import numpy as np
+
+    T = np.array(list(times.values()))  # (U,)
+    D = np.array(states)[:, None] + np.outer(np.array(least, dtype=float), [acts[u] for u in times])  # (K, U)
+    C = np.array(counts, dtype=float)  # (K,)
+    pairs = [(i, j) for i in range(len(T)) for j in range(i + 1, len(T))]
+
+    def capacity(tau):  # (G,) -> (G,): sum_k counts_k cap_k(tau)
+        best = np.minimum(tau[:, None, None] / T[None, None, :], room / D[None, :, :]).max(axis=2)  # (G, K)
+        for i, j in pairs:
+            det = T[i] * D[:, j] - T[j] * D[:, i]  # (K,)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                phi_i = (tau[:, None] * D[None, :, j] - T[j] * room) / det[None, :]  # (G, K)
+                phi_j = (T[i] * room - tau[:, None] * D[None, :, i]) / det[None, :]
+            both = (det[None, :] != 0) & (phi_i >= 0) & (phi_j >= 0)
+            best = np.where(both, np.maximum(best, phi_i + phi_j), best)
+        return best @ C
+
+    lo, hi = float(T.min()) / p, float(T.max())
+    if capacity(np.array([hi]))[0] < 1:  # not even the slowest mode fits: the memory bound says so
+        return lo
+    for _ in range(2):
+        grid = np.linspace(lo, hi, 41)
+        ok = capacity(grid) >= 1
+        first = int(np.argmax(ok))  # ok[-1] holds: hi is feasible
+        if first == 0:
+            return float(grid[0])
+        lo, hi = float(grid[first - 1]), float(grid[first])
+    return lo
+
+
 def _layout_key(x: Layout) -> tuple:
     """What tells enumerated layouts apart (recomputation is the ILP's choice, not the layout's)."""
     return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel,
@@ -289,18 +421,29 @@ def _dominated_by(lay: Layout, valid: set[tuple], model: CostModel) -> str | Non
 
 def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
                 skip: frozenset[str] = frozenset()) -> Prediction | None:
-    """Exact price of the time-balanced split with the fastest uniform recomputation that fits
-    (modes in ``skip`` are already known not to fit)."""
+    """Exact price of the time-balanced split (for the fastest mode), each pipeline rank recomputing the least
+    that lets it fit on it — a rank's memory depends only on its own stages, so the ranks holding fewer
+    micro-batches (1F1B's later ones) need not recompute what the first must. ``modes``: fastest first; those in
+    ``skip`` are already known not to fit anywhere. None: some rank fits in no mode on this split."""
     from .costmodel import default_stages
 
-    for u in modes:
-        if u in skip:
-            continue
-        trial = lay.replace(recompute=u)
-        pred = model.evaluate(trial, default_stages(model, trial))
-        if pred.fits:
-            return pred
-    return None
+    tried = [u for u in modes if u not in skip]
+    if not tried:
+        return None
+    stages = default_stages(model, lay.replace(recompute=tried[0]))
+    per_rank: list[str | None] = [None] * lay.pp
+    for u in tried:
+        for r, fits in enumerate(model.ranks_fit(lay.replace(recompute=u), stages)):
+            if fits and per_rank[r] is None:
+                per_rank[r] = u
+        if None not in per_rank:
+            break
+    else:
+        return None
+    heaviest = max(per_rank, key=tried.index)
+    mixed = [per_rank[stage_rank(lay.schedule, s, lay.pp)] for s in range(lay.num_stages)] \
+        if len(set(per_rank)) > 1 else None
+    return model.evaluate(lay.replace(recompute=heaviest), stages, mixed)
 
 
 def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
@@ -351,7 +494,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         if better:
             cand.status, cand.reason = "dominated", better
             continue
-        cand.lower_bound_s, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False)
+        cand.lower_bound_s, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False,
+                                                      data_parallel_wait=False)
         cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
         lb_mem = min(mem_by_mode.values())
         if lb_mem > capacity:
@@ -361,37 +505,70 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
             continue
         alive.append(cand)
     alive.sort(key=lambda c: c.lower_bound_s)
+    best_times: list[float] = []  # the top_k ILP times so far (negated: a max-heap of the k best)
+    solves = 0
+    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
+    pool = ThreadPoolExecutor(max_workers=workers)
+
+    def ilp_threshold() -> float:
+        return -best_times[0] if len(best_times) >= top_k else float("inf")
+
+    def solve(batch: list[Candidate]) -> None:
+        """The ILP's best split of each layout in ``batch``, solved in parallel (CBC runs in its own process)."""
+        nonlocal solves
+        # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
+        # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
+        threshold = ilp_threshold()
+        cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
+            else None
+        futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
+                               cutoff_s=cutoff) for c in batch]
+        for cand, fut in zip(batch, futures, strict=True):
+            solves += 1
+            try:
+                part = fut.result()
+            except InvalidLayout as e:
+                cand.status, cand.reason, cand.prediction = "oom", str(e), None
+                continue
+            if part is None:
+                cand.status, cand.reason = "priced", "bound"
+                continue
+            cand.status, cand.prediction = "ok", part.prediction
+            cand.stages, cand.stage_recompute = part.stages, part.recompute
+            cand.solver = part.ilp_status
+            cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
+            heapq.heappush(best_times, -part.prediction.iteration_time_s)
+            if len(best_times) > top_k:
+                heapq.heappop(best_times)
+
     # Quick exact prices (balanced split) in lower-bound order, until the bound passes the k-th price.
     quick: list[tuple[float, int]] = []
     kth: list[float] = []
-    for idx, cand in enumerate(alive):
-        if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
-            break
-        if len(kth) >= top_k:  # the tighter bound, computed only for layouts the quick one let through
-            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes)[0])
-            if cand.lower_bound_s >= -kth[0]:
+    try:
+        for idx, cand in enumerate(alive):
+            threshold = -kth[0] if len(kth) >= top_k else float("inf")
+            if cand.lower_bound_s >= threshold:
+                break
+            if threshold < float("inf"):  # the tighter bound, computed only for layouts the quick one let through
+                cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=threshold)[0])
+                if cand.lower_bound_s >= threshold:
+                    continue
+            pred = quick_price(model, cand.layout, modes, cand.no_fit)
+            if pred is None:
+                quick.append((float("inf"), idx))
                 continue
-        pred = quick_price(model, cand.layout, modes, cand.no_fit)
-        if pred is None:
-            quick.append((float("inf"), idx))
-            continue
-        cand.prediction = pred
-        quick.append((pred.iteration_time_s, idx))
-        heapq.heappush(kth, -pred.iteration_time_s)
-        if len(kth) > top_k:
-            heapq.heappop(kth)
-    quick.sort()
-    best_times: list[float] = []
-    solves = 0
-    pending = [alive[idx] for _, idx in quick]
-    qtime = {id(alive[idx]): q for q, idx in quick}
-    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
-    done = 0
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+            cand.prediction = pred
+            quick.append((pred.iteration_time_s, idx))
+            heapq.heappush(kth, -pred.iteration_time_s)
+            if len(kth) > top_k:
+                heapq.heappop(kth)
+        quick.sort()
+        pending = [alive[idx] for _, idx in quick]
+        qtime = {id(alive[idx]): q for q, idx in quick}
+        done = 0
         while pending:
-            # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
-            # process, so a batch solves in parallel on the machine's cores).
-            threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
+            # The next few layouts worth an ILP under the current k-th best time
+            threshold = ilp_threshold()
             batch = []
             while pending and len(batch) < workers:
                 cand = pending.pop(0)
@@ -404,29 +581,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 batch.append(cand)
             if progress is not None:
                 progress(done, len(quick))
-            # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
-            # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
-            cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
-                else None
-            futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
-                                   cutoff_s=cutoff) for c in batch]
-            for cand, fut in zip(batch, futures, strict=True):
-                solves += 1
-                try:
-                    part = fut.result()
-                except InvalidLayout as e:
-                    cand.status, cand.reason, cand.prediction = "oom", str(e), None
-                    continue
-                if part is None:
-                    cand.status, cand.reason = "priced", "bound"
-                    continue
-                cand.status, cand.prediction = "ok", part.prediction
-                cand.stages, cand.stage_recompute = part.stages, part.recompute
-                cand.solver = part.ilp_status
-                cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
-                heapq.heappush(best_times, -part.prediction.iteration_time_s)
-                if len(best_times) > top_k:
-                    heapq.heappop(best_times)
+            solve(batch)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     final = -best_times[0] if len(best_times) >= top_k else None
     for cand in alive:
         if cand.status == "pruned":

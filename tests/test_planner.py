@@ -275,11 +275,12 @@ def test_sharded_classifier_trades_gradient_sync_for_feature_gathers():
 @pytest.mark.slow  # ~1 minute: the best split of every layout by brute force
 def test_lower_bound_never_exceeds_the_best_split(small):
     """The search prunes by lower bounds, so each must hold: on an instance where memory forces
-    recomputation (the bound then charges the least recomputation any mix of modes per rank needs),
-    no layout's bound exceeds the best time of all its splits and per-rank modes."""
+    recomputation (the bound then charges the least recomputation any mix of modes per rank needs) and the
+    data-parallel waits (ZeRO-3's gathers per micro-batch) are charged, no layout's bound exceeds the best time
+    of all its splits and per-rank modes."""
     model = CostModel(small)
     modes = modes_for(model)
-    checked = forced = 0
+    checked = forced = waits = 0
     for lay in enumerate_layouts(small, 8, "bf16"):
         if lay.micro_batch > 2:
             continue
@@ -294,7 +295,42 @@ def test_lower_bound_never_exceeds_the_best_split(small):
         assert bound <= best * (1 + 1e-9), lay.short()
         checked += 1
         forced += bound > lower_bound(model, lay, ("none",))[0] * (1 + 1e-6)
-    assert checked > 50 and forced > 5
+        waits += bound > lower_bound(model, lay, modes, data_parallel_wait=False)[0] * (1 + 1e-6)
+    assert checked > 50 and forced > 5 and waits > 5
+
+
+def test_slowest_rank_bound_couples_time_and_memory():
+    """slowest_rank_bound on an instance solved by hand. Two ranks, room 1 byte: rank A can hold 1/4 of the
+    model without recomputation (activations 4 per model) or 2 models' worth with full recomputation (0.5),
+    at 4/3 of the time; rank B's memory is unbounded. With time tau each, B takes tau of the model and A must
+    take 1 - tau. A's best within tau mixes both modes with both rows tight: phi_n + 4/3 phi_f = tau and
+    4 phi_n + 0.5 phi_f = 1 give phi_n + phi_f = (2 + 21 tau) / 29, so tau + (2 + 21 tau)/29 = 1: tau = 27/50.
+    Memory alone (lower_bound's relaxation) would allow 1/2 each."""
+    from paraplan.planner.search import slowest_rank_bound
+
+    tau = slowest_rank_bound({"none": 1.0, "full": 4 / 3}, {"none": 4.0, "full": 0.5}, [0.0, 0.0], [1, 1e-9],
+                             [1, 1], 1.0, 2)
+    assert 27 / 50 - 1e-3 <= tau <= 27 / 50
+    # with one mode only: A holds at most 1/4, B the rest: 3/4
+    tau = slowest_rank_bound({"none": 1.0}, {"none": 4.0}, [0.0, 0.0], [1, 1e-9], [1, 1], 1.0, 2)
+    assert 0.75 - 1e-3 <= tau <= 0.75
+
+
+def test_default_split_of_interleaved_balances_ranks_not_stages():
+    """With v chunks per rank a rank's time is the sum of its stages': of 10 equal blocks over 8 stages on
+    4 ranks (v = 2), the bottleneck split packs stages 0-1 with two blocks each, so rank 0 (stages 0 and 4)
+    and rank 1 hold 3 blocks; an even spread gives the heaviest rank 3 too, but never more — and for 20
+    blocks over 8 stages (2.5 per stage) the spread gives every rank exactly 5 where packing gives one 6."""
+    from paraplan.planner.costmodel import _balanced_cached
+
+    def heaviest(stages):
+        load = [0] * 4
+        for s, blocks in enumerate(stages):
+            load[s % 4] += len(blocks)
+        return max(load)
+
+    assert heaviest(_balanced_cached((1.0,) * 20, 8, "interleaved-1f1b", 4)) == 5
+    assert heaviest(_balanced_cached((1.0,) * 10, 8, "interleaved-1f1b", 4)) == 3
 
 
 def _scaling_summary(points):
