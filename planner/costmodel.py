@@ -778,28 +778,7 @@ def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
         raise InvalidLayout(f"pp x virtual stages = {lay.num_stages} exceeds the model's {n} blocks",
                             "more stages than blocks")
     weights = model.block_table(lay, place, lay.recompute).weights
-    schedule = lay.schedule if lay.pp > 1 else "1f1b"
-    return [list(s) for s in _balanced_cached(weights, lay.num_stages, schedule, lay.pp)]
-
-
-def proportional_stages(weights: list[float], k: int) -> list[list[int]]:
-    """Contiguous split of blocks into k non-empty stages cut where the running weight is nearest to each
-    j/k of the whole: near-equal stages throughout, where the bottleneck split (balanced_stages) packs the
-    first stages full and leaves the last ones light."""
-    n = len(weights)
-    assert 1 <= k <= n
-    cum = [0.0]
-    for w in weights:
-        cum.append(cum[-1] + w)
-    cuts = [0]
-    for j in range(1, k):
-        target = cum[n] * j / k
-        i = bisect.bisect_left(cum, target)
-        if i > 0 and target - cum[i - 1] <= cum[min(i, n)] - target:
-            i -= 1
-        cuts.append(min(max(i, cuts[-1] + 1), n - (k - j)))  # every stage keeps at least one block
-    cuts.append(n)
-    return [list(range(cuts[j], cuts[j + 1])) for j in range(k)]
+    return [list(s) for s in _balanced_cached(weights, lay.num_stages)]
 
 
 def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
@@ -822,45 +801,8 @@ def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
 
 
 @lru_cache(maxsize=8192)
-def _balanced_cached(weights: tuple[float, ...], k: int, schedule: str, pp: int) -> tuple[tuple[int, ...], ...]:
-    """The bottleneck split; where ranks run several stages (interleaved, ZB-V) — a rank's time per micro-batch
-    being the sum of its stages' — the proportional split moved a block at a time across stage boundaries while
-    that lightens the most loaded rank (then the ranks' spread), if it ends lighter than the bottleneck split."""
-    bottleneck = balanced_stages(list(weights), k)
-    if k <= pp:
-        return tuple(tuple(s) for s in bottleneck)
-    owner = [stage_rank(schedule, s, pp) for s in range(k)]
-
-    def loads(cuts: list[int]) -> list[float]:
-        out = [0.0] * pp
-        for s in range(k):
-            out[owner[s]] += sum(weights[cuts[s]:cuts[s + 1]])
-        return out
-
-    cuts = [s[0] for s in proportional_stages(list(weights), k)] + [len(weights)]
-    load = loads(cuts)
-    score = (max(load), sum(x * x for x in load))
-    for _ in range(4 * k):
-        improved = False
-        for j in range(1, k):
-            for step in (-1, 1):
-                c = cuts[j] + step
-                if not cuts[j - 1] < c < cuts[j + 1]:
-                    continue
-                block = cuts[j] if step > 0 else c  # +1: block cuts[j] joins stage j-1; -1: block c joins stage j
-                w = weights[block]
-                trial = list(load)
-                gain, lose = (owner[j - 1], owner[j]) if step > 0 else (owner[j], owner[j - 1])
-                trial[gain] += w
-                trial[lose] -= w
-                new = (max(trial), sum(x * x for x in trial))
-                if new < score:
-                    cuts[j], load, score, improved = c, trial, new, True
-        if not improved:
-            break
-    spread = [list(range(cuts[s], cuts[s + 1])) for s in range(k)]
-    best = min((bottleneck, spread), key=lambda st: max(loads([x[0] for x in st] + [len(weights)])))
-    return tuple(tuple(s) for s in best)
+def _balanced_cached(weights: tuple[float, ...], k: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in balanced_stages(list(weights), k))
 
 
 def validate_layout(model: CostModel, lay: Layout) -> None:

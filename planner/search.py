@@ -431,8 +431,12 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     if not tried:
         return None
     stages = default_stages(model, lay.replace(recompute=tried[0]))
-    per_rank: list[str | None] = [None] * lay.pp
-    for u in tried:
+    pred = model.evaluate(lay.replace(recompute=tried[0]), stages)
+    if pred.fits:
+        return pred
+    cap = pred.memory_capacity_gib
+    per_rank: list[str | None] = [tried[0] if gib <= cap else None for gib in pred.rank_memory_gib]
+    for u in tried[1:]:  # the slower modes, each on the ranks no faster one fits
         for r, fits in enumerate(model.ranks_fit(lay.replace(recompute=u), stages)):
             if fits and per_rank[r] is None:
                 per_rank[r] = u

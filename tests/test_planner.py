@@ -316,23 +316,6 @@ def test_slowest_rank_bound_couples_time_and_memory():
     assert 0.75 - 1e-3 <= tau <= 0.75
 
 
-def test_default_split_of_interleaved_balances_ranks_not_stages():
-    """With v chunks per rank a rank's time is the sum of its stages': of 10 equal blocks over 8 stages on
-    4 ranks (v = 2), the bottleneck split packs stages 0-1 with two blocks each, so rank 0 (stages 0 and 4)
-    and rank 1 hold 3 blocks; an even spread gives the heaviest rank 3 too, but never more — and for 20
-    blocks over 8 stages (2.5 per stage) the spread gives every rank exactly 5 where packing gives one 6."""
-    from paraplan.planner.costmodel import _balanced_cached
-
-    def heaviest(stages):
-        load = [0] * 4
-        for s, blocks in enumerate(stages):
-            load[s % 4] += len(blocks)
-        return max(load)
-
-    assert heaviest(_balanced_cached((1.0,) * 20, 8, "interleaved-1f1b", 4)) == 5
-    assert heaviest(_balanced_cached((1.0,) * 10, 8, "interleaved-1f1b", 4)) == 3
-
-
 def _scaling_summary(points):
     return [(p.gpus, p.best.layout.short() if p.best else None, p.best.time_s if p.best else None) for p in points]
 
