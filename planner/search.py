@@ -509,70 +509,37 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
             continue
         alive.append(cand)
     alive.sort(key=lambda c: c.lower_bound_s)
-    best_times: list[float] = []  # the top_k ILP times so far (negated: a max-heap of the k best)
-    solves = 0
-    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
-    pool = ThreadPoolExecutor(max_workers=workers)
-
-    def ilp_threshold() -> float:
-        return -best_times[0] if len(best_times) >= top_k else float("inf")
-
-    def solve(batch: list[Candidate]) -> None:
-        """The ILP's best split of each layout in ``batch``, solved in parallel (CBC runs in its own process)."""
-        nonlocal solves
-        # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
-        # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
-        threshold = ilp_threshold()
-        cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
-            else None
-        futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
-                               cutoff_s=cutoff) for c in batch]
-        for cand, fut in zip(batch, futures, strict=True):
-            solves += 1
-            try:
-                part = fut.result()
-            except InvalidLayout as e:
-                cand.status, cand.reason, cand.prediction = "oom", str(e), None
-                continue
-            if part is None:
-                cand.status, cand.reason = "priced", "bound"
-                continue
-            cand.status, cand.prediction = "ok", part.prediction
-            cand.stages, cand.stage_recompute = part.stages, part.recompute
-            cand.solver = part.ilp_status
-            cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
-            heapq.heappush(best_times, -part.prediction.iteration_time_s)
-            if len(best_times) > top_k:
-                heapq.heappop(best_times)
-
     # Quick exact prices (balanced split) in lower-bound order, until the bound passes the k-th price.
     quick: list[tuple[float, int]] = []
     kth: list[float] = []
-    try:
-        for idx, cand in enumerate(alive):
-            threshold = -kth[0] if len(kth) >= top_k else float("inf")
-            if cand.lower_bound_s >= threshold:
-                break
-            if threshold < float("inf"):  # the tighter bound, computed only for layouts the quick one let through
-                cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=threshold)[0])
-                if cand.lower_bound_s >= threshold:
-                    continue
-            pred = quick_price(model, cand.layout, modes, cand.no_fit)
-            if pred is None:
-                quick.append((float("inf"), idx))
+    for idx, cand in enumerate(alive):
+        if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
+            break
+        if len(kth) >= top_k:  # the tighter bound, computed only for layouts the quick one let through
+            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=-kth[0])[0])
+            if cand.lower_bound_s >= -kth[0]:
                 continue
-            cand.prediction = pred
-            quick.append((pred.iteration_time_s, idx))
-            heapq.heappush(kth, -pred.iteration_time_s)
-            if len(kth) > top_k:
-                heapq.heappop(kth)
-        quick.sort()
-        pending = [alive[idx] for _, idx in quick]
-        qtime = {id(alive[idx]): q for q, idx in quick}
-        done = 0
+        pred = quick_price(model, cand.layout, modes, cand.no_fit)
+        if pred is None:
+            quick.append((float("inf"), idx))
+            continue
+        cand.prediction = pred
+        quick.append((pred.iteration_time_s, idx))
+        heapq.heappush(kth, -pred.iteration_time_s)
+        if len(kth) > top_k:
+            heapq.heappop(kth)
+    quick.sort()
+    best_times: list[float] = []
+    solves = 0
+    pending = [alive[idx] for _, idx in quick]
+    qtime = {id(alive[idx]): q for q, idx in quick}
+    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
+    done = 0
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending:
-            # The next few layouts worth an ILP under the current k-th best time
-            threshold = ilp_threshold()
+            # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
+            # process, so a batch solves in parallel on the machine's cores).
+            threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
             batch = []
             while pending and len(batch) < workers:
                 cand = pending.pop(0)
@@ -585,9 +552,29 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 batch.append(cand)
             if progress is not None:
                 progress(done, len(quick))
-            solve(batch)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+            # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
+            # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
+            cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
+                else None
+            futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
+                                   cutoff_s=cutoff) for c in batch]
+            for cand, fut in zip(batch, futures, strict=True):
+                solves += 1
+                try:
+                    part = fut.result()
+                except InvalidLayout as e:
+                    cand.status, cand.reason, cand.prediction = "oom", str(e), None
+                    continue
+                if part is None:
+                    cand.status, cand.reason = "priced", "bound"
+                    continue
+                cand.status, cand.prediction = "ok", part.prediction
+                cand.stages, cand.stage_recompute = part.stages, part.recompute
+                cand.solver = part.ilp_status
+                cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
+                heapq.heappush(best_times, -part.prediction.iteration_time_s)
+                if len(best_times) > top_k:
+                    heapq.heappop(best_times)
     final = -best_times[0] if len(best_times) >= top_k else None
     for cand in alive:
         if cand.status == "pruned":
