@@ -8,7 +8,6 @@ report lists it) and lets the command go on.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 
@@ -28,21 +27,6 @@ def draw_file(files: dict[str, str], notes: list[str], key: str, path: str, what
     """Draw ``chart(path)`` through :func:`draw`; where it worked, ``files[key]`` is the path."""
     if draw(notes, what, lambda: chart(path)):
         files[key] = path
-
-
-def preload() -> threading.Thread:
-    """Import planner/charts.py (matplotlib: most of a second) on a daemon thread, so that it runs while the
-    search waits for its ILP solver processes rather than after the search. A failure is left for
-    :func:`charts_module` to meet and report. Start it after any fork (scaling.py forks before the search)."""
-    def load() -> None:
-        try:
-            from . import charts  # noqa: F401
-        except Exception:  # noqa: BLE001 - charts_module imports again and records why
-            pass
-
-    thread = threading.Thread(target=load, name="paraplan-charts-import", daemon=True)
-    thread.start()
-    return thread
 
 
 def charts_module(notes: list[str]):

@@ -6,7 +6,6 @@ import os
 import re
 import sys
 
-from paraplan.planner import chart_guard
 from paraplan.planner.costmodel import CostModel
 from paraplan.planner.errors import PlanError
 from paraplan.planner.refine import simulate_ranked
@@ -76,8 +75,6 @@ def run(args) -> int:
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
-    if not args.no_charts:
-        chart_guard.preload()  # matplotlib's import overlaps the search (after the re-plans' forks)
     bar, cb = _progress(not args.json and sys.stderr.isatty())
     if bar:
         bar.start()
