@@ -46,6 +46,10 @@ SPREAD = [
     (MODEL, 16, "--dp 1 --tp 2 --pp 1 --cp 2 --micro-batch 4 --sequence-parallel"),
     (MODEL, 16, "--dp 2 --tp 1 --pp 1 --cp 2 --micro-batch 2 --zero 2 --recompute full"),
     (GPT, 16, "--dp 1 --tp 1 --pp 2 --cp 2 --micro-batch 2"),
+    # MLP recomputation (the MLP sublayer checkpointed: its all-gather repeated under SP, not its output
+    # reduce-scatter, which torch's early-stopping checkpoint skips); full recomputation under TP without SP
+    (MODEL, 16, "--dp 2 --tp 2 --pp 1 --micro-batch 2 --sequence-parallel --recompute mlp"),
+    (GPT, 16, "--dp 1 --tp 2 --pp 2 --micro-batch 2 --recompute full"),
 ]
 BIG = [
     ("llama2-70b", 512, "--nodes 8 --dp 8 --tp 4 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2 "
@@ -54,12 +58,13 @@ BIG = [
 ]
 # mixtures of experts (planner/moe.py): experts over dp ranks (edp = 1), over dp and tp with sequence
 # parallelism in a pipeline (ZeRO 2, tp-summed router), a pipeline with full recomputation (the all-to-alls
-# repeated), DeepSeek-style MLA with a shared expert and a dense first layer over tp without SP (ZeRO 3); and
+# repeated), MLP recomputation of the MoE block over tp with SP, DeepSeek-style MLA with a shared expert and a dense first layer over tp without SP (ZeRO 3); and
 # Mixtral 8x7B with ep8 on one DGX node
 MOE = [
     ("mixtral-tiny", 8, "--dp 2 --tp 1 --pp 1 --ep 2 --micro-batch 2"),
     ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 2 --ep 2 --micro-batch 1 --zero 2 --sequence-parallel"),
     ("mixtral-tiny", 16, "--dp 2 --tp 1 --pp 2 --ep 2 --micro-batch 1 --recompute full"),
+    ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 1 --ep 2 --micro-batch 2 --sequence-parallel --recompute mlp"),
     ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --zero 3"),
 ]
 MOE_BIG = [("mixtral-8x7b", 16, "--dp 8 --tp 1 --pp 1 --ep 8 --micro-batch 1 --zero 1")]

@@ -1,6 +1,8 @@
 """Activation recomputation per the plan, with torch.utils.checkpoint (non-reentrant).
 
 - ``full``: each transformer layer keeps only its input; its whole forward runs again in backward.
+- ``mlp``: each transformer layer's MLP sublayer (its dense MLP, or its MoE block with the token all-to-alls)
+  keeps only its input and runs again in backward (Megatron-Core's ``recompute_modules`` ``mlp`` / ``moe``).
 - ``selective`` (Korthikanti et al. 2022): only the attention core, softmax(QK^T)V, is recomputed.
   Each layer's attention module runs under selective activation checkpointing whose policy saves
   every op's output except those executed inside the attention core (the model flags that region,
@@ -8,7 +10,8 @@
   rather than the whole layer keeps the norms, whose fused kernels update tensors in place, out of
   the cached region.)
 
-Modules are wrapped in place (``layers[i]`` or ``layers[i].attn``), so block names still resolve.
+Modules are wrapped in place (``layers[i]``, ``layers[i].attn`` or ``layers[i].mlp``/``.moe``), so block names
+still resolve.
 """
 
 from __future__ import annotations
@@ -29,17 +32,18 @@ def _recompute_attention_core(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _wrapper(mode: str):
-    if mode == "full":
+    if mode in ("full", "mlp"):
         return partial(checkpoint_wrapper, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False)
     if mode == "selective":
         contexts = partial(create_selective_checkpoint_contexts, _recompute_attention_core)
         return partial(checkpoint_wrapper, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False,
                        context_fn=contexts)
-    raise ExecutionError(f"unknown recompute mode {mode!r} (none, selective or full)")
+    raise ExecutionError(f"unknown recompute mode {mode!r} (none, selective, mlp or full)")
 
 
 def apply_ac(module: nn.Module, mode: str) -> int:
-    """Wrap ``module``'s transformer layers (full) or their attention (selective); returns how many."""
+    """Wrap ``module``'s transformer layers (full), their attention (selective) or their MLP sublayer (mlp);
+    returns how many layers."""
     if mode == "none":
         return 0
     layers = getattr(module, "layers", None)
@@ -49,6 +53,9 @@ def apply_ac(module: nn.Module, mode: str) -> int:
     for name in list(layers.keys()):
         if mode == "full":
             layers[name] = wrap(layers[name])
+        elif mode == "mlp":
+            ffn = layers[name].ffn_name  # models/transformer.py: "mlp" (dense) or "moe"
+            setattr(layers[name], ffn, wrap(getattr(layers[name], ffn)))
         else:
             layers[name].attn = wrap(layers[name].attn)
     return len(layers)

@@ -16,7 +16,7 @@ import sys
 from paraplan import __version__
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "mlp", "full")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
 
@@ -102,7 +102,10 @@ def _add_layout(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=_positive_int, default=1, help="model chunks per pipeline rank")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation: selective = the attention core (Korthikanti et al. 2022); "
+                   "mlp = the MLP or MoE sublayer (Megatron-Core's recompute_modules mlp, moe); full = the whole "
+                   "layer")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs tp>1)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="training dtype (default bf16; fp32 on CPU)")
     p.add_argument("--dp-mode", choices=("allreduce", "ps"), default="allreduce",

@@ -37,6 +37,8 @@ class PassTimes:
     bwd_input: float  # backward minus the weight-gradient GEMMs (the B of zero-bubble schedules)
     bwd_weight: float  # weight-gradient GEMMs (the W)
     core_fwd: float  # the attention core's forward (what selective recomputation repeats)
+    mlp_fwd: float = 0.0  # the MLP sublayer's forward, dense MLP or MoE block (what MLP recomputation repeats)
+    mlp_last_gemm: float = 0.0  # of which its last GEMM (a dense MLP's down projection)
 
     @property
     def bwd(self) -> float:
@@ -73,13 +75,17 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     routed experts' GEMMs (marked 2 in ``gemm_moe``) run in FP8 too (Framework.fp8_experts), or in bf16.
     """
     mix, b = layer.fwd_ops, micro_batch_scale
-    gemm_all = gemm_core = 0.0
+    gemm_all = gemm_core = gemm_mlp = last_mlp = 0.0
     marks = mix.gemm_moe or [0] * len(mix.gemm_flops)
-    for flops, sharded, core, mark in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, marks, strict=True):
+    in_mlp = mix.gemm_mlp or [False] * len(mix.gemm_flops)
+    for flops, sharded, core, mark, mlp in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, marks, in_mlp,
+                                               strict=True):
         done = flops * b / (tp if sharded else 1) * (causal_fraction if core else 1.0)
         t = _gemm(done, gpu, gemm_dtype(dtype, layer.kind, core, bf16_expert=mark == 2 and not fp8_experts))
         gemm_all += t
         gemm_core += t if core else 0.0
+        gemm_mlp += t if mlp else 0.0
+        last_mlp = t if mlp else last_mlp
     hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
     overhead = gpu.efficiency.op_overhead_us * 1e-6
     if mix.other_bytes:  # the forward's split of memory traffic, applied to both passes
@@ -108,11 +114,15 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     hidden_dropout = 0.0
     if attention == "unfused" and layer.kind == "transformer_layer":  # two residual-branch dropouts
         hidden_dropout = 2 * 2.5 * layer.input_bytes * b / (tp if sp else 1) / hbm
-    fwd = gemm_all + traffic(mix) + core_fwd_traffic + hidden_dropout + elementwise * mix.kernels * overhead
+    fwd_traffic = traffic(mix)
+    fwd = gemm_all + fwd_traffic + core_fwd_traffic + hidden_dropout + elementwise * mix.kernels * overhead
     bwd_weight = gemm_all - gemm_core  # one weight-gradient GEMM per linear GEMM
     bwd_input = (gemm_all + gemm_core + traffic(layer.bwd_ops) + core_bwd_traffic + hidden_dropout
                  + elementwise * layer.bwd_ops.kernels * overhead)
-    return PassTimes(fwd=fwd, bwd_input=bwd_input, bwd_weight=bwd_weight, core_fwd=gemm_core + core_fwd_traffic)
+    mlp_traffic = fwd_traffic * mix.other_bytes_mlp / mix.other_bytes if mix.other_bytes else 0.0
+    mlp_fwd = gemm_mlp + mlp_traffic + elementwise * mix.kernels_mlp * overhead
+    return PassTimes(fwd=fwd, bwd_input=bwd_input, bwd_weight=bwd_weight, core_fwd=gemm_core + core_fwd_traffic,
+                     mlp_fwd=mlp_fwd, mlp_last_gemm=last_mlp)
 
 
 def measured_pass_times(fwd_ms: float, bwd_ms: float, estimate_tp1: PassTimes, estimate: PassTimes) -> PassTimes:
@@ -122,5 +132,8 @@ def measured_pass_times(fwd_ms: float, bwd_ms: float, estimate_tp1: PassTimes, e
     bwd = bwd_ms * 1e-3 * b_scale
     w_frac = estimate.bwd_weight / estimate.bwd if estimate.bwd else 0.0
     core_frac = estimate.core_fwd / estimate.fwd if estimate.fwd else 0.0
+    mlp_frac = estimate.mlp_fwd / estimate.fwd if estimate.fwd else 0.0
+    last_frac = estimate.mlp_last_gemm / estimate.fwd if estimate.fwd else 0.0
     fwd = fwd_ms * 1e-3 * f_scale
-    return PassTimes(fwd=fwd, bwd_input=bwd * (1 - w_frac), bwd_weight=bwd * w_frac, core_fwd=fwd * core_frac)
+    return PassTimes(fwd=fwd, bwd_input=bwd * (1 - w_frac), bwd_weight=bwd * w_frac, core_fwd=fwd * core_frac,
+                     mlp_fwd=fwd * mlp_frac, mlp_last_gemm=fwd * last_frac)

@@ -296,20 +296,45 @@ class CostModel:
             times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
         if moe_layer and fw.moe_kernels == "fused":  # the fused MoE kernels' traffic (fused_moe.py via moe.py)
             moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
-            times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b)
+            times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
+                                        mlp_fwd=times.mlp_fwd + moe_f)
+        # the MLP region's forward collectives (a dense layer's second TP region: attention's pops first), what
+        # MLP recomputation repeats; an MoE block has none (each rank routes its own sequence shard)
+        regions = [k for k, r in enumerate(layer.region_io) if r[0] == "region"]
+        mlp_region = regions[-1] if t > 1 and len(regions) >= 2 and not moe_layer else None
+        mlp_colls = [c for c in region_collectives(*layer.region_io[mlp_region], sp, fw.embedding_sp_reduce)
+                     if c.phase == "fwd"] if mlp_region is not None else []
+        # the forward collectives a recomputation repeats in backward: with an early-stopping checkpoint not the
+        # MLP's output reduce (nothing in the recomputed region saves its output; in a post-norm layer the
+        # following norm does, under full recomputation)
+        # An early-stopping checkpoint (Framework.recompute_early_stop) also skips a dense MLP's down projection:
+        # nothing after it saves its output in a pre-norm layer (or inside the recomputed MLP). An MoE block's
+        # output is a weighted sum of the experts' outputs, which keeps them: nothing skipped there.
+        skips_last = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
+            mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
+        last_skipped = skips_last and bool(mlp_colls)
+        if mode == "full":
+            again = [c for c in colls if c.phase == "fwd"]  # the MLP region's come last (it runs last)
+        else:
+            again = list(mlp_colls) if mode == "mlp" else []
+        if last_skipped and again:
+            again = again[:-1]
+        mlp_gemms = [f for f, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=False) if x]
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
-            working = layer_activation_bytes(layer, b, t, sp, "none", work.attention,
-                                             work.framework.sp_saves_gathered_input)
         elif mode == "selective":
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
-            recompute_time, rflops, working = times.core_fwd, core_flops * b, 0.0
+            recompute_time, rflops = times.core_fwd, core_flops * b
+        elif mode == "mlp":
+            recompute_time, rflops = times.mlp_fwd, sum(mlp_gemms) * b
         else:
-            recompute_time, rflops, working = 0.0, 0.0, 0.0
+            recompute_time, rflops = 0.0, 0.0
+        if skips_last:
+            recompute_time -= times.mlp_last_gemm
+            rflops -= mlp_gemms[-1] * b
         if work.overlap_tp:  # Megatron's async all-reduce of input gradients runs under the weight-gradient GEMMs
             tp_bwd = max(0.0, tp_bwd - times.bwd_weight)
-        if mode == "full":
-            tp_bwd += tp_fwd  # the recomputed forward's collectives
+        tp_bwd += sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in again)
         # context parallelism's K/V exchange (context_parallel.py), never hidden by the TP overlap above
         cpc = context_parallel.layer_cost(self, lay, place, mode, 4 if lay.dtype == "fp32" else 2,
                                           times.core_fwd) if layer.kind == "transformer_layer" else None
@@ -322,35 +347,36 @@ class CostModel:
         # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).
         host_costs = self._framework
         host = 0.0
-        if t > 1 and host_costs["tp_module"] > 0:
-            host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1.5 if mode == "full" else 1.0)
+        if t > 1 and host_costs["tp_module"] > 0:  # a recomputed forward calls its modules again
+            again = {"full": 0.5, "mlp": 0.25}.get(mode, 0.0)
+            host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1 + again)
         if self._fsdp_units(lay) and layer.kind == "transformer_layer":
             host += host_costs["fsdp_unit"]
         tp_fwd += host / 2
         tp_bwd += host / 2
-        repeat = {"fwd": 2.0 if mode == "full" else 1.0, "bwd": 1.0}  # full recomputation repeats the forward's
-        tp_traffic = tuple(sum(c.bytes * b * repeat[c.phase] for c in colls if c.op == kind)
+        tp_traffic = tuple(sum(c.bytes * b for c in colls + again if c.op == kind)
                            + (cpc.traffic.get(kind, 0.0) if cpc else 0.0) + epc.traffic.get(kind, 0.0)
                            for kind in TP_KINDS)
         # A pipeline send carries 1/t of the boundary with sequence parallelism (each rank its sequence
         # shard) or Megatron's scatter/gather; DTensor without SP sends the whole tensor from every TP rank.
         split = t if sp or fw.p2p_scatter_gather else 1
-        acts = layer_activation_bytes(layer, b, t, sp, mode, work.attention, fw.sp_saves_gathered_input)
-        if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
-            fused = fused_layer_bytes(work.spec, tokens, t, sp, mode, moe_layer)  # Transformer Engine's modules
-            if fused is not None:
-                acts = fused
-                if mode == "full":
-                    working = fused_layer_bytes(work.spec, tokens, t, sp, "none", moe_layer)
-        if cpc is not None:  # the whole sequence's K/V an attention kernel saves (all-gather form)
-            if mode == "full":
-                working += cpc.saved_bytes
-            else:
-                acts += cpc.saved_bytes
-        if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs
-            acts -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, mode, moe_layer)
-            if mode == "full":
-                working -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, "none", moe_layer)
+
+        def saved(u: str) -> float:
+            """Bytes the block keeps per micro-batch until its backward, in recomputation mode ``u``."""
+            kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input)
+            if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
+                fused = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer)  # Transformer Engine's modules
+                kept = kept if fused is None else fused
+            if cpc is not None and u != "full":  # the whole sequence's K/V an attention kernel saves (all-gather)
+                kept += cpc.saved_bytes
+            if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs
+                kept -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, u, moe_layer)
+            return kept
+
+        acts = saved(mode)
+        # while a block's backward runs, what its recomputation rebuilt: the whole forward's (full) or the MLP
+        # sublayer's (mlp) activations
+        working = saved("none") if mode == "full" else saved("none") - acts if mode == "mlp" else 0.0
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working

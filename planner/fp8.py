@@ -106,8 +106,12 @@ def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recomp
                        moe_layer: bool = False) -> float:
     """Bytes of one layer's activations per micro-batch that FP8 saves: the 16-bit copies of the linear inputs
     a TE stack keeps as FP8 instead (1 byte per element less); nothing for torchao or under full
-    recomputation (only the layer's input is kept)."""
+    recomputation (only the layer's input is kept); under MLP recomputation only the attention's linears keep
+    theirs."""
     if not framework.fp8_saves_fp8_inputs or recompute == "full":
         return 0.0
-    shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)
+    if recompute == "mlp":  # the attention's linears alone (layer_linears of an MoE layer without its experts)
+        shapes = layer_linears(spec, tp, sp, True, False)
+    else:
+        shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)
     return 0.0 if shapes is None else tokens * shapes.saved_inputs * 1.0

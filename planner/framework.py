@@ -92,6 +92,11 @@ class Framework:
     # weights, not the nn.Linear modules torchao's float8 conversion swaps: their GEMMs run in bf16
     # (compute.estimate_pass_times) and planner/fp8.py casts and saves nothing for them
     fp8_experts: bool = False
+    # Recomputation stops once backward's saved tensors are rebuilt (torch.utils.checkpoint's non-reentrant
+    # early stop: this executor, torchtitan), so a recomputed forward does not repeat a last collective whose
+    # output nothing saves (a pre-norm layer's MLP output reduce: reduce-scatter under SP, else all-reduce);
+    # Megatron's tensor_parallel.checkpoint and DeepSpeed's checkpointing rerun the whole function.
+    recompute_early_stop: bool = False
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -103,7 +108,7 @@ class Framework:
 
 
 PARAPLAN = Framework(
-    name="paraplan",
+    name="paraplan", recompute_early_stop=True,
     source="executor/data_parallel.py, pipeline.py, tensor_parallel.py, context_parallel.py (checked by execute "
            "--dry-run); FP8 as torchao's float8 training (tensorwise dynamic scaling, high-precision tensors saved)")
 
@@ -185,7 +190,7 @@ DEEPSPEED = Framework(
 TORCHTITAN = Framework(
     name="torchtitan", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
     dp_sync_pipelined="end", cp_comm="all_gather_overlap", fp8_saves_fp8_inputs=False, fp8_weight_bytes=0.0,
-    fp8_scaling="dynamic",
+    fp8_scaling="dynamic", recompute_early_stop=True,
     source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
            "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
 

@@ -18,9 +18,12 @@ Per token: 4h + 4h (the two norm + linear pairs) + 2(2a·d + 2kv·d) (attention)
 and MLP tensors are split over the tensor-parallel ranks, the norms' over them only with sequence parallelism.
 Korthikanti's 34·s·b·h for GPT (MHA, 4h MLP) is this count's 32·s·b·h plus the two residual dropout masks.
 With a flash kernel selective recomputation (Megatron's ``core_attn``) saves nothing more: there is no score
-matrix, and the kernel's inputs and output are kept by the linears around it. Full recomputation keeps the
-layer's input only. A layer whose MLP is a mixture of experts keeps its attention's part as above, the pre-MLP
-norm's input (2h) and what planner/fused_moe.py counts for the MoE block.
+matrix, and the kernel's inputs and output are kept by the linears around it. MLP recomputation (Megatron-
+Core's recompute_modules ``mlp``/``moe``: the sublayer runs under tensor_parallel.checkpoint) keeps the
+sublayer's input (2h: for a dense MLP the residual its fused norm + linear takes; for an MoE block the
+separate pre-MLP norm's output, beside that norm's input) instead of the sublayer's tensors. Full
+recomputation keeps the layer's input only. A layer whose MLP is a mixture of experts keeps its attention's
+part as above, the pre-MLP norm's input (2h) and what planner/fused_moe.py counts for the MoE block.
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, mo
         attention += 2 * (a * d + kv * d)
     if moe_layer:
         # the attention's norm + linear pair, the pre-MLP norm's input; each tensor-parallel rank routes its own
-        # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP)
-        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + (attention + fused_moe.saved_bytes(spec)) / tp)
+        # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP). Recomputing the MoE
+        # block (recompute_modules moe) keeps its input, the norm's output, instead of what the block saves.
+        block = 2 * h if recompute == "mlp" else fused_moe.saved_bytes(spec)
+        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + (attention + block) / tp)
     ffn = spec.ffn_size
     up = 2 * ffn if spec.family == "llama" else ffn
+    if recompute == "mlp":  # recompute_modules mlp: the checkpointed TE MLP keeps only its input (2h)
+        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + attention / tp)
     replicated = 4 * h + 4 * h  # the two norms' inputs and outputs
     mlp = 2 * up + 2 * ffn
     return tokens * (replicated / (tp if sp else 1) + (attention + mlp) / tp)

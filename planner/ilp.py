@@ -55,7 +55,7 @@ from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
 from .schedules import closed_form_makespan, in_flight, linear_makespan, rank_stages, stage_rank
 
-MODES_TRANSFORMER = ("none", "selective", "full")
+MODES_TRANSFORMER = ("none", "selective", "mlp", "full")
 MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
 # The solver's time per layout. Beyond it the solver returns its best split so far (CBC is warm-started
 # from the balanced split, so never worse than that); the exact pricing and local search then take over,

@@ -14,7 +14,7 @@ from paraplan.models import ModelSpec, TransformerSpec
 from .errors import InvalidLayout
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "mlp", "full")  # weakest to strongest (memory kept)
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: GEMMs in FP8, everything else in bf16 (planner/fp8.py)
 DP_MODES = ("allreduce", "ps")
 
@@ -79,7 +79,7 @@ class Layout:
         if self.zero:
             parts.append(f"z{self.zero}")
         if self.recompute != "none":
-            parts.append({"selective": "sel", "full": "full"}[self.recompute])
+            parts.append({"selective": "sel", "mlp": "mlp-rc", "full": "full"}[self.recompute])
         if self.sequence_parallel:
             parts.append("sp")
         if self.dp_mode == "ps":

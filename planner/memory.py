@@ -8,8 +8,10 @@ ZeRO-2 also the gradients, ZeRO-3 also the weights. Plain fp32 training keeps 4 
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, Table 2): what the
 profiler traced the layer to save, split into the part inside the tensor-parallel regions (divided by
 t) and the replicated rest (divided by t only with sequence parallelism). Selective recomputation keeps
-what is saved without the attention core's internals; full recomputation keeps only the layer's
-input (one checkpoint per layer) plus, while a layer's backward runs, that one layer's activations.
+what is saved without the attention core's internals; MLP recomputation (Megatron-Core's recompute_modules
+``mlp`` and ``moe``) keeps what "none" does less what the MLP sublayer produced and saved (its input stays,
+as the checkpoint's); full recomputation keeps only the layer's input (one checkpoint per layer) plus, while
+a layer's backward runs, that one layer's activations.
 With a fused (flash) attention kernel the score matrix is never saved, so "none" costs what
 "selective" does plus the core's output. With Megatron's ``unfused`` attention and dropout (the papers'
 setting) each layer also keeps its dropout masks: one byte per element of the two residual-branch
@@ -70,7 +72,14 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
         return layer.input_bytes * b / (tp if sp else 1)
     extra = 0.0
     if sp and gathered_inputs and tp > 1:
-        extra = sum(ib for style, ib, _, _ in layer.region_io if style in ("region", "vocab_head")) * b * (1 - 1 / tp)
+        gathered = [ib for style, ib, _, _ in layer.region_io if style in ("region", "vocab_head")]
+        if recompute == "mlp" and not layer.moe_params and len(gathered) >= 2:
+            gathered = gathered[:-1]  # the MLP region gathers its input inside the recomputed sublayer
+        extra = sum(gathered) * b * (1 - 1 / tp)
+    if recompute == "mlp":  # what "none" keeps, less what the MLP sublayer produced and saved
+        kept = layer_activation_bytes(layer, b, tp, sp, "none", attention)
+        dropped, dropped_sharded = layer.mlp_dropped_bytes, layer.mlp_dropped_bytes_sharded
+        return kept - b * (dropped_sharded / tp + (dropped - dropped_sharded) / (tp if sp else 1)) + extra
     if recompute == "selective" or attention == "flash":
         total, sharded = layer.activation_bytes_selective, layer.activation_bytes_selective_sharded
         if recompute == "none":  # a flash kernel keeps its output (and a small log-sum-exp) for backward

@@ -135,20 +135,23 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     fwd, bwd = layer.fwd_ops, layer.bwd_ops
     experts = [i for i, x in enumerate(fwd.gemm_moe) if x == 2]
     keep = experts[:len(experts) // ep]  # the rank's E/ep experts (balanced: all alike)
-    flops, sharded, core, marks = [], [], [], []
-    for f, s, c, m in zip(fwd.gemm_flops, fwd.gemm_sharded, fwd.gemm_core, fwd.gemm_moe, strict=True):
+    flops, sharded, core, marks, mlp = [], [], [], [], []
+    in_mlp = fwd.gemm_mlp or [False] * len(fwd.gemm_flops)
+    for f, s, c, m, x in zip(fwd.gemm_flops, fwd.gemm_sharded, fwd.gemm_core, fwd.gemm_moe, in_mlp, strict=True):
         if m == 2:
             continue
         flops.append(f)
         sharded.append(s or m > 0)
         core.append(c)
         marks.append(m)
+        mlp.append(x)
     # each expert's GEMMs at its own token count (a grouped GEMM runs them in one kernel, each problem at its size)
     routed = [fwd.gemm_flops[i] * ep * imbalance for i in keep]
     flops += routed
     sharded += [True] * len(routed)
     core += [False] * len(routed)
     marks += [2] * len(routed)  # still the routed experts' (compute.estimate_pass_times: their dtype under FP8)
+    mlp += [bool(fwd.gemm_mlp)] * len(routed)  # inside the MLP sublayer (where the profile says so)
     kernels_left = (fwd.kernels_expert * (1 - 1 / ep) if not framework.moe_grouped_gemm or not num_experts else
                     fwd.kernels_expert * (1 - 1 / num_experts))
     bwd_left = bwd.kernels * kernels_left / fwd.kernels if fwd.kernels else 0.0
@@ -159,9 +162,12 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     moe_fwd = fwd.other_bytes_moe if framework.moe_kernels == "fused" else 0
     moe_bwd = min(2 * moe_fwd, bwd.other_bytes - bwd.other_bytes_fixed)
     new_fwd = dataclasses.replace(fwd, gemm_flops=flops, gemm_sharded=sharded, gemm_core=core,
-                                  gemm_moe=marks, other_bytes=fwd.other_bytes - moe_fwd,
+                                  gemm_moe=marks, gemm_mlp=mlp if fwd.gemm_mlp else [],
+                                  other_bytes=fwd.other_bytes - moe_fwd,
                                   other_bytes_sharded=fwd.other_bytes_sharded + fwd.other_bytes_moe - moe_fwd,
-                                  kernels=round(fwd.kernels - kernels_left))
+                                  other_bytes_mlp=max(0, fwd.other_bytes_mlp - moe_fwd),
+                                  kernels=round(fwd.kernels - kernels_left),
+                                  kernels_mlp=max(0, round(fwd.kernels_mlp - kernels_left)))
     # the executor's per-expert weight gradients, profiled with all E experts on one rank: E/ep of them here,
     # none with a grouped GEMM (it writes each expert's gradient once, as the GEMM's own output)
     elem = 4 if lay.dtype == "fp32" else 2
@@ -171,9 +177,11 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
                                   other_bytes=round(bwd.other_bytes - moe_bwd - profiled + kept),
                                   other_bytes_fixed=round(bwd.other_bytes_fixed - profiled + kept))
     moe_saved = layer.activation_bytes_moe
+    # what MLP recomputation drops is the MoE block's own (each tensor-parallel rank routes its own tokens)
     return dataclasses.replace(layer, fwd_ops=new_fwd, bwd_ops=new_bwd,
                                activation_bytes_sharded=layer.activation_bytes_sharded + moe_saved,
-                               activation_bytes_selective_sharded=layer.activation_bytes_selective_sharded + moe_saved)
+                               activation_bytes_selective_sharded=layer.activation_bytes_selective_sharded + moe_saved,
+                               mlp_dropped_bytes_sharded=layer.mlp_dropped_bytes)
 
 
 def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float) -> tuple[float, float]:
@@ -269,7 +277,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
     elem = 4 if lay.dtype == "fp32" else 2
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     tokens = b * work.tokens_per_sample / lay.tp  # this rank's tokens of the micro-batch (b already over cp)
-    repeat = 1 if mode == "full" else 0
+    repeat = 1 if mode in ("full", "mlp") else 0  # both recompute the MoE block, its all-to-alls included
     traffic: dict[str, float] = {}
     fwd = bwd = 0.0
     if lay.ep > 1:

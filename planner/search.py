@@ -591,7 +591,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
 
 def _summary_mode(modes: list[str]) -> str:
     """The layout's recompute label: the heaviest mode any stage uses (the plan lists each stage's)."""
-    return next((u for u in ("full", "selective") if u in modes), "none")
+    return next((u for u in ("full", "mlp", "selective") if u in modes), "none")
 
 
 __all__ = ["Candidate", "SearchResult", "enumerate_layouts", "lower_bound", "modes_for", "search"]

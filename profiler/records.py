@@ -59,6 +59,11 @@ class OpMix:
     other_bytes_expert: int = 0  # inside the routed experts
     kernels_moe: int = 0
     kernels_expert: int = 0
+    # The layer's MLP sublayer (its dense MLP or MoE block, ``layers.N.mlp``/``.moe``): per GEMM whether it runs
+    # there, and the bytes moved and kernels run there — what MLP recomputation (``--recompute mlp``) repeats.
+    gemm_mlp: list[bool] = field(default_factory=list)
+    other_bytes_mlp: int = 0
+    kernels_mlp: int = 0
 
 
 @dataclass
@@ -88,6 +93,10 @@ class LayerProfile:
     inactive_params: int = 0
     moe_params: int = 0  # all parameters of the block's MoE blocks: router, routed and shared experts
     activation_bytes_moe: int = 0  # of activation_bytes (and of the selective ones), saved inside MoE blocks
+    # Of activation_bytes, what recomputing the MLP sublayer drops: the tensors it saves that it produced
+    # itself (its input, produced before it, is kept as the checkpoint's); 0 when not traced (= no saving).
+    mlp_dropped_bytes: int = 0
+    mlp_dropped_bytes_sharded: int = 0
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

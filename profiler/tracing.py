@@ -44,11 +44,14 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 class _OpRecorder(TorchDispatchMode):
     """Records each kernel's FLOPs (torch's formulas) or bytes moved, and who produced each tensor."""
 
-    def __init__(self, sharded_now: Callable[[], bool], moe_now: Callable[[], int] = lambda: 0):
+    def __init__(self, sharded_now: Callable[[], bool], moe_now: Callable[[], int] = lambda: 0,
+                 mlp_now: Callable[[], bool] = lambda: False):
         super().__init__()
         self.sharded_now = sharded_now
         self.moe_now = moe_now  # 0 outside an MoE block, 1 inside it, 2 inside its routed experts
+        self.mlp_now = mlp_now  # inside the layer's MLP sublayer (dense MLP or MoE block)
         self.moe_of: dict[int, int] = {}  # storage -> where it was produced (moe_now's values)
+        self.in_mlp: set[int] = set()  # storages produced inside the MLP sublayer
         self.mix = OpMix()
         self.producer: dict[int, tuple[bool, bool]] = {}  # storage -> (sharded, produced in attention core)
         self.core_inputs: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, sharded) fed into the core
@@ -59,7 +62,7 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if getattr(func, "is_view", False) or func.overloadpacket in (torch.ops.aten.detach,):
             return out
-        sharded, core, moe = self.sharded_now(), in_attention_core(), self.moe_now()
+        sharded, core, moe, mlp = self.sharded_now(), in_attention_core(), self.moe_now(), self.mlp_now()
         outs, ins = _tensors(out), _tensors(args)
         packet = func.overloadpacket
         if packet in flop_registry:
@@ -68,6 +71,7 @@ class _OpRecorder(TorchDispatchMode):
             self.mix.gemm_sharded.append(sharded)
             self.mix.gemm_core.append(core)
             self.mix.gemm_moe.append(moe)
+            self.mix.gemm_mlp.append(mlp)
             if core:
                 self.mix.core_scores_bytes = max(self.mix.core_scores_bytes, _nbytes(outs))
                 self.mix.core_output_bytes = _nbytes(outs)  # the last core GEMM's output is the core's
@@ -78,7 +82,9 @@ class _OpRecorder(TorchDispatchMode):
             self.mix.other_bytes_core += moved if core else 0
             self.mix.other_bytes_moe += moved if moe else 0
             self.mix.other_bytes_expert += moved if moe == 2 else 0
+            self.mix.other_bytes_mlp += moved if mlp else 0
         self.mix.kernels += 1
+        self.mix.kernels_mlp += int(mlp)
         self.mix.kernels_core += int(core)
         self.mix.kernels_moe += int(moe > 0)
         self.mix.kernels_expert += int(moe == 2)
@@ -90,6 +96,8 @@ class _OpRecorder(TorchDispatchMode):
         for t in outs:
             self.producer[_storage_key(t)] = (sharded, core)
             self.moe_of[_storage_key(t)] = moe
+            if mlp:
+                self.in_mlp.add(_storage_key(t))
             self.keep_alive.append(t)
         return out
 
@@ -109,6 +117,8 @@ class BlockTrace:
     output_bytes: int
     region_io: list[tuple[str, int, int, int]] = field(default_factory=list)  # (style, in/out bytes, tokens)
     saved_bytes_moe: int = 0  # saved inside MoE blocks (none of it in the attention core: selective keeps it)
+    saved_bytes_mlp: int = 0  # saved tensors the MLP sublayer produced (what recomputing it drops)
+    saved_bytes_mlp_sharded: int = 0
 
 
 class _ModuleStack:
@@ -119,11 +129,16 @@ class _ModuleStack:
         self.handles = []
         self.region_io: list[tuple[str, int, int, int]] = []
         self.moe: list[int] = []  # 1 inside an MoE block, 2 inside its routed experts (innermost last)
+        self.mlp_depth = 0  # > 0 inside the layer's MLP sublayer (the transformer layer's ``mlp`` or ``moe``)
+        ffn = getattr(block, "ffn_name", None)  # models/transformer.py's TransformerLayer names its MLP sublayer
         for name, mod in block.named_modules():
             fqn = f"{block_fqn}.{name}" if name else block_fqn
             style = style_of(fqn)
             self.handles.append(mod.register_forward_pre_hook(self._push(style)))
             self.handles.append(mod.register_forward_hook(self._pop(style)))
+            if ffn is not None and name == ffn:
+                self.handles.append(mod.register_forward_pre_hook(self._enter_mlp))
+                self.handles.append(mod.register_forward_hook(self._leave_mlp))
             tag = 2 if isinstance(mod, GroupedExperts) else 1 if isinstance(mod, MoE) else 0
             if tag:
                 self.handles.append(mod.register_forward_pre_hook(self._enter_moe(tag)))
@@ -151,6 +166,15 @@ class _ModuleStack:
     def _leave_moe(self, mod, args, out) -> None:
         self.moe.pop()
 
+    def _enter_mlp(self, mod, args) -> None:
+        self.mlp_depth += 1
+
+    def _leave_mlp(self, mod, args, out) -> None:
+        self.mlp_depth -= 1
+
+    def mlp_now(self) -> bool:
+        return self.mlp_depth > 0
+
     def moe_now(self) -> int:
         """0 outside an MoE block, 1 inside it (router, dispatch, shared experts), 2 in its routed experts."""
         return self.moe[-1] if self.moe else 0
@@ -175,7 +199,7 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     """
     params = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
     stack = _ModuleStack(block, block_fqn, style_of)
-    recorder = _OpRecorder(stack.sharded, stack.moe_now)
+    recorder = _OpRecorder(stack.sharded, stack.moe_now, stack.mlp_now)
     saved: dict[int, tuple[int, bool, bool]] = {}  # storage -> (bytes, sharded, produced in attention core)
     saved_in_moe: set[int] = set()  # storages an MoE block saved (it sees its own tokens: see planner/moe.py)
 
@@ -212,6 +236,9 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         stack.remove()
     # Selective recomputation (Korthikanti et al. 2022, Sec. 5) drops what the attention core saved and
     # keeps the core's inputs (Q, K, V) instead, where nothing else already saves them.
+    # Recomputing the MLP sublayer (Megatron-Core's recompute_modules mlp / moe) drops what it produced and
+    # saved; its input, produced before it, stays as the checkpoint's input.
+    mlp_dropped = [saved[key][:2] for key in saved if key in recorder.in_mlp]
     kept = [(b, s) for b, s, core in saved.values() if not core]
     kept += [(b, s) for key, (b, s) in recorder.core_inputs.items() if key not in saved and key not in params]
     return BlockTrace(
@@ -220,4 +247,5 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         saved_bytes_sharded=sum(b for b, s, _ in saved.values() if s),
         saved_bytes_selective=sum(b for b, _ in kept), saved_bytes_selective_sharded=sum(b for b, s in kept if s),
         input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io,
-        saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe))
+        saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe),
+        saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s))

@@ -298,3 +298,53 @@ def test_in_flight_shortcut_matches_the_full_walk(schedule, v):
             if schedule == "interleaved-1f1b" and m % max(1, m // p):
                 continue
             assert in_flight(schedule, p, v, m) == _in_flight(schedule, p, v, m)
+
+
+def _block(model: str, framework: str, mode: str, **layout):
+    from paraplan.planner.placement import layout_placement
+
+    work = Workload.create(model, "dgx-h100", 64, framework=framework)
+    lay = Layout(**{"dp": 1, "tp": 2, "pp": 1, "micro_batch": 1, "global_batch": 64, "sequence_parallel": True,
+                    **layout, "recompute": mode})
+    return CostModel(work).block_cost(1, lay, layout_placement(work.cluster, lay), mode)
+
+
+def test_mlp_recomputation_keeps_what_megatron_core_keeps():
+    """--recompute mlp under megatron-core (Transformer Engine's fused modules, planner/fused_activations.py):
+    per token a dense layer keeps its attention's norm + QKV pair (4h), the checkpointed MLP's input (2h) and
+    the attention's Q, K, V and output (2(a·d + 2·kv·d) + 2·a·d), the norms' part split by t under SP; the
+    MLP's 2·up + 2·ffn bytes are gone. Megatron's checkpoint reruns the MLP's whole forward: its GEMMs (3 of a
+    SwiGLU layer's 7 linears, 2·h·f FLOPs each per token) and its tensor-parallel all-gather again."""
+    spec = load_model_spec("llama2-7b")
+    h, a, kv, d, t, s = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_dim, 2, spec.seq_length
+    attention = 2 * (a * d + 2 * kv * d) + 2 * a * d
+    none, mlp, full = (_block("llama2-7b", "megatron-core", u) for u in ("none", "mlp", "full"))
+    assert mlp.act_bytes == pytest.approx(s * (6 * h / t + attention / t))
+    assert full.act_bytes < mlp.act_bytes < none.act_bytes
+    assert mlp.act_working == pytest.approx(none.act_bytes - mlp.act_bytes)  # the MLP's own, while it reruns
+    assert mlp.recompute_flops == pytest.approx(3 * 2 * s * h * spec.ffn_size)
+    assert 0 < mlp.recompute < full.recompute and full.recompute == pytest.approx(full.fwd)
+    assert none.tp_bwd < mlp.tp_bwd < full.tp_bwd
+
+
+def test_early_stopping_checkpoint_skips_the_last_mlp_linear():
+    """This executor's checkpoint (torch non-reentrant, early stop: tests/test_executor_units.py counts the
+    matmuls) does not rerun a pre-norm layer's MLP down projection, under full or MLP recomputation;
+    Megatron-Core's does. The skipped GEMM has 2·h·f FLOPs per token."""
+    spec = load_model_spec("llama2-7b")
+    down = 2 * spec.seq_length * spec.hidden_size * spec.ffn_size
+    for mode in ("full", "mlp"):
+        ours, megatron = _block("llama2-7b", "paraplan", mode), _block("llama2-7b", "megatron-core", mode)
+        assert megatron.recompute_flops - ours.recompute_flops == pytest.approx(down)
+    full = _block("llama2-7b", "paraplan", "full")
+    assert full.recompute < full.fwd
+
+
+def test_mlp_recomputation_of_an_moe_block_repeats_its_all_to_alls():
+    """Recomputing an MoE block (Megatron-Core's recompute_modules moe) reruns its dispatch and combine:
+    the all-to-all traffic of full recomputation, none of the attention's recomputation."""
+    none, mlp, full = (_block("mixtral-8x7b", "megatron-core", u, tp=1, sequence_parallel=False, dp=8, ep=8)
+                       for u in ("none", "mlp", "full"))
+    assert mlp.a2a_bytes == pytest.approx(full.a2a_bytes) and mlp.a2a_bytes > none.a2a_bytes
+    assert mlp.ep_time == pytest.approx(full.ep_time) and mlp.ep_time > none.ep_time
+    assert full.act_bytes < mlp.act_bytes < none.act_bytes and mlp.recompute < full.recompute

@@ -3,7 +3,7 @@ cost model's prediction beside it — peak memory within 10% on every traced ran
 
 The spread (benchmarks/bench_dry_run.py's) covers GPT and LLaMA, ZeRO 0-3, tensor parallelism with and
 without sequence parallelism, pipelines under 1F1B, interleaving and ZB-V, recomputation none / selective /
-full, with and without gradient accumulation. Sizes are small (4 layers, h=1024) so that tracing is quick; the
+mlp / full, with and without gradient accumulation. Sizes are small (4 layers, h=1024) so that tracing is quick; the
 model states, activations, logits and collectives all matter at that size.
 """
 
@@ -36,9 +36,9 @@ def _plan(tmp_path, model: str, batch: int, flags: str) -> str:
 
 
 # The default suite traces one plan of each kind (ZeRO-3 with full recomputation, TP with SP and selective
-# recomputation, ZB-V under ZeRO-2, context parallelism with TP, DeepSeek-style MoE under ZeRO-3);
-# the rest of the spread is marked slow (CI runs it).
-QUICK = {3, 5, 9, 11, len(bench.SPREAD) - 1}
+# recomputation, ZB-V under ZeRO-2, context parallelism with TP, TP with SP and MLP recomputation, DeepSeek-style
+# MoE under ZeRO-3); the rest of the spread is marked slow (CI runs it).
+QUICK = {3, 5, 9, 11, 14, len(bench.SPREAD) - 1}
 CASES = [pytest.param(c, marks=() if i in QUICK else pytest.mark.slow,
                       id=f"{c[0].rsplit('/', 1)[-1].removesuffix('.yaml')} {c[2]}") for i, c in enumerate(bench.SPREAD)]
 

@@ -32,6 +32,7 @@ CASES = {
         Case("gpt-tp2-sp", "gpt-tiny", tp=2, sequence_parallel=True, micro_batch=4),
         Case("llama-tp2-sp-selective", "llama-tiny", tp=2, sequence_parallel=True, recompute="selective",
              micro_batch=4),
+        Case("llama-tp2-sp-mlp", "llama-tiny", tp=2, sequence_parallel=True, recompute="mlp", micro_batch=4),
         Case("bert-tp2-sp", "bert-small", tp=2, sequence_parallel=True, micro_batch=4),  # post-norm, MLM head
         Case("mlp-dp2-zero3", "mlp-small", dp=2, zero=3),  # synthetic features and labels
         Case("mlp-pp2-gpipe", "mlp-small", pp=2, schedule="gpipe", micro_batch=2),

@@ -24,6 +24,7 @@ LOSS_CASES = {
         Case("mixtral-dp2-ep2-zero1", "mixtral-tiny", dp=2, ep=2, zero=1, micro_batch=2),
         Case("mixtral-dp2-ep2-zero3", "mixtral-tiny", dp=2, ep=2, zero=3, micro_batch=2),
         Case("deepseek-tp2-sp-ep2", "deepseek-tiny", tp=2, ep=2, sequence_parallel=True, micro_batch=4),
+        Case("mixtral-dp2-ep2-mlp", "mixtral-tiny", dp=2, ep=2, recompute="mlp", micro_batch=2),  # a2a rerun
     ],
     4: [
         Case("mixtral-dp2-pp2-ep2", "mixtral-tiny", dp=2, pp=2, ep=2, micro_batch=2),

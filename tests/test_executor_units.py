@@ -117,6 +117,26 @@ def test_recomputation_reruns_exactly_what_the_mode_says(model):
     assert full.get("aten.mm", 0) + full.get("aten.addmm", 0) > none.get("aten.mm", 0) + none.get("aten.addmm", 0)
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_recomputation_stops_early_as_the_cost_model_says(model):
+    """mlp reruns each layer's MLP forward in backward and nothing of the attention; torch's non-reentrant
+    checkpoint stops once the tensors backward needs are rebuilt, so the MLP's last linear (whose output
+    nothing saves) is not rerun — under mlp, and under full recomputation of these pre-norm layers: GELU MLPs
+    rerun 1 of their 2 linears, SwiGLU 2 of 3, full recomputation all linears but the last (one matmul each).
+    planner/costmodel.py prices this executor's recomputation so (Framework.recompute_early_stop)."""
+    spec = load_model_spec(model)
+    sdpa = "aten._scaled_dot_product_flash_attention_for_cpu"
+    none, mlp, full = (_backward_ops(model, m) for m in ("none", "mlp", "full"))
+
+    def matmuls(ops):
+        return ops.get("aten.mm", 0) + ops.get("aten.addmm", 0)
+
+    assert mlp.get(sdpa, 0) == 0
+    mlp_linears = 3 if spec.family == "llama" else 2
+    assert matmuls(mlp) - matmuls(none) == (mlp_linears - 1) * spec.num_layers
+    assert matmuls(full) - matmuls(none) == (4 + mlp_linears - 1) * spec.num_layers  # q, k, v, o and the MLP's
+
+
 def test_zero1_partition_is_balanced_and_complete():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 10, 500, 490, 7, 3)]
     owner = partition(params, 2)

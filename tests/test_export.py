@@ -53,7 +53,7 @@ MEGATRON_FLAGS = {
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--micro-batch-size",
     "--global-batch-size", "--bf16", "--fp16", "--fp8-format", "--use-distributed-optimizer", "--use-megatron-fsdp",
     "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers", "--train-iters", "--lr", "--save", "--load", "--save-interval", "--mock-data",
+    "--recompute-num-layers", "--recompute-modules", "--train-iters", "--lr", "--save", "--load", "--save-interval", "--mock-data",
     "--tokenizer-type", "--vocab-size",
 }
 
@@ -210,6 +210,13 @@ def test_megatron_zero3_full_recompute_and_uneven_pipeline(plans, tmp_path):
     mixed = p3d.replace(stage_recompute=["full"] + ["none"] * (len(p3d.stages) - 1))
     f, notes = megatron_export(mixed, tmp_path)
     assert f["--recompute-granularity"] == "full" and any("per stage" in n for n in notes)
+    # MLP recomputation: Megatron-Core's per-module recomputation of dense MLPs and MoE blocks, two words
+    mlp = p3d.replace(layout=p3d.layout.replace(recompute="mlp"), stage_recompute=None)
+    script = tmp_path / "mlp.sh"
+    script.write_text(export_plan(mlp, "megatron", "plan.json").text)
+    argv = megatron_argv(script)
+    at = argv.index("--recompute-modules")
+    assert argv[at + 1:at + 3] == ["mlp", "moe"] and argv[argv.index("--recompute-granularity") + 1] == "selective"
     # fp8, context parallelism, 1F1B with the planner's uneven split
     one = p3d.replace(layout=p3d.layout.replace(schedule="1f1b", virtual_stages=1, dtype="fp8", cp=2, dp=1),
                       stages=[p3d.stages[0] + p3d.stages[1], p3d.stages[2] + p3d.stages[3],

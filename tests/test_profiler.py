@@ -65,6 +65,32 @@ def test_gpt_layer_saved_activations_vs_korthikanti():
     assert layer.activation_bytes < korthikanti
 
 
+@pytest.mark.parametrize("name", ["gpt3-1.3b", "llama2-7b", "mixtral-tiny"])
+def test_mlp_recomputation_drops_what_the_mlp_produces(name):
+    """What recomputing the MLP sublayer drops, against Korthikanti et al. 2022, Sec. 4.1's per-tensor count.
+
+    GELU MLP (fp16): the MLP saves its input (2·s·b·h, produced by the norm before it: kept as the checkpoint's
+    input), the first linear's output for GeLU (8·s·b·h) and GeLU's output for the second linear (8·s·b·h):
+    16·s·b·h are dropped. SwiGLU with width f: silu's input w1·x, the product's operands silu(w1·x) and w3·x,
+    and the down projection's input: 4 tensors of s·b·f, 2 bytes each. An MoE block drops everything it saved
+    but its input (planner/moe.py's share). The MLP's GEMMs are the ones marked: 2 (GELU) or 3 (SwiGLU) per
+    dense layer, with FLOPs 2·s·b·h·f each."""
+    spec = load_model_spec(name)
+    b, s, h = 2, spec.seq_length, spec.hidden_size
+    prof = profile_model(spec, "meta", micro_batch=b, dtype="fp16")
+    layer = prof.layers[1]
+    if spec.num_experts:
+        inputs = b * s * h * 2  # the MoE block's input, saved by its router and kept
+        assert layer.mlp_dropped_bytes == layer.activation_bytes_moe - inputs
+        return
+    f = spec.ffn_size
+    expected = 16 * s * b * h if spec.family == "gpt" else 4 * s * b * f * 2
+    assert layer.mlp_dropped_bytes == expected
+    assert layer.mlp_dropped_bytes_sharded == expected  # all of it inside the tensor-parallel MLP region
+    mlp_gemms = [g for g, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=True) if x]
+    assert mlp_gemms == [2 * b * s * h * f] * (3 if spec.family == "llama" else 2)
+
+
 @pytest.mark.parametrize("t", [2, 4, 8])
 def test_tensor_parallel_view_of_a_gpt_layer(t):
     """Korthikanti et al. 2022 Eq. (2) (tensor parallel): sbh(10 + 24/t + 5as/(ht)); Eq. (4) with sequence

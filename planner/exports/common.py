@@ -19,7 +19,7 @@ from paraplan.models import ModelSpec, ModelSpecError, TransformerSpec, load_mod
 from ..errors import PlanError
 from ..plan import Plan
 
-RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "full": 2}
+RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "mlp": 2, "full": 3}
 
 
 class ExportRefused(PlanError):

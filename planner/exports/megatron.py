@@ -192,9 +192,19 @@ def training_args(plan: Plan, notes: list[str]) -> Args:
         notes.append(note)
     if mode == "selective":
         a.append(("--recompute-granularity", "selective"))
+    elif mode == "mlp":  # Megatron-Core's per-module recomputation: dense MLPs and MoE blocks
+        a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("mlp", "moe"))]
     elif mode == "full":
         a += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     return a
+
+
+def _value(value) -> str:
+    """A flag's value(s) as shell words: none for a switch, one per item of a tuple (argparse nargs)."""
+    if value is None:
+        return ""
+    items = value if isinstance(value, tuple) else (value,)
+    return "".join(f" {shlex.quote(str(v))}" for v in items)
 
 
 def _render(plan: Plan, plan_path: str, spec, groups: dict[str, Args], env: list[str], place) -> str:
@@ -207,7 +217,7 @@ def _render(plan: Plan, plan_path: str, spec, groups: dict[str, Args], env: list
     lines += env + ([""] if env else [])
     for name, args in groups.items():
         lines.append(f"{name}=(")
-        lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(str(value))}") for flag, value in args]
+        lines += [f"    {flag}" + _value(value) for flag, value in args]
         lines += [")", ""]
     lines += ["# Not decided by the plan: iterations, learning rate, checkpoints (--load resumes from the latest).",
               "RUN_ARGS=(",

@@ -187,6 +187,10 @@ def activation_checkpoint(plan: Plan, notes: list[str]) -> dict:
         notes.append(note)
     if mode == "selective":
         return {"mode": "selective", "selective_ac_option": "op"}
+    if mode == "mlp":  # torchtitan checkpoints whole blocks or ops, not one sublayer
+        notes.append("torchtitan has no MLP-only recomputation: full recomputation is used (fits, but slower than "
+                     "predicted)")
+        return {"mode": "full"}
     return {"mode": mode}
 
 
