@@ -53,8 +53,8 @@ MEGATRON_FLAGS = {
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--micro-batch-size",
     "--global-batch-size", "--bf16", "--fp16", "--fp8-format", "--use-distributed-optimizer", "--use-megatron-fsdp",
     "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers", "--recompute-modules", "--train-iters", "--lr", "--save", "--load", "--save-interval", "--mock-data",
-    "--tokenizer-type", "--vocab-size",
+    "--recompute-num-layers", "--recompute-modules", "--train-iters", "--lr", "--save", "--load", "--save-interval",
+    "--mock-data", "--tokenizer-type", "--vocab-size",
 }
 
 
