@@ -39,6 +39,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _recompute_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in RECOMPUTE]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected modes of {', '.join(RECOMPUTE)} separated by commas, got {text!r}")
+    return modes
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -169,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", choices=("cbc", "highs"), default=None,
                    help="the ILP solver tried first (the other takes over when it fails; default: "
                         "planner/ilp.py's SOLVER_ORDER)")
+    p.add_argument("--recompute-modes", metavar="M,M", type=_recompute_modes, default=None,
+                   help="recomputation modes the search may give stages, of none, selective, mlp, full (default: "
+                        "none,selective,full, and mlp too for mixture-of-experts models)")
     p.add_argument("--verify", action="store_true",
                    help="dry-run the top plan with the executor's own code (execute --dry-run): a plan whose traced "
                         "peak exceeds the GPU is dropped for the next (minutes for a large model)")

@@ -348,8 +348,8 @@ class CostModel:
         host_costs = self._framework
         host = 0.0
         if t > 1 and host_costs["tp_module"] > 0:  # a recomputed forward calls its modules again
-            again = {"full": 0.5, "mlp": 0.25}.get(mode, 0.0)
-            host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1 + again)
+            rerun = {"full": 0.5, "mlp": 0.25}.get(mode, 0.0)
+            host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1 + rerun)
         if self._fsdp_units(lay) and layer.kind == "transformer_layer":
             host += host_costs["fsdp_unit"]
         tp_fwd += host / 2

@@ -80,7 +80,7 @@ def run(args) -> int:
         bar.start()
     try:
         result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model,
-                        refine_slack=None if args.exhaustive else 0.05)
+                        refine_slack=None if args.exhaustive else 0.05, allowed_modes=args.recompute_modes)
         simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
         if result.best is None:
             raise PlanError(nothing_fits_message(result))
