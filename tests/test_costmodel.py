@@ -175,8 +175,8 @@ def test_korthikanti_six_activation_cases(gpt_layer, t):
 # ---------------- whole predictions ----------------
 
 
-def _predict(model, cluster, gb, nodes=None, **layout):
-    work = Workload.create(model, cluster, gb, nodes=nodes)
+def _predict(model, cluster, gb, nodes=None, framework="paraplan", **layout):
+    work = Workload.create(model, cluster, gb, nodes=nodes, framework=framework)
     lay = Layout(global_batch=gb, **layout)
     return simulate(work, lay)[0], work
 
@@ -198,10 +198,15 @@ def test_mfu_and_hfu_follow_korthikanti_appendix_a():
     denom = pred.iteration_time_s * 8 * 312e12
     assert pred.mfu == pytest.approx(model / denom, rel=1e-6)
     assert pred.hfu == pytest.approx(hw / denom, rel=1e-6)
-    full, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 32, nodes=1, dp=2, tp=2, pp=2, micro_batch=2, recompute="full")
-    # Narayanan et al. 2021 Eq. 3 counts a full recomputation: 96·B·s·l·h²(1 + s/(6h) + V/(16lh)).
+    # Narayanan et al. 2021 Eq. 3 counts Megatron's full recomputation: 96·B·s·l·h²(1 + s/(6h) + V/(16lh)).
     nar = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    assert full.hardware_tflops_per_gpu * 1e12 * full.iteration_time_s * 8 == pytest.approx(nar, rel=1e-6)
+    for framework, skipped in (("megatron-2021", 0), ("paraplan", 8 * B * s * L * h * h)):
+        # this executor's early-stopping checkpoint does not rerun the MLP's down projection: 2·s·4h·h FLOPs per
+        # layer and sample (tests/test_executor_units.py counts the matmuls it reruns)
+        full, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 32, nodes=1, framework=framework, dp=2, tp=2, pp=2,
+                           micro_batch=2, recompute="full")
+        done = full.hardware_tflops_per_gpu * 1e12 * full.iteration_time_s * 8
+        assert done == pytest.approx(nar - skipped, rel=1e-6)
 
 
 def test_175b_replicated_does_not_fit_and_says_so():
