@@ -31,28 +31,54 @@ from __future__ import annotations
 from . import fused_moe
 
 
+def mla_bytes(spec, tp: int, sp: bool) -> tuple[float, float]:
+    """(replicated, sharded) bytes per token Megatron-Core's multi-head latent attention keeps (MLASelfAttention,
+    megatron/core/transformer/multi_latent_attention.py, with TE modules): the input norm's input and output
+    (2h each; the down projections run on the sequence shard under SP and share the norm's output as input);
+    the query and key/value latents, each before and after its norm (2·(q_lora + kv_lora) twice: the up
+    projections are column-parallel, their latents sharded like the hidden states); the flash kernel's query and
+    key (a heads of qk_nope + qk_rope each), value (a·v_head) and output (a·v_head, shared with the output
+    projection). The rotary part of the key (qk_rope per token, gathered whole) is negligible and left out.
+    Without SP the latents and norms are replicated (the down projections run on every rank)."""
+    h, a = spec.hidden_size, spec.num_attention_heads
+    q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    latents = 4 * ((spec.q_lora_rank or 0) + spec.kv_lora_rank)
+    replicated = 2 * h + 2 * h + latents
+    sharded = 2 * a * (2 * q_head + spec.v_head_dim) + 2 * a * spec.v_head_dim
+    return replicated, sharded
+
+
 def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False) -> float | None:
-    """Bytes one rank keeps for ``tokens`` tokens through one transformer layer of ``spec`` (None: a layer this
-    accounting does not describe — MLA — whose traced bytes stand). ``moe_layer``: the layer's MLP is a
-    Megatron-Core MoE block (planner/fused_moe.py) behind its own pre-MLP norm."""
-    if getattr(spec, "mla", False):
-        return None
+    """Bytes one rank keeps for ``tokens`` tokens through one transformer layer of ``spec``. ``moe_layer``: the
+    layer's MLP is a Megatron-Core MoE block (planner/fused_moe.py) behind its own pre-MLP norm."""
     h, d, a, kv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.kv_heads
     if recompute == "full":
         return 2 * h * tokens / (tp if sp else 1)
+    if getattr(spec, "mla", False):  # the attention's norm and its tensors (mla_bytes), in the same two shares
+        norm_and_qkv, attention = mla_bytes(spec, tp, sp)
+        return tokens * (norm_and_qkv / (tp if sp else 1)) + _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer,
+                                                                           attention, replicated=0.0)
     attention = 2 * (a * d + 2 * kv * d) + 2 * a * d
     if getattr(spec, "qk_norm", False):  # the query and key norms keep their inputs
         attention += 2 * (a * d + kv * d)
+    return _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer, attention, replicated=4 * h)
+
+
+def _mlp_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool, attention: float,
+               replicated: float) -> float:
+    """The layer's bytes given its attention's (``attention`` sharded and ``replicated`` per token), with its MLP
+    sublayer's added."""
+    h = spec.hidden_size
     if moe_layer:
         # the attention's norm + linear pair, the pre-MLP norm's input; each tensor-parallel rank routes its own
         # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP). Recomputing the MoE
         # block (recompute_modules moe) keeps its input, the norm's output, instead of what the block saves.
         block = 2 * h if recompute == "mlp" else fused_moe.saved_bytes(spec)
-        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + (attention + block) / tp)
+        return tokens * ((replicated + 2 * h) / (tp if sp else 1) + (attention + block) / tp)
     ffn = spec.ffn_size
     up = 2 * ffn if spec.family == "llama" else ffn
     if recompute == "mlp":  # recompute_modules mlp: the checkpointed TE MLP keeps only its input (2h)
-        return tokens * ((4 * h + 2 * h) / (tp if sp else 1) + attention / tp)
-    replicated = 4 * h + 4 * h  # the two norms' inputs and outputs
+        return tokens * ((replicated + 2 * h) / (tp if sp else 1) + attention / tp)
+    replicated += 4 * h  # the MLP's norm + linear pair: the norm's input and output
     mlp = 2 * up + 2 * ffn
     return tokens * (replicated / (tp if sp else 1) + (attention + mlp) / tp)

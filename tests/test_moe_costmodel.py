@@ -405,3 +405,34 @@ def test_fp8_reaches_the_experts_only_where_the_stack_converts_them():
     assert bf16.fwd - fp8.fwd == pytest.approx(gap)
     assert bf16.bwd_weight - fp8.bwd_weight == pytest.approx(gap)  # one weight-gradient GEMM per forward GEMM
     assert not FRAMEWORKS["paraplan"].fp8_experts and FRAMEWORKS["megatron-core"].fp8_experts
+
+
+def test_megatron_core_mla_keeps_what_its_modules_save():
+    """Multi-head latent attention as Megatron-Core builds it (planner/fused_activations.py's mla_bytes), per
+    token, with DeepSeek-V3's config.json: h 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+    qk_rope 64, v_head 128. Replicated (split by t under SP): the input norm's input and output, 2 x 2·7168, and
+    the two latents before and after their norms, 4 x (1536 + 512) = 36,864 bytes. Sharded over t: query and key
+    (128 heads x 192), value and the kernel's output (128 x 128), 2 bytes each = 163,840 bytes."""
+    from paraplan.models import load_model_spec
+    from paraplan.planner.fused_activations import fused_layer_bytes, mla_bytes
+
+    spec = load_model_spec("deepseek-v3")
+    assert mla_bytes(spec, 2, True) == (36864, 163840)
+    tokens, h = 4096, spec.hidden_size
+    # an MoE layer under MLP recomputation adds the pre-MLP norm's input and output (2h each, split by t with SP)
+    mlp = fused_layer_bytes(spec, tokens, 2, True, "mlp", moe_layer=True)
+    assert mlp == pytest.approx(tokens * (36864 + 4 * h + 163840) / 2)
+
+
+@pytest.mark.parametrize("pp, recompute", [(8, "mlp"), (16, "none")])
+def test_deepseek_v3_published_h100_layouts_fit(pp, recompute):
+    """NVIDIA's dgxc-benchmarking DeepSeek-V3 H100 layouts (benchmarks/data/published_moe.yaml: 512 and 1024
+    GPUs, dp32 tp2 ep64 mb1, sequence 4096, bf16) ran on 80 GB GPUs, so they must be predicted to fit: the
+    1024-GPU one (pp16) without recomputation, the 512-GPU one (pp8, twice the layers per rank) with the MoE
+    blocks recomputed (its recipe's recompute_modules include moe)."""
+    work = Workload.create("deepseek-v3", "dgx-h100", 4096, nodes=32 * pp // 4, framework="megatron-core")
+    lay = Layout(dp=32, tp=2, pp=pp, ep=64, micro_batch=1, global_batch=4096, zero=1, sequence_parallel=True,
+                 recompute=recompute)
+    model = CostModel(work)
+    pred = model.evaluate(lay, default_stages(model, lay))
+    assert pred.fits, pred.peak_memory_gib
