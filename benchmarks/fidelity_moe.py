@@ -17,6 +17,10 @@ what a user would see. A second summary leaves out the rows the data file itself
 Caveat on "held out": the accounting of Megatron-Core's fused MoE kernels (planner/fused_moe.py: saved bytes
 and memory traffic, counted from the kernels, no free parameter) was written after every row here had been
 seen (it took the held-out MAPE from 15.6% to 13.0%); the rows judged the choice to model it, not a number in it.
+Likewise MLP recomputation (--recompute mlp) and Megatron-Core's MLA activation accounting
+(planner/fused_activations.py) were added after DeepSeek-V3's rows were predicted not to fit; both count what
+the modules save, with no free parameter. The tables do not say what a run recomputed: each row is priced with
+the lightest --recompute that fits (RECOMPUTE_ORDER), as a user holding only the table would.
 
 Rows left out, and why (printed too): B200 rows (no B200 spec), hybrid Mamba models (Nemotron 3: not a
 transformer family here), Llama 4 Maverick (every other layer is MoE: our specs put dense layers first only),
