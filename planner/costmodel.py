@@ -236,6 +236,22 @@ class Prediction:
         }
 
 
+def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: bool) -> list:
+    """The forward collectives of a dense layer under tensor parallelism that recomputation ``mode`` reruns in
+    backward: all of them (full; the MLP region's come last, as it runs last) or the MLP region's (mlp: the
+    layer's second TP region, attention's popping first), less the MLP's output reduce under an early-stopping
+    checkpoint."""
+    if mode == "full":
+        again = [c for c in colls if c.phase == "fwd"]
+    elif mode == "mlp":
+        regions = [r for r in layer.region_io if r[0] == "region"]
+        again = [c for c in region_collectives(*regions[-1], sp, fw.embedding_sp_reduce)
+                 if c.phase == "fwd"] if len(regions) >= 2 else []
+    else:
+        return []
+    return again[:-1] if early_stop and again else again
+
+
 class CostModel:
     """Prices layouts of one workload; caches per-block costs across calls (the search calls it a lot)."""
 
@@ -298,27 +314,14 @@ class CostModel:
             moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
             times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
                                         mlp_fwd=times.mlp_fwd + moe_f)
-        # the MLP region's forward collectives (a dense layer's second TP region: attention's pops first), what
-        # MLP recomputation repeats; an MoE block has none (each rank routes its own sequence shard)
-        regions = [k for k, r in enumerate(layer.region_io) if r[0] == "region"]
-        mlp_region = regions[-1] if t > 1 and len(regions) >= 2 and not moe_layer else None
-        mlp_colls = [c for c in region_collectives(*layer.region_io[mlp_region], sp, fw.embedding_sp_reduce)
-                     if c.phase == "fwd"] if mlp_region is not None else []
-        # the forward collectives a recomputation repeats in backward: with an early-stopping checkpoint not the
-        # MLP's output reduce (nothing in the recomputed region saves its output; in a post-norm layer the
-        # following norm does, under full recomputation)
-        # An early-stopping checkpoint (Framework.recompute_early_stop) also skips a dense MLP's down projection:
-        # nothing after it saves its output in a pre-norm layer (or inside the recomputed MLP). An MoE block's
-        # output is a weighted sum of the experts' outputs, which keeps them: nothing skipped there.
-        skips_last = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
+        # What recomputation reruns in backward. An early-stopping checkpoint (Framework.recompute_early_stop)
+        # stops once backward's tensors are rebuilt: nothing saves a dense MLP's down-projection output inside a
+        # recomputed MLP, nor after it in a pre-norm layer, so neither that GEMM nor its output reduce reruns; an
+        # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
+        early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
-        last_skipped = skips_last and bool(mlp_colls)
-        if mode == "full":
-            again = [c for c in colls if c.phase == "fwd"]  # the MLP region's come last (it runs last)
-        else:
-            again = list(mlp_colls) if mode == "mlp" else []
-        if last_skipped and again:
-            again = again[:-1]
+        again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 and not moe_layer else \
+            [c for c in colls if c.phase == "fwd"] if mode == "full" else []
         mlp_gemms = [f for f, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=False) if x]
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
@@ -329,7 +332,7 @@ class CostModel:
             recompute_time, rflops = times.mlp_fwd, sum(mlp_gemms) * b
         else:
             recompute_time, rflops = 0.0, 0.0
-        if skips_last:
+        if early_stop:
             recompute_time -= times.mlp_last_gemm
             rflops -= mlp_gemms[-1] * b
         if work.overlap_tp:  # Megatron's async all-reduce of input gradients runs under the weight-gradient GEMMs
