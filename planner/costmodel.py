@@ -237,10 +237,10 @@ class Prediction:
 
 
 def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: bool) -> list:
-    """The forward collectives of a dense layer under tensor parallelism that recomputation ``mode`` reruns in
-    backward: all of them (full; the MLP region's come last, as it runs last) or the MLP region's (mlp: the
-    layer's second TP region, attention's popping first), less the MLP's output reduce under an early-stopping
-    checkpoint."""
+    """The forward collectives of a layer under tensor parallelism that recomputation ``mode`` reruns in
+    backward: all of them (full; a dense MLP region's come last, as it runs last) or the MLP region's (mlp: a
+    dense layer's second TP region, attention's popping first; an MoE block has none, each rank routing its own
+    sequence shard), less the MLP's output reduce under an early-stopping checkpoint."""
     if mode == "full":
         again = [c for c in colls if c.phase == "fwd"]
     elif mode == "mlp":
@@ -320,9 +320,9 @@ class CostModel:
         # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
-        again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 and not moe_layer else \
-            [c for c in colls if c.phase == "fwd"] if mode == "full" else []
-        mlp_gemms = [f for f, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=False) if x]
+        again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []
+        mlp_gemms = [f for f, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=False) if x] \
+            if mode == "mlp" or early_stop else []
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
         elif mode == "selective":
@@ -368,8 +368,7 @@ class CostModel:
             """Bytes the block keeps per micro-batch until its backward, in recomputation mode ``u``."""
             kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input)
             if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
-                fused = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer)  # Transformer Engine's modules
-                kept = kept if fused is None else fused
+                kept = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer)  # Transformer Engine's modules
             if cpc is not None and u != "full":  # the whole sequence's K/V an attention kernel saves (all-gather)
                 kept += cpc.saved_bytes
             if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs

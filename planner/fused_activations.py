@@ -24,6 +24,7 @@ sublayer's input (2h: for a dense MLP the residual its fused norm + linear takes
 separate pre-MLP norm's output, beside that norm's input) instead of the sublayer's tensors. Full
 recomputation keeps the layer's input only. A layer whose MLP is a mixture of experts keeps its attention's
 part as above, the pre-MLP norm's input (2h) and what planner/fused_moe.py counts for the MoE block.
+Multi-head latent attention (DeepSeek) keeps what Megatron-Core's MLA modules save instead (:func:`mla_bytes`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 from . import fused_moe
 
 
-def mla_bytes(spec, tp: int, sp: bool) -> tuple[float, float]:
+def mla_bytes(spec) -> tuple[float, float]:
     """(replicated, sharded) bytes per token Megatron-Core's multi-head latent attention keeps (MLASelfAttention,
     megatron/core/transformer/multi_latent_attention.py, with TE modules): the input norm's input and output
     (2h each; the down projections run on the sequence shard under SP and share the norm's output as input);
@@ -48,14 +49,14 @@ def mla_bytes(spec, tp: int, sp: bool) -> tuple[float, float]:
     return replicated, sharded
 
 
-def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False) -> float | None:
+def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False) -> float:
     """Bytes one rank keeps for ``tokens`` tokens through one transformer layer of ``spec``. ``moe_layer``: the
     layer's MLP is a Megatron-Core MoE block (planner/fused_moe.py) behind its own pre-MLP norm."""
     h, d, a, kv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.kv_heads
     if recompute == "full":
         return 2 * h * tokens / (tp if sp else 1)
     if getattr(spec, "mla", False):  # the attention's norm and its tensors (mla_bytes), in the same two shares
-        norm_and_qkv, attention = mla_bytes(spec, tp, sp)
+        norm_and_qkv, attention = mla_bytes(spec)
         return tokens * (norm_and_qkv / (tp if sp else 1)) + _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer,
                                                                            attention, replicated=0.0)
     attention = 2 * (a * d + 2 * kv * d) + 2 * a * d

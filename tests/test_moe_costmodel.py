@@ -417,7 +417,7 @@ def test_megatron_core_mla_keeps_what_its_modules_save():
     from paraplan.planner.fused_activations import fused_layer_bytes, mla_bytes
 
     spec = load_model_spec("deepseek-v3")
-    assert mla_bytes(spec, 2, True) == (36864, 163840)
+    assert mla_bytes(spec) == (36864, 163840)
     tokens, h = 4096, spec.hidden_size
     # an MoE layer under MLP recomputation adds the pre-MLP norm's input and output (2h each, split by t with SP)
     mlp = fused_layer_bytes(spec, tokens, 2, True, "mlp", moe_layer=True)
