@@ -57,8 +57,8 @@ from .schedules import closed_form_makespan, in_flight, linear_makespan, rank_st
 
 # The recomputation modes the search tries by default: MLP recomputation (Megatron-Core's recompute_modules
 # mlp/moe) for mixtures of experts, whose MoE blocks hold most of a layer's activations; for dense models it
-# added 16-40% to the search (llama2-70b on 64 H100s, the 1T GPT) without changing their plans, so there it
-# is tried on request (plan --recompute-modes). Every mode: planner/layout.py's RECOMPUTE.
+# added 16% and 39% to the search's function calls (llama2-70b on 64 H100s, the 1T GPT) without changing their
+# plans, so it is tried on request (plan --recompute-modes). Every mode: planner/layout.py's RECOMPUTE.
 MODES_TRANSFORMER = ("none", "selective", "full")
 MODES_MOE = ("none", "selective", "mlp", "full")
 MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
