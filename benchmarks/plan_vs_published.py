@@ -42,7 +42,7 @@ def main() -> int:
         theirs = published.predict(run)
         lay = theirs.layout
         work = Workload.create(run.spec, "dgx-h100", lay.global_batch, nodes=max(1, run.gpus // 8),
-                               framework="megatron-core")
+                               framework="megatron-core", **run.switches)
         t = time.perf_counter()
         result = search(work, run.gpus, top_k=1, dtype=lay.dtype)
         took = time.perf_counter() - t

@@ -55,6 +55,13 @@ PRESETS = {"llama3.1-8b": "llama3-8b", "llama3-8b": "llama3-8b", "llama3.1-70b":
 # Virtual pipeline stages a recipe uses where one release's table leaves them out (dgxc-benchmarking's
 # nemotron4-340b: VP 12 at v24.11.1 and v25.05, printed NA at v25.04.01).
 VIRTUAL_STAGES = {"nemotron4-340b": 12}
+# Recipe settings the tables leave out, read from the config the benchmark runs, given as the CLI's switches:
+# dgxc-benchmarking's Nemotron-4 340B under the NeMo 1.0 launcher runs nemotron/nemotron4-340b-synth.yaml
+# (configure.sh: --config-name=${MODEL}-${MODEL_SIZE}-synth), whose optim is distributed_fused_adam with
+# dtype: bf16 — Apex's DistributedFusedAdam then keeps a bf16 copy of the weights and bf16 moments
+# (store_params defaults to True): --optimizer-states bf16. Its other NeMo 1.0 configs (GPT-3 175B, Nemotron-4
+# 15B) keep fp32 optimizer states, the profile's default.
+RECIPE_SWITCHES = {("nemotron4-340b", "NeMo-Megatron launcher"): {"optimizer_states": "bf16"}}
 
 
 @dataclass
@@ -72,6 +79,7 @@ class Run:
     recompute_stated: bool
     group: str = ""  # model / dtype / framework: what the fit selects by
     notes: list[str] = field(default_factory=list)
+    switches: dict = field(default_factory=dict)  # the recipe's framework switches (RECIPE_SWITCHES)
 
 
 def _int(x) -> int | None:
@@ -179,15 +187,18 @@ def h100_runs() -> tuple[list[Run], list[tuple[str, str]]]:
                       sequence_parallel=bool(sp) if isinstance(sp, bool) else tp > 1,
                       zero=1 if dp * cp > 1 else 0, recompute=_recompute(row) or "none")
         model = str(row["model"]).split(" ")[0]
+        switches = next((sw for (name, stack), sw in RECIPE_SWITCHES.items()
+                         if name == model and str(row.get("framework", "")).startswith(stack)), {})
         runs.append(Run(id=rid, source=str(row.get("source", "")), model=model, spec=spec.replace(seq_length=seq),
                         gpus=gpus, framework=framework, layout=layout, seq_len=seq, measured=measured, value=value,
-                        recompute_stated=_recompute(row) is not None, group=f"{model}/{dtype}"))
+                        recompute_stated=_recompute(row) is not None, group=f"{model}/{dtype}", switches=switches))
     return runs, skipped
 
 
 @cache
-def _workload(spec_key, framework: str, nodes: int, global_batch: int, cluster: str) -> Workload:
-    return Workload.create(spec_key[0].spec, cluster, global_batch, nodes=nodes, framework=framework)
+def _workload(spec_key, framework: str, nodes: int, global_batch: int, cluster: str,
+              switches: tuple = ()) -> Workload:
+    return Workload.create(spec_key[0].spec, cluster, global_batch, nodes=nodes, framework=framework, **dict(switches))
 
 
 @dataclass
@@ -205,7 +216,8 @@ def predict(run: Run, cluster: str = "dgx-h100", efficiency=None) -> Predicted:
     import dataclasses
 
     nodes = max(1, math.ceil(run.gpus / 8))
-    work = _workload((_Hashable(run.spec),), run.framework, nodes, run.layout["global_batch"], cluster)
+    work = _workload((_Hashable(run.spec),), run.framework, nodes, run.layout["global_batch"], cluster,
+                     tuple(sorted(run.switches.items())))
     if efficiency is not None:
         gpu = dataclasses.replace(work.cluster.gpu, efficiency=efficiency)
         work = dataclasses.replace(work, cluster=dataclasses.replace(work.cluster, gpu=gpu), _profiles=work._profiles)

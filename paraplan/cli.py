@@ -97,6 +97,11 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
     p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="keep and reduce gradients in fp32 (--no-...: in the 16-bit training dtype) (overrides "
                         "the framework)")
+    p.add_argument("--optimizer-states", choices=("fp32", "bf16-moments", "bf16"),
+                   help="Adam's state in 16-bit training: fp32 master weights and moments (12 B per parameter), "
+                        "fp32 master with bf16 moments (8 B; Megatron's precision-aware optimizer), or 16-bit master "
+                        "and bf16 moments (6 B; NeMo's distributed_fused_adam with dtype bf16) (overrides the "
+                        "framework)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine first when no calibration of it exists (local cluster, "
                         "validate); predictions are then labelled uncalibrated (env: PARAPLAN_NO_CALIBRATE=1)")

@@ -33,12 +33,19 @@ from .placement import Placement, consecutive_group
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 # Optimizer step traffic per parameter of the shard a rank updates (Adam):
-# - "zero" states (Megatron): fp32 master weights, momentum and variance read and written (24 B), the fp32
-#   gradient read (4 B), the 16-bit weights written (2 B), the gradient-norm clip reading the gradient
-#   again and zeroing writing it (8 B);
+# - "zero" states (Megatron): master weights, momentum and variance read and written (2 x 12 B in fp32,
+#   Framework.master_bytes + moment_bytes), the fp32 gradient read (4 B), the 16-bit weights written (2 B), the
+#   gradient-norm clip reading the gradient again and zeroing writing it (8 B);
 # - "executor" states (torch AdamW on fp32 weights, no clipping, gradients freed): weights, momentum and
 #   variance read and written (24 B), the gradient read (4 B).
 ADAM_BYTES_PER_PARAM = {"zero": 38, "executor": 28}
+
+
+def adam_bytes_per_param(framework) -> float:
+    """Optimizer step traffic per updated parameter (ADAM_BYTES_PER_PARAM, with the stack's state sizes)."""
+    if framework.states == "executor":
+        return ADAM_BYTES_PER_PARAM["executor"]
+    return ADAM_BYTES_PER_PARAM["zero"] - 2 * (12 - framework.master_bytes - framework.moment_bytes)
 
 
 def grad_bytes(work, lay: Layout) -> int:
@@ -167,7 +174,7 @@ def _parameter_servers(model, lay: Layout, place: Placement, ge: int) -> Exposur
     in_node = lay.world_size <= cluster.gpus_per_node
     steps = 1 if lay.ps_staleness == 0 else lay.dp
     hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
-    update = Affine(params=steps * ADAM_BYTES_PER_PARAM[work.framework.states] / lay.ps_servers / hbm)
+    update = Affine(params=steps * adam_bytes_per_param(work.framework) / lay.ps_servers / hbm)
     sync = Sync("send_recv", lambda n: comm.parameter_server_sync(n, lay.num_gpus, lay.ps_servers, cluster, in_node,
                                                                    place.gpus_per_node_busy),
                 per_param=ge, extra=update)
@@ -186,7 +193,7 @@ def optimizer_step(model, lay: Layout) -> Affine:
         share = 0.0
     else:
         share = 1.0 / lay.data_ranks if lay.zero >= 1 else 1.0
-    per_param = share * ADAM_BYTES_PER_PARAM[work.framework.states] / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+    per_param = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
     return Affine(const=gpu.efficiency.framework("step"), params=per_param)
 
 

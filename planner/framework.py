@@ -20,6 +20,15 @@ from .errors import PlanError
 
 CP_COMM = ("all_gather", "ring", "all_gather_overlap")
 MOE_DISPATCHERS = ("alltoall", "hybridep")
+# Adam's state in 16-bit training (``--optimizer-states``), bytes per parameter as (master weights, both moments):
+# "fp32" = fp32 master weights and moments (ZeRO's K = 12, Rajbhandari et al. 2020 Sec. 3.1; Megatron-LM's
+# distributed optimizer by default); "bf16-moments" = fp32 master weights, bf16 moments (Megatron-Core's
+# --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 where Megatron keeps the fp32
+# master itself: FP8 recipes other than delayed scaling); "bf16" = 16-bit master weights and bf16 moments (Apex
+# DistributedFusedAdam with dtype=bf16, NeMo 1.0's distributed_fused_adam: a bf16 copy of the weights and bf16
+# moments; or Transformer Engine's FusedAdam under the precision-aware optimizer with bf16 weights, which keeps
+# the fp32 master as its 16 low bits beside them, optimizer_config.py store_param_remainders).
+OPTIMIZER_STATES = {"fp32": (4, 8), "bf16-moments": (4, 4), "bf16": (2, 4)}
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,10 @@ class Framework:
     # output nothing saves (a pre-norm layer's MLP output reduce: reduce-scatter under SP, else all-reduce);
     # Megatron's tensor_parallel.checkpoint and DeepSpeed's checkpointing rerun the whole function.
     recompute_early_stop: bool = False
+    # Adam's state under ZeRO's accounting ("zero" states; OPTIMIZER_STATES): bytes per parameter of the master
+    # weights (16-bit training only) and of the two moments (memory.state_bytes, dp_sync.optimizer_step)
+    master_bytes: int = 4
+    moment_bytes: int = 8
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -199,11 +212,12 @@ FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATR
 
 def framework(profile: str | Framework, attention: str | None = None, overlap_dp: bool | None = None,
               overlap_tp: bool | None = None, moe_dispatcher: str | None = None, moe_a2a_overlap: bool | None = None,
-              grad_reduce_in_fp32: bool | None = None) -> Framework:
+              grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
-    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``: the settings of a
-    recipe, Megatron-Bridge's names). Switches a stack cannot run are refused, not priced: this executor (and
-    torchtitan) dispatch tokens with one all-to-all each way, exposed, and reduce fp32 gradients."""
+    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``,
+    ``--optimizer-states``: the settings of a recipe, Megatron-Bridge's names where it has them). Switches a stack
+    cannot run are refused, not priced: this executor (and torchtitan) dispatch tokens with one all-to-all each
+    way, exposed, reduce fp32 gradients and keep torch's Adam state in fp32."""
     if isinstance(profile, Framework):
         fw = profile
     elif profile in FRAMEWORKS:
@@ -215,6 +229,11 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                if v is not None}
     if grad_reduce_in_fp32 is not None:
         changes["grad_bytes"] = 4 if grad_reduce_in_fp32 else 2
+    if optimizer_states is not None:
+        if optimizer_states not in OPTIMIZER_STATES:
+            raise PlanError(f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, "
+                            f"got {optimizer_states!r}")
+        changes["master_bytes"], changes["moment_bytes"] = OPTIMIZER_STATES[optimizer_states]
     if changes.get("attention", fw.attention) not in ATTENTION_KERNELS:
         raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
     if changes.get("moe_dispatcher", fw.moe_dispatcher) not in MOE_DISPATCHERS:
@@ -222,9 +241,10 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
     if fw.states == "executor":
         for flag, key, runs in (("--moe-dispatcher hybridep", "moe_dispatcher", "alltoall"),
                                 ("--moe-a2a-overlap", "moe_a2a_overlap", False),
-                                ("--no-grad-reduce-in-fp32", "grad_bytes", fw.grad_bytes)):
+                                ("--no-grad-reduce-in-fp32", "grad_bytes", fw.grad_bytes),
+                                (f"--optimizer-states {optimizer_states}", "moment_bytes", fw.moment_bytes)):
             if changes.get(key, runs) != runs:
-                raise PlanError(f"{flag}: the {fw.name} stack does not run it (it reduces fp32 gradients and "
-                                "dispatches tokens with one exposed all-to-all each way); price a stack that does, "
-                                "e.g. --framework megatron-core")
+                raise PlanError(f"{flag}: the {fw.name} stack does not run it (it reduces fp32 gradients, keeps "
+                                "Adam's state in fp32 and dispatches tokens with one exposed all-to-all each way); "
+                                "price a stack that does, e.g. --framework megatron-core")
     return fw.replace(**changes) if changes else fw

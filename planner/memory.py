@@ -37,18 +37,21 @@ FRAMEWORK_GIB = {"gpu": 1.5, "cpu": 0.3}
 FRAGMENTATION = 0.05
 
 
-def state_bytes_per_param(dtype: str, grad_bytes: int = 2) -> tuple[int, int, int]:
+def state_bytes_per_param(dtype: str, grad_bytes: int = 2, master_bytes: int = 4,
+                          moment_bytes: int = 8) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per parameter for Adam in this training dtype; ``grad_bytes``:
     the gradient buffer's bytes per element in 16-bit training (2 in ZeRO's accounting; 4 where the stack
     accumulates and reduces fp32 gradients: Megatron-LM's "bf16 parameters, fp32 gradients: 6 + 12/d" of its
-    distributed optimizer, docs/api-guide/dist_optimizer.md)."""
-    return (4, 4, 8) if dtype == "fp32" else (2, grad_bytes, 12)
+    distributed optimizer, docs/api-guide/dist_optimizer.md). ``master_bytes``, ``moment_bytes``: the optimizer's
+    copy of the weights (16-bit training only: fp32 training updates its weights in place) and Adam's two
+    moments (framework.OPTIMIZER_STATES; 4 + 8 = ZeRO's K = 12)."""
+    return (4, 4, moment_bytes) if dtype == "fp32" else (2, grad_bytes, master_bytes + moment_bytes)
 
 
 def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_on_servers: bool = False,
-                      grad_bytes: int = 2) -> tuple[float, float, float]:
+                      grad_bytes: int = 2, master_bytes: int = 4, moment_bytes: int = 8) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes on one rank holding ``params`` parameters (ZeRO Sec. 5)."""
-    w, g, o = state_bytes_per_param(dtype, grad_bytes)
+    w, g, o = state_bytes_per_param(dtype, grad_bytes, master_bytes, moment_bytes)
     weights, grads, opt = params * w, params * g, params * o
     if optimizer_on_servers:
         return weights, grads, 0.0
@@ -148,7 +151,8 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     fp8 = framework.fp8_weight_bytes if dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
     if framework.states != "executor":
         w, g, o = model_state_bytes(1.0, dtype, zero, dp, optimizer_on_servers=dp_mode == "ps",
-                                    grad_bytes=framework.grad_bytes)
+                                    grad_bytes=framework.grad_bytes, master_bytes=framework.master_bytes,
+                                    moment_bytes=framework.moment_bytes)
         elem = 4 if dtype == "fp32" else 2
         return StateBytes(w + fp8, g, o, unit_weights=2 * elem if zero == 3 and dp > 1 else 0.0)
     mixed = dtype != "fp32"

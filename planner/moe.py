@@ -389,12 +389,12 @@ def tp_summed_exposure(model, lay: Layout, place: Placement) -> Exposure | None:
 def expert_optimizer_step(model, lay: Layout) -> Affine:
     """Adam's memory traffic over the expert shard a rank updates (all its experts, 1/edp with ZeRO): the
     expert side of dp_sync.optimizer_step."""
-    from .dp_sync import ADAM_BYTES_PER_PARAM
+    from .dp_sync import adam_bytes_per_param
 
     work = model.work
     gpu = work.cluster.gpu
     if lay.dp_mode == "ps" or not getattr(work.spec, "is_moe", False):
         return Affine()
     share = 1.0 / edp(lay) if lay.zero >= 1 else 1.0
-    return Affine(experts=share * ADAM_BYTES_PER_PARAM[work.framework.states]
+    return Affine(experts=share * adam_bytes_per_param(work.framework)
                   / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound))

@@ -80,6 +80,41 @@ def test_megatron_core_distributed_optimizer_bytes():
     assert per.per_param == pytest.approx(2 + 2 + 12 / 8)
 
 
+def test_optimizer_states_in_16_bits():
+    """Adam's state per parameter (--optimizer-states): K = 12 in fp32 (ZeRO Sec. 3.1: master weights, momentum,
+    variance); Megatron-Core's precision-aware optimizer with bf16 exp_avg and exp_avg_sq keeps the fp32 master
+    (4 + 2 + 2 = 8); Apex DistributedFusedAdam with dtype bf16 (NeMo 1.0's distributed_fused_adam) a bf16 copy of
+    the weights and bf16 moments (2 + 2 + 2 = 6). ZeRO 1 shards it over dp; fp32 training has no master copy.
+    The optimizer step moves each state byte twice (read and write), so it gets cheaper by twice the saving."""
+    from paraplan.planner.dp_sync import optimizer_step
+
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
+    for states, k, moments in (("fp32", 12, 8), ("bf16-moments", 8, 4), ("bf16", 6, 4)):
+        fw = framework("megatron-core", optimizer_states=states)
+        assert state_bytes(fw, lay).per_param == pytest.approx(2 + 2 + k / 8)
+        assert state_bytes(fw, lay.replace(dtype="fp32")).per_param == pytest.approx(4 + 4 + moments / 8)
+    work = lambda s: Workload.create(MODEL, "dgx-h100", 64, framework="megatron-core", optimizer_states=s)  # noqa: E731
+    step = {s: optimizer_step(CostModel(work(s)), lay).params for s in ("fp32", "bf16")}
+    hbm = 3350e9 * CostModel(work("fp32")).work.cluster.gpu.efficiency.memory_bound  # H100 SXM HBM3
+    assert step["fp32"] - step["bf16"] == pytest.approx(2 * (12 - 6) / 8 / hbm, rel=1e-3)
+    with pytest.raises(PlanError, match="--optimizer-states must be one of"):
+        framework("megatron-core", optimizer_states="fp8")
+
+
+def test_optimizer_states_from_the_cli_and_refused_by_this_executor():
+    """simulate --optimizer-states bf16 halves the optimizer memory of a megatron-core ZeRO-0 run (12 -> 6 B per
+    parameter); this executor keeps torch's fp32 Adam state and refuses the switch in one line."""
+    from conftest import assert_one_line_error, run_cli, run_cli_json
+
+    args = ["simulate", "--model", MODEL, "--cluster", "dgx-h100", "--global-batch", "64", "--dp", "8", "--tp",
+            "1", "--pp", "1", "--micro-batch", "1"]
+    plain = run_cli_json(*args, "--framework", "megatron-core")
+    halved = run_cli_json(*args, "--framework", "megatron-core", "--optimizer-states", "bf16")
+    assert halved["memory_gib"]["optimizer"] == pytest.approx(plain["memory_gib"]["optimizer"] / 2, rel=1e-9)
+    assert halved["memory_gib"]["params"] == pytest.approx(plain["memory_gib"]["params"], rel=1e-9)
+    assert_one_line_error(run_cli(*args, "--optimizer-states", "bf16"), "--optimizer-states bf16", "megatron-core")
+
+
 def _items(model: CostModel, lay: Layout):
     return dp_exposures(model, lay, layout_placement(model.work.cluster, lay), 0.0, 0.0)
 
