@@ -20,7 +20,9 @@ seen (it took the held-out MAPE from 15.6% to 13.0%); the rows judged the choice
 Likewise MLP recomputation (--recompute mlp) and Megatron-Core's MLA activation accounting
 (planner/fused_activations.py) were added after DeepSeek-V3's rows were predicted not to fit; both count what
 the modules save, with no free parameter. The tables do not say what a run recomputed: each row is priced with
-the lightest --recompute that fits (RECOMPUTE_ORDER), as a user holding only the table would.
+the lightest --recompute that fits (RECOMPUTE_ORDER), as a user holding only the table would. The DeepSeek-V3
+25.09 row's switches (RECIPES) were read from that release's performance script after the row was seen +58%
+off (its all-to-all overlap); they are the recipe's settings, not numbers chosen for the row.
 
 Rows left out, and why (printed too): B200 rows (no B200 spec), hybrid Mamba models (Nemotron 3: not a
 transformer family here), Llama 4 Maverick (every other layer is MoE: our specs put dense layers first only),
@@ -54,13 +56,25 @@ FIT = ("dgxc-v24.11.1-grok1-314b-bf16-32gpu", "mbridge-26.04-h100-qwen3_30b_a3b-
 # qwen3_workload_base_configs.py and qwen3_llm_pretrain.py, deepseek/deepseek_workload_base_configs.py, at the
 # commits the code search stores), applied to the rows whose layout is the recipe's: the token dispatcher
 # (moe_token_dispatcher_type "flex" with moe_flex_dispatcher_backend "hybridep", or "alltoall"),
-# moe_a2a_overlap, and Qwen3's grad_reduce_in_fp32 = False (16-bit gradient buffers), given as the CLI's switches
-# (--moe-dispatcher, --moe-a2a-overlap, --grad-reduce-in-fp32). Rows of other layouts (earlier recipe versions)
-# keep the profile's defaults (alltoall, no overlap).
+# moe_a2a_overlap, Qwen3's grad_reduce_in_fp32 = False (16-bit gradient buffers) and the optimizer's state
+# precision, given as the CLI's switches (--moe-dispatcher, --moe-a2a-overlap, --grad-reduce-in-fp32,
+# --optimizer-states). Rows of other layouts (earlier recipe versions) keep the profile's defaults (alltoall, no
+# overlap, fp32 optimizer states).
 RECIPES = {
     ("qwen3-30b-a3b", 1, 1, 16): dict(moe_dispatcher="hybridep", grad_reduce_in_fp32=False),
+    # the 16-GPU pp2 layout of the 25.11 and 26.02 releases (Megatron-Bridge v0.2.0
+    # scripts/performance/configs/qwen3/workload_base_configs.py QWEN3_30B_A3B_H100_*_BASE_CONFIG and v0.3.0
+    # configs/qwen/qwen3_workload_base_configs.py QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1: moe_a2a_overlap=True;
+    # v0.3.0 adds the DeepEP flex backend, left out here as v0.2.0 does not set it)
+    ("qwen3-30b-a3b", 1, 2, 8): dict(moe_a2a_overlap=True),
     ("qwen3-235b-a22b", 2, 8, 32): dict(moe_a2a_overlap=True, grad_reduce_in_fp32=False),
-    ("deepseek-v3 (dropless)", 2, 8, 64): dict(moe_dispatcher="hybridep"),
+    # DeepSeek-V3 on H100 at the 25.09 release (Megatron-Bridge scripts/performance/run_script.py at "Cherry pick
+    # perf 2509", a28844195, 2025-10-15): DeepEP (flex dispatcher), A2A_1F1B = overlap_moe_expert_parallel_comm
+    # with delay_wgrad_compute, recompute_modules mla_up_proj + mlp; its recipe (recipes/deepseek/deepseek_v3.py)
+    # turns on the precision-aware optimizer with bf16 exp_avg / exp_avg_sq and fp32 main params, which Megatron
+    # keeps itself under FP8 parameters (the default FP8 recipe "ds" sets fp8_param_gather): 4 + 2 + 2 bytes
+    ("deepseek-v3 (dropless)", 2, 8, 64): dict(moe_dispatcher="hybridep", moe_a2a_overlap=True,
+                                               optimizer_states="bf16-moments"),
 }
 # The Megatron-Bridge model names of the rows, as our presets (or specs built below).
 PRESETS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-235b-a22b": "qwen3-235b-a22b", "deepseek-v3": "deepseek-v3",
@@ -142,7 +156,8 @@ def predict(row: dict, framework: str = FRAMEWORK):
     if published_step(row) is None or not isinstance(row.get("tp"), int):
         return None, "no step time or layout"
     lay = layout_of(row)
-    # the recipe's switches as the CLI takes them (--moe-dispatcher, --moe-a2a-overlap, --no-grad-reduce-in-fp32)
+    # the recipe's switches as the CLI takes them (--moe-dispatcher, --moe-a2a-overlap, --no-grad-reduce-in-fp32,
+    # --optimizer-states)
     work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=max(1, lay.num_gpus // 8), framework=framework,
                            **recipe(row))
     # The tables do not say what each run recomputed: the lightest recomputation the layout fits with, as a user
