@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .costmodel import CostModel, Prediction, framework_stages, validate_layout
 from .errors import PlanError
+from .framework import switches_of
 from .layout import Layout
 from .plan import Plan
 from .workload import Workload
@@ -25,6 +26,7 @@ def plan_for(work: Workload, lay: Layout, stages: list[list[int]], prediction: P
                 stages=[[names[i] for i in s] for s in stages], seed=seed, model_spec=work.spec.to_dict(),
                 seq_length=work.seq_length, nodes=work.cluster.nodes, stage_recompute=stage_recompute,
                 layer_strategies=layer_strategies or {}, attention=work.attention, framework=work.framework.name,
+                framework_switches=switches_of(work.framework),
                 prediction=None if prediction is None else prediction.to_dict())
 
 
@@ -65,7 +67,7 @@ def predict_plan(plan: Plan, spec=None) -> Prediction:
     if plan.seq_length and spec.is_transformer and plan.seq_length != spec.seq_length:
         spec = spec.replace(seq_length=plan.seq_length)
     work = Workload.create(spec, plan.cluster, plan.layout.global_batch, nodes=plan.nodes,
-                           framework=plan.framework, attention=plan.attention)
+                           framework=plan.framework, attention=plan.attention, **plan.framework_switches)
     model = CostModel(work)
     lay = plan.layout
     validate_layout(model, lay)

@@ -248,3 +248,21 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                                 "Adam's state in fp32 and dispatches tokens with one exposed all-to-all each way); "
                                 "price a stack that does, e.g. --framework megatron-core")
     return fw.replace(**changes) if changes else fw
+
+
+# The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
+SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states")
+
+
+def switches_of(fw: Framework) -> dict:
+    """The switches (SWITCHES) that make ``fw`` of its named profile: what a plan records so that pricing it again,
+    validating it or exporting it sees the stack the planner priced. Empty for a profile as it stands."""
+    base = FRAMEWORKS[fw.name]
+    out: dict = {k: getattr(fw, k) for k in ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap")
+                 if getattr(fw, k) != getattr(base, k)}
+    if fw.grad_bytes != base.grad_bytes:
+        out["grad_reduce_in_fp32"] = fw.grad_bytes == 4
+    if (fw.master_bytes, fw.moment_bytes) != (base.master_bytes, base.moment_bytes):
+        out["optimizer_states"] = next(k for k, v in OPTIMIZER_STATES.items() if v == (fw.master_bytes,
+                                                                                        fw.moment_bytes))
+    return out

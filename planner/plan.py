@@ -20,7 +20,7 @@ from .layout import Layout
 PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp", "schedule",
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
 OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
-                 "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework")
+                 "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework", "framework_switches")
 FRAMEWORKS = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
 
 
@@ -38,6 +38,8 @@ class Plan:
     layer_strategies: dict[str, dict[str, Any]] = field(default_factory=dict)
     attention: str = "flash"
     framework: str = "paraplan"  # the software stack the prediction prices (paraplan = this executor)
+    # the framework switches the prediction was priced with (framework.switches_of: --optimizer-states, ...)
+    framework_switches: dict[str, Any] = field(default_factory=dict)
     prediction: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -52,6 +54,8 @@ class Plan:
             "attention": self.attention, "model_spec": self.model_spec, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp,
             "framework": self.framework,
         }
+        if self.framework_switches:
+            out["framework_switches"] = dict(self.framework_switches)
         if self.stage_recompute is not None:
             out["stage_recompute"] = self.stage_recompute
         strategies = dict(self.layer_strategies)
@@ -88,6 +92,7 @@ class Plan:
         framework = data.get("framework", "paraplan")
         if framework not in FRAMEWORKS:
             raise PlanError(f"{source}: unknown framework {framework!r} (one of {', '.join(FRAMEWORKS)})")
+        switches = _framework_switches(data.get("framework_switches") or {}, framework, source)
         stages = data["stages"]
         if (not isinstance(stages, list) or not stages
                 or not all(isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in stages)):
@@ -112,7 +117,7 @@ class Plan:
                    seed=data["seed"], model_spec=data.get("model_spec"), seq_length=data.get("seq_length"),
                    nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
                    layer_strategies={k: v for k, v in strategies.items() if k != "head"},
-                   attention=data.get("attention", "flash"), framework=framework,
+                   attention=data.get("attention", "flash"), framework=framework, framework_switches=switches,
                    prediction=data.get("prediction"))
 
     @classmethod
@@ -163,3 +168,23 @@ def _head_parallel(strategies: object, source: str) -> int:
                 and strat["degree"] >= 1):
             raise PlanError(f"{source}: layer_strategies['head'] must be {{\"parallel\": \"tensor\", \"degree\": k}}")
     return strategies["head"]["degree"] if "head" in strategies else 1
+
+
+def _framework_switches(switches: Any, framework: str, source: str) -> dict[str, Any]:
+    """A plan's 'framework_switches', checked as the CLI checks them (framework.framework)."""
+    from .framework import SWITCHES
+    from .framework import framework as build
+
+    if not isinstance(switches, dict):
+        raise PlanError(f"{source}: 'framework_switches' must be an object")
+    for key, value in switches.items():
+        if key not in SWITCHES:
+            raise PlanError(f"{source}: unknown framework switch '{key}' (known: {', '.join(SWITCHES)})")
+        if key in ("moe_dispatcher", "optimizer_states") and not isinstance(value, str) or \
+                key not in ("moe_dispatcher", "optimizer_states") and not isinstance(value, bool):
+            raise PlanError(f"{source}: framework switch '{key}' has the wrong type: {value!r}")
+    try:
+        build(framework, **switches)
+    except PlanError as e:
+        raise PlanError(f"{source}: framework_switches: {e}") from None
+    return dict(switches)

@@ -54,7 +54,10 @@ MEGATRON_FLAGS = {
     "--global-batch-size", "--bf16", "--fp16", "--fp8-format", "--use-distributed-optimizer", "--use-megatron-fsdp",
     "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
     "--recompute-num-layers", "--recompute-modules", "--train-iters", "--lr", "--save", "--load", "--save-interval",
-    "--mock-data", "--tokenizer-type", "--vocab-size",
+    "--mock-data", "--tokenizer-type", "--vocab-size", "--grad-reduce-in-bf16", "--use-precision-aware-optimizer",
+    "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
 }
 
 
@@ -250,6 +253,63 @@ def test_megatron_moe_model_flags(plans, tmp_path):
     assert f["--expert-model-parallel-size"] == "4" and f["--expert-tensor-parallel-size"] == "1"
     assert f["--moe-layer-freq"] == "([0]*1+[1]*7)" and f["--moe-shared-expert-intermediate-size"] == "256"
     assert f["--moe-router-score-function"] == "sigmoid"
+    # priced for this executor: Megatron's own defaults, but the dispatcher is stated (Megatron's is allgather)
+    assert f["--moe-token-dispatcher-type"] == "alltoall" and "--overlap-moe-expert-parallel-comm" not in f
+    core = moe.replace(framework="megatron-core", framework_switches={"moe_dispatcher": "hybridep",
+                                                                       "moe_a2a_overlap": True})
+    f, _ = megatron_export(core, tmp_path, spec)
+    assert (f["--moe-token-dispatcher-type"], f["--moe-flex-dispatcher-backend"]) == ("flex", "hybridep")
+    assert {"--moe-grouped-gemm", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"} <= set(f)
+
+
+def test_megatron_runs_the_stack_the_plan_was_priced_for(plans, tmp_path):
+    """A plan priced for Megatron-Core (16-bit gradients, overlapped distributed optimizer) exports the flags that
+    make Megatron-LM run that (it would otherwise accumulate bf16 runs' gradients in fp32 and overlap nothing);
+    --optimizer-states bf16-moments adds the precision-aware optimizer. A plan priced for this executor gets none."""
+    plan, _ = plans["3d"]  # bf16, dp 2, ZeRO-1
+    f, _ = megatron_export(plan, tmp_path)
+    assert not {"--grad-reduce-in-bf16", "--overlap-grad-reduce", "--use-precision-aware-optimizer"} & set(f)
+    core = plan.replace(framework="megatron-core")
+    f, notes = megatron_export(core, tmp_path)
+    assert {"--grad-reduce-in-bf16", "--overlap-grad-reduce", "--overlap-param-gather"} <= set(f)
+    assert "--use-precision-aware-optimizer" not in f
+    f, notes = megatron_export(core.replace(framework_switches={"optimizer_states": "bf16-moments",
+                                                                "grad_reduce_in_fp32": True}), tmp_path)
+    assert (f["--exp-avg-dtype"], f["--exp-avg-sq-dtype"]) == ("bf16", "bf16")
+    assert "--use-precision-aware-optimizer" in f and "--grad-reduce-in-bf16" not in f
+    assert any("remainders" in n for n in notes)
+
+
+def test_plan_records_the_framework_switches_it_was_priced_with(tmp_path):
+    """simulate --write-plan keeps --optimizer-states and the MoE switches in plan.json (framework_switches), so the
+    plan priced again (what execute --dry-run and validate compare with) is the plan priced; a plan with a switch
+    its stack cannot run, or an unknown one, is refused in one line naming the file."""
+    from paraplan.planner.api import predict_plan
+
+    path = tmp_path / "plan.json"
+    args = ["simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "64",
+            "--seq-len", "1024", "--dp", "16", "--tp", "1", "--pp", "1", "--ep", "16", "--micro-batch", "1",
+            "--zero", "1", "--framework", "megatron-core", "--moe-a2a-overlap", "--optimizer-states", "bf16-moments",
+            "--write-plan", str(path), "--json"]
+    p = cli(*args)
+    assert p.returncode == 0, p.stderr
+    simulated = json.loads(p.stdout)
+    plan = Plan.read(str(path))
+    assert plan.framework_switches == {"moe_a2a_overlap": True, "optimizer_states": "bf16-moments"}
+    again = predict_plan(plan)
+    assert again.iteration_time_s == pytest.approx(simulated["iteration_time_s"], rel=1e-9)
+    assert again.peak_memory_gib == pytest.approx(simulated["peak_memory_gib"], rel=1e-9)
+    plain = cli(*args[:args.index("--moe-a2a-overlap")], "--json")
+    assert json.loads(plain.stdout)["peak_memory_gib"] > simulated["peak_memory_gib"]
+    data = json.loads(path.read_text())
+    for switches, words in (({"optimizer_states": "fp4"}, "--optimizer-states must be one of"),
+                            ({"overlap_everything": True}, "unknown framework switch 'overlap_everything'"),
+                            ({"moe_a2a_overlap": "yes"}, "wrong type")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**data, "framework_switches": switches}))
+        assert_one_line_error(cli("export", "--plan", str(bad), "--to", "megatron"), str(bad), words)
+    bad.write_text(json.dumps({**data, "framework": "paraplan", "framework_switches": {"moe_a2a_overlap": True}}))
+    assert_one_line_error(cli("export", "--plan", str(bad), "--to", "megatron"), "--moe-a2a-overlap", "paraplan")
 
 
 def test_megatron_refuses_what_it_cannot_express(plans, tmp_path):

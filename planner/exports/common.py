@@ -139,4 +139,5 @@ def header_lines(plan: Plan, plan_path: str, what: str) -> list[str]:
             predicted += f", {pred['peak_memory_gib']:.1f} GiB/GPU"
     return [f"{what}, exported by paraplan from {plan_path}",
             f"{plan.model} on {plan.layout.world_size} GPUs of {plan.cluster}: {plan.layout.short()}{predicted} "
-            f"(priced for framework {plan.framework})"]
+            f"(priced for framework {plan.framework}"
+            + "".join(f", {k} {v}" for k, v in sorted(plan.framework_switches.items())) + ")"]

@@ -16,6 +16,13 @@ Mapping (plan -> Megatron-LM):
   --data-parallel-sharding-strategy optim_grads / optim_grads_params, which needs --ckpt-format fsdp_dtensor).
 - recompute selective -> --recompute-granularity selective; full -> full, uniform, one layer per checkpoint.
 - dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid; fp32 -> Megatron's default.
+- the stack the plan was priced for (its framework and framework_switches), where Megatron's defaults run
+  otherwise (STACK_ARGS): Megatron-style ZeRO accounting with 16-bit gradients -> --grad-reduce-in-bf16 (Megatron
+  accumulates bf16 runs' gradients in fp32 unless told); bf16 Adam moments -> --use-precision-aware-optimizer
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16; the data-parallel overlap -> --overlap-grad-reduce (and
+  --overlap-param-gather with the distributed optimizer); MoE: the token dispatcher (--moe-token-dispatcher-type
+  alltoall, or flex with --moe-flex-dispatcher-backend hybridep; Megatron's default is allgather), grouped GEMMs
+  (--moe-grouped-gemm), the all-to-all overlap (--overlap-moe-expert-parallel-comm --delay-wgrad-compute).
 Refused: the zb-v schedule, parameter servers, class-sharded heads, non-decoder models (bert, CNNs).
 """
 
@@ -70,7 +77,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
         notes.append("Megatron-LM has no GPipe schedule: it runs 1F1B (the same bubble, less activation memory)")
     groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length),
               "PARALLEL_ARGS": parallel_args(plan, spec),
-              "TRAINING_ARGS": training_args(plan, notes)}
+              "TRAINING_ARGS": training_args(plan, notes) + stack_args(plan, spec, notes)}
     env = []
     if lay.zero >= 2:
         env = ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP needs more than one connection"]
@@ -196,6 +203,45 @@ def training_args(plan: Plan, notes: list[str]) -> Args:
         a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("mlp", "moe"))]
     elif mode == "full":
         a += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
+    return a
+
+
+def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
+    """Flags that make Megatron-LM run the software behaviour the plan was priced with (its framework profile and
+    switches, planner/framework.py) where Megatron's own defaults differ. A plan priced for this executor
+    (framework paraplan) keeps Megatron's defaults for the model states and their sync (its stack is not
+    Megatron's), but its MoE token dispatch is stated: one all-to-all each way, as priced."""
+    from ..framework import framework
+
+    fw = framework(plan.framework, attention=plan.attention, **plan.framework_switches)
+    lay = plan.layout
+    a: Args = []
+    if getattr(spec, "num_experts", 0):
+        if fw.moe_dispatcher == "hybridep":
+            a += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "hybridep")]
+        else:
+            a.append(("--moe-token-dispatcher-type", "alltoall"))
+        if fw.moe_grouped_gemm:
+            a.append(("--moe-grouped-gemm", None))
+        if fw.moe_a2a_overlap:
+            a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
+    if fw.states != "zero":
+        return a
+    if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
+        a.append(("--grad-reduce-in-bf16", None))
+    if fw.moment_bytes == 4 and lay.dtype != "fp32":
+        a += [("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
+        if fw.master_bytes == 2 and lay.dtype == "fp8":
+            notes.append("the plan keeps a 16-bit optimizer copy of the weights; with FP8 parameters Megatron's "
+                         "precision-aware optimizer keeps an fp32 one (2 B per parameter more than priced)")
+        elif fw.master_bytes == 4 and lay.dtype == "bf16":
+            notes.append("priced with fp32 master weights (8 B of optimizer state per parameter); Megatron with bf16 "
+                         "parameters keeps them as 16-bit remainders by default (store_param_remainders): less "
+                         "memory than priced")
+    if fw.overlap_dp and lay.data_ranks > 1 and lay.zero <= 1:
+        a.append(("--overlap-grad-reduce", None))
+        if lay.zero == 1 and fw.overlap_param_gather:
+            a.append(("--overlap-param-gather", None))
     return a
 
 
