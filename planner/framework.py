@@ -23,8 +23,8 @@ MOE_DISPATCHERS = ("alltoall", "hybridep")
 # Adam's state in 16-bit training (``--optimizer-states``), bytes per parameter as (master weights, both moments):
 # "fp32" = fp32 master weights and moments (ZeRO's K = 12, Rajbhandari et al. 2020 Sec. 3.1; Megatron-LM's
 # distributed optimizer by default); "bf16-moments" = fp32 master weights, bf16 moments (Megatron-Core's
-# --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 where Megatron keeps the fp32
-# master itself: FP8 recipes other than delayed scaling); "bf16" = 16-bit master weights and bf16 moments (Apex
+# --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 where the master stays whole: with
+# FP8 parameters, or FP8 recipes other than delayed scaling); "bf16" = 16-bit master weights and bf16 moments (Apex
 # DistributedFusedAdam with dtype=bf16, NeMo 1.0's distributed_fused_adam: a bf16 copy of the weights and bf16
 # moments; or Transformer Engine's FusedAdam under the precision-aware optimizer with bf16 weights, which keeps
 # the fp32 master as its 16 low bits beside them, optimizer_config.py store_param_remainders).

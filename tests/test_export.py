@@ -57,7 +57,7 @@ MEGATRON_FLAGS = {
     "--mock-data", "--tokenizer-type", "--vocab-size", "--grad-reduce-in-bf16", "--use-precision-aware-optimizer",
     "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-grad-reduce", "--overlap-param-gather",
     "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
-    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-param-gather",
 }
 
 
@@ -278,6 +278,10 @@ def test_megatron_runs_the_stack_the_plan_was_priced_for(plans, tmp_path):
     assert (f["--exp-avg-dtype"], f["--exp-avg-sq-dtype"]) == ("bf16", "bf16")
     assert "--use-precision-aware-optimizer" in f and "--grad-reduce-in-bf16" not in f
     assert any("remainders" in n for n in notes)
+    f, notes = megatron_export(core.replace(layout=plan.layout.replace(dtype="fp8"),
+                                            framework_switches={"optimizer_states": "bf16"}), tmp_path)
+    assert {"--fp8-format", "--fp8-param-gather", "--use-precision-aware-optimizer"} <= set(f)
+    assert any("fp32 one" in n for n in notes)  # FP8 parameters: Megatron keeps the master whole
 
 
 def test_plan_records_the_framework_switches_it_was_priced_with(tmp_path):

@@ -18,7 +18,8 @@ Mapping (plan -> Megatron-LM):
 - dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid; fp32 -> Megatron's default.
 - the stack the plan was priced for (its framework and framework_switches), where Megatron's defaults run
   otherwise (STACK_ARGS): Megatron-style ZeRO accounting with 16-bit gradients -> --grad-reduce-in-bf16 (Megatron
-  accumulates bf16 runs' gradients in fp32 unless told); bf16 Adam moments -> --use-precision-aware-optimizer
+  accumulates bf16 runs' gradients in fp32 unless told); FP8 parameters (no cached FP8 weight copy priced) ->
+  --fp8-param-gather; bf16 Adam moments -> --use-precision-aware-optimizer
   --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16; the data-parallel overlap -> --overlap-grad-reduce (and
   --overlap-param-gather with the distributed optimizer); MoE: the token dispatcher (--moe-token-dispatcher-type
   alltoall, or flex with --moe-flex-dispatcher-backend hybridep; Megatron's default is allgather), grouped GEMMs
@@ -229,6 +230,8 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
         return a
     if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
         a.append(("--grad-reduce-in-bf16", None))
+    if lay.dtype == "fp8" and fw.fp8_weight_bytes == 0:  # priced with FP8 parameters: no cached FP8 weight copy
+        a.append(("--fp8-param-gather", None))
     if fw.moment_bytes == 4 and lay.dtype != "fp32":
         a += [("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
         if fw.master_bytes == 2 and lay.dtype == "fp8":
