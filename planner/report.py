@@ -246,18 +246,18 @@ def _charts(result: SearchResult, out: str) -> dict[str, str]:
     """Every chart but the scaling one (its points may still be being computed); a chart that fails is left
     out with a note (planner/chart_guard.py)."""
     files: dict[str, str] = {}
-    charts = chart_guard.charts_module(result.notes)
+    charts = chart_guard.charts_module(result.notes)  # imported here: a chart child inherits it
     if charts is None:
         return files
-    each = lambda key, name, what, chart: chart_guard.draw_file(  # noqa: E731
-        files, result.notes, key, os.path.join(out, name), what, chart)
     preds = [c.prediction for c in result.ranked]
     labels = [c.layout.short() for c in result.ranked]
     title = f"{result.work.spec.name} on {result.gpus} x {result.work.cluster.gpu.name}"
-    each("breakdown", "time_breakdown.png", "time breakdown",
-         lambda path: charts.time_breakdown(preds, labels, path, f"Where the time goes — {title}"))
-    each("memory", "memory.png", "memory",
-         lambda path: charts.memory_vs_capacity(preds, labels, path, f"Memory per GPU — {title}"))
+    job = lambda key, name, what, chart, weight=1.0: chart_guard.ChartJob(  # noqa: E731
+        key, os.path.join(out, name), what, chart, weight)
+    jobs = [job("breakdown", "time_breakdown.png", "time breakdown",
+                lambda path: charts.time_breakdown(preds, labels, path, f"Where the time goes — {title}")),
+            job("memory", "memory.png", "memory",
+                lambda path: charts.memory_vs_capacity(preds, labels, path, f"Memory per GPU — {title}"))]
     best = result.ranked[0]
     if best.prediction.method == "event simulation":  # what the report prints (planner/refine.py), drawn
         def timeline(path: str) -> None:
@@ -265,10 +265,12 @@ def _charts(result: SearchResult, out: str) -> dict[str, str]:
             sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
             charts.gantt(sim, path)
 
-        each("timeline", "timeline.png", "timeline", timeline)
+        # its labelled bars make it the dearest chart by far (about the three others together)
+        jobs.append(job("timeline", "timeline.png", "timeline", timeline, weight=3.0))
     priced = [c for c in result.candidates if c.prediction is not None]
     if priced:
-        each("pareto", "pareto.png", "throughput vs memory",
-             lambda path: charts.pareto([c.prediction for c in priced], [c in result.ranked for c in priced], path,
-                                        f"Throughput vs memory — {title}"))
+        jobs.append(job("pareto", "pareto.png", "throughput vs memory",
+                        lambda path: charts.pareto([c.prediction for c in priced], [c in result.ranked for c in priced],
+                                                   path, f"Throughput vs memory — {title}")))
+    chart_guard.draw_files(files, result.notes, jobs)
     return files

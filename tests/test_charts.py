@@ -4,6 +4,7 @@ timeline zoomed into warm-up, steady state and cool-down; the simulator's activa
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -155,3 +156,42 @@ def test_compare_simulate_and_validate_charts_degrade_too(tmp_path, monkeypatch)
     files = write_outputs([row], stats, str(tmp_path), "gpt-tiny")
     assert "chart" not in files
     assert "predicted vs measured chart not drawn (ValueError: cannot plot)" in open(files["report"]).read()
+
+
+def test_charts_drawn_beside_each_other_come_out_as_drawn_in_order(tmp_path):
+    """chart_guard.draw_files draws the heaviest chart in a forked child: a chart failing there comes back as the
+    same note, in the jobs' order; a child that dies leaves its chart to the parent, which draws it; no child is
+    left behind."""
+    import multiprocessing
+
+    from paraplan.planner.chart_guard import ChartJob, draw_files
+
+    parent = os.getpid()
+
+    def write(path: str) -> None:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+    def broken(path: str) -> None:
+        raise OSError("No space left on device")
+
+    def dies_in_a_child(path: str) -> None:
+        if os.getpid() != parent:
+            os._exit(3)
+        write(path)
+
+    jobs = [ChartJob("a", str(tmp_path / "a.txt"), "first", write),
+            ChartJob("b", str(tmp_path / "b.txt"), "heavy", broken, weight=3.0),
+            ChartJob("c", str(tmp_path / "c.txt"), "third", broken)]
+    files, notes = {}, []
+    draw_files(files, notes, jobs)
+    assert files == {"a": str(tmp_path / "a.txt")}
+    assert notes == ["heavy chart not drawn (OSError: No space left on device)",
+                     "third chart not drawn (OSError: No space left on device)"]
+    jobs = [ChartJob("a", str(tmp_path / "a.txt"), "first", write),
+            ChartJob("t", str(tmp_path / "t.txt"), "timeline", dies_in_a_child, weight=3.0)]
+    files, notes = {}, []
+    draw_files(files, notes, jobs)
+    assert set(files) == {"a", "t"} and notes == []
+    assert (tmp_path / "t.txt").read_text() == str(parent)  # redrawn here after the child died
+    assert multiprocessing.active_children() == []
