@@ -33,21 +33,6 @@ def _progress(enabled: bool):
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _preload_charts() -> None:
-    """Import matplotlib (through planner/charts.py, ~0.8 s) in a thread while the search runs: the search leaves
-    the interpreter idle while each batch of ILPs solves in its own processes. Importing the module later waits for
-    this import to finish; a failure here is left for the report's own import to meet and note."""
-    import threading
-
-    def load() -> None:
-        try:
-            from paraplan.planner import charts  # noqa: F401
-        except Exception:  # noqa: BLE001 - chart_guard.charts_module reports it when the report draws
-            pass
-
-    threading.Thread(target=load, name="paraplan-chart-import", daemon=True).start()
-
-
 def nothing_fits_message(result: SearchResult) -> str:
     """The least memory any layout needs against the GPU's, and what would make one fit."""
     gpu = result.work.cluster.gpu
@@ -90,8 +75,6 @@ def run(args) -> int:
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
-    if not args.no_charts:  # after the re-plans' fork: no child is forked while the import runs in its thread
-        _preload_charts()
     bar, cb = _progress(not args.json and sys.stderr.isatty())
     if bar:
         bar.start()
