@@ -236,6 +236,10 @@ def dry_run(job: Job, device_type: str, progress=lambda text: None, processes: i
     out.prediction, note = _predict(job)
     if note:
         out.notes.append(note)
+    if job.plan.framework != "paraplan" and out.prediction is not None:
+        out.notes.append(f"the plan was priced for framework {job.plan.framework}, but the trace is of this executor's "
+                         "stack: their differences (states, buffers, overlaps) show as prediction error; price it "
+                         "with --framework paraplan to check the prediction itself")
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: torch's state is per process
     # one rank per process: torch keeps process groups (and their names) per process, so a process that
     # traced one rank cannot cleanly join the fake group again as another

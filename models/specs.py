@@ -326,7 +326,7 @@ def spec_from_mapping(data: Any, source: str) -> ModelSpec:
     family = data.get("family")
     if family is None:
         raise ModelSpecError(f"{source}: missing field 'family' (one of {', '.join(FAMILIES)})")
-    if family not in SPEC_CLASSES:
+    if not isinstance(family, str) or family not in SPEC_CLASSES:
         raise ModelSpecError(f"{source}: unknown family {family!r}{_suggest(str(family), list(FAMILIES))}; "
                              f"known: {', '.join(FAMILIES)}")
     cls = SPEC_CLASSES[family]

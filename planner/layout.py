@@ -88,8 +88,9 @@ class Layout:
             parts.append(f"head/{self.head_parallel}")
         return " ".join(parts)
 
-    def validate(self, spec: ModelSpec, num_blocks: int, cluster_gpus: int | None = None) -> None:
-        """Raise InvalidLayout with the reason if this layout cannot run this model."""
+    def check_fields(self) -> None:
+        """Raise InvalidLayout if a field is out of its range, whatever the model: degrees and batch sizes
+        positive, a known schedule, recomputation, dtype, ZeRO stage and data-parallel mode."""
         for name in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "global_batch", "virtual_stages",
                      "ps_servers"):
             if getattr(self, name) <= 0:
@@ -106,6 +107,10 @@ class Layout:
             raise InvalidLayout(f"unknown dp mode {self.dp_mode!r}", "dp mode")
         if self.ps_staleness < 0:
             raise InvalidLayout("ps staleness must be >= 0", "ps staleness")
+
+    def validate(self, spec: ModelSpec, num_blocks: int, cluster_gpus: int | None = None) -> None:
+        """Raise InvalidLayout with the reason if this layout cannot run this model."""
+        self.check_fields()
         if cluster_gpus is not None and self.world_size > cluster_gpus:
             extra = f" + {self.ps_servers} parameter servers" if self.dp_mode == "ps" else ""
             raise InvalidLayout(f"dp x cp x tp x pp = {self.num_gpus}{extra} needs more GPUs than the cluster's "

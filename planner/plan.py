@@ -14,8 +14,9 @@ from typing import Any
 
 from paraplan.hardware_specs import read_data_file
 
-from .errors import PlanError
-from .layout import Layout
+from .compute import ATTENTION_KERNELS
+from .errors import InvalidLayout, PlanError
+from .layout import RECOMPUTE, Layout
 
 PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp", "schedule",
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
@@ -85,14 +86,24 @@ class Plan:
         unknown = [k for k in data if k not in PLAN_KEYS and k not in OPTIONAL_KEYS and k != "num_micro_batches"]
         if unknown:
             raise PlanError(f"{source}: unknown key '{unknown[0]}'")
-        ints = ("global_batch", "micro_batch", "dp", "tp", "pp", "virtual_stages", "zero", "seed", "cp", "ep", "etp")
+        ints = ("global_batch", "micro_batch", "dp", "tp", "pp", "virtual_stages", "zero", "seed", "cp", "ep", "etp",
+                "ps_servers", "ps_staleness")
         for k in ints:
             if k in data and (isinstance(data[k], bool) or not isinstance(data[k], int)):
                 raise PlanError(f"{source}: '{k}' must be a whole number, got {data[k]!r}")
         framework = data.get("framework", "paraplan")
         if framework not in FRAMEWORKS:
             raise PlanError(f"{source}: unknown framework {framework!r} (one of {', '.join(FRAMEWORKS)})")
-        switches = _framework_switches(data.get("framework_switches") or {}, framework, source)
+        switches = _framework_switches({} if data.get("framework_switches") is None else data["framework_switches"],
+                                       framework, source)
+        for k in ("model", "cluster"):
+            if not isinstance(data[k], str) or not data[k]:
+                raise PlanError(f"{source}: '{k}' must be a name, got {data[k]!r}")
+        if not isinstance(data["sequence_parallel"], bool):
+            raise PlanError(f"{source}: 'sequence_parallel' must be true or false, got {data['sequence_parallel']!r}")
+        if data.get("attention", "flash") not in ATTENTION_KERNELS:
+            raise PlanError(f"{source}: 'attention' must be one of {', '.join(ATTENTION_KERNELS)}, "
+                            f"got {data.get('attention')!r}")
         stages = data["stages"]
         if (not isinstance(stages, list) or not stages
                 or not all(isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in stages)):
@@ -109,6 +120,11 @@ class Plan:
                             cp=data.get("cp", 1), ep=data.get("ep", 1), etp=data.get("etp", 1))
         except TypeError as e:
             raise PlanError(f"{source}: {e}") from None
+        try:
+            layout.check_fields()
+        except InvalidLayout as e:
+            raise PlanError(f"{source}: {e}") from None
+        _check_optional(data, layout, source)
         if layout.global_batch % max(layout.dp * layout.micro_batch, 1) == 0 and \
                 data["num_micro_batches"] != layout.num_micro_batches:
             raise PlanError(f"{source}: num_micro_batches {data['num_micro_batches']} disagrees with "
@@ -188,3 +204,26 @@ def _framework_switches(switches: Any, framework: str, source: str) -> dict[str,
     except PlanError as e:
         raise PlanError(f"{source}: framework_switches: {e}") from None
     return dict(switches)
+
+
+def _check_optional(data: dict, layout: Layout, source: str) -> None:
+    """The optional keys' types and ranges: sizes positive whole numbers (or null), one known recomputation mode
+    per stage, a prediction object whose figures are numbers."""
+    for k in ("seq_length", "nodes"):
+        v = data.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise PlanError(f"{source}: '{k}' must be a positive whole number or null, got {v!r}")
+    modes = data.get("stage_recompute")
+    if modes is not None:
+        if not isinstance(modes, list) or len(modes) != layout.num_stages or \
+                not all(isinstance(m, str) and m in RECOMPUTE for m in modes):
+            raise PlanError(f"{source}: 'stage_recompute' must list one of {', '.join(RECOMPUTE)} for each of the "
+                            f"{layout.num_stages} stages, got {modes!r}")
+    pred = data.get("prediction")
+    if pred is not None:
+        if not isinstance(pred, dict):
+            raise PlanError(f"{source}: 'prediction' must be an object or null")
+        for k in ("iteration_time_s", "peak_memory_gib"):  # the figures a plan's readers print
+            v = pred.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise PlanError(f"{source}: prediction '{k}' must be a number, got {v!r}")

@@ -831,3 +831,48 @@ def test_report_lists_the_export_commands(plans):
     assert "paraplan export --plan plan.json --to torchtitan-cli --out torchtitan.sh" in lines
     assert "sbatch paraplan.sbatch" in lines
     assert "deepspeed: not exported — deepspeed cannot express the interleaved-1f1b schedule" in lines
+
+
+def test_plan_json_fields_out_of_range_are_one_line_errors(tmp_path):
+    """A hand-edited plan.json with a field out of range is refused in one line naming the file and the field
+    (found by a fuzzing pass: before, export crashed on these or hung on an absurd degree)."""
+    plan = _simulate(tmp_path / "base.json", "--dp", "2", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--zero", "1")
+    data = json.loads((tmp_path / "base.json").read_text())
+    cases = [({"dp": 0}, "dp must be positive"), ({"tp": -1}, "tp must be positive"),
+             ({"recompute": "bogus"}, "unknown recompute"), ({"schedule": None}, "unknown schedule"),
+             ({"zero": 7}, "zero must be 0, 1, 2 or 3"), ({"stage_recompute": ["none", "bogus"]}, "stage_recompute"),
+             ({"seq_length": "2"}, "'seq_length' must be a positive whole number"),
+             ({"prediction": 1}, "'prediction' must be an object"),
+             ({"prediction": {"iteration_time_s": "x"}}, "prediction 'iteration_time_s' must be a number"),
+             ({"sequence_parallel": "false"}, "'sequence_parallel' must be true or false"),
+             ({"attention": "bogus"}, "'attention' must be one of"), ({"framework_switches": []}, "must be an object"),
+             ({"cluster": 3}, "'cluster' must be a name")]
+    bad = tmp_path / "bad.json"
+    for change, words in cases:
+        bad.write_text(json.dumps({**data, **change}))
+        assert_one_line_error(cli("export", "--plan", str(bad), "--to", "megatron"), str(bad), words)
+    huge = {**data, "dp": 1000000007, "pp": 1, "global_batch": 1000000007, "num_micro_batches": 1,
+            "stages": [[n for s in data["stages"] for n in s]]}
+    bad.write_text(json.dumps(huge))
+    p = cli("export", "--plan", str(bad), "--to", "deepspeed")  # a prime world size: one rank per node, at once
+    assert p.returncode == 0, p.stderr
+    assert plan.layout.world_size == 8
+
+
+def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
+    """Megatron-Core overlaps a micro-batch's all-to-alls with another's compute only with ep > 1, two micro-batches
+    or more, no full recomputation and virtual stages under a pipeline: elsewhere --moe-a2a-overlap hides nothing
+    and the export leaves the flag out with a note."""
+    base = ["simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--nodes", "1", "--seq-len", "1024",
+            "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1", "--zero", "1",
+            "--framework", "megatron-core", "--json"]
+    one = ["--global-batch", "8"]  # one micro-batch per replica: nothing to overlap with
+    plain = json.loads(cli(*base, *one).stdout)
+    over = json.loads(cli(*base, *one, "--moe-a2a-overlap", "--write-plan", str(tmp_path / "p.json")).stdout)
+    assert over["iteration_time_s"] == pytest.approx(plain["iteration_time_s"], rel=1e-12)
+    result = export_plan(Plan.read(str(tmp_path / "p.json")), "megatron")
+    assert "--overlap-moe-expert-parallel-comm" not in result.text
+    assert any("all-to-all overlap is left out" in n for n in result.notes)
+    two = ["--global-batch", "16"]
+    assert json.loads(cli(*base, *two, "--moe-a2a-overlap").stdout)["time_s"]["ep_comm"] < \
+        json.loads(cli(*base, *two).stdout)["time_s"]["ep_comm"]

@@ -27,7 +27,13 @@ def export_plan(plan: Plan, target: str, plan_path: str = "plan.json", spec: Mod
     if target not in TARGETS:
         raise PlanError(f"unknown export target {target!r} (one of {', '.join(TARGETS)})")
     module = importlib.import_module(f".{target.replace('-', '_')}", __name__)
-    return module.export(plan, plan_path, spec if spec is not None else plan_spec(plan), **options)
+    result = module.export(plan, plan_path, spec if spec is not None else plan_spec(plan), **options)
+    if plan.framework_switches and target not in ("megatron", "slurm"):  # slurm runs this executor's own stack
+        result.notes.append(f"{target} runs its own settings for {', '.join(sorted(plan.framework_switches))} "
+                            f"(the plan was priced with {plan.framework}'s switches "
+                            + ", ".join(f"{k} {v}" for k, v in sorted(plan.framework_switches.items()))
+                            + "): expect other memory and time than predicted")
+    return result
 
 
 def report_lines(plan_path: str, name: str = "plan.json") -> list[str]:

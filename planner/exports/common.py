@@ -9,7 +9,6 @@ ahead and says what changed in a note.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,8 +123,9 @@ def placement(plan: Plan) -> Placement:
     except HardwareSpecError:
         return Placement(world, None, None, True)
     gpn = cluster.gpus_per_node
-    # world nodes of one rank each always qualify, so this finds one
-    nodes = next(n for n in range(math.ceil(world / gpn), world + 1) if world % n == 0 and world // n <= gpn)
+    # the most ranks per node (at most gpn) that divides the world: one per node always does
+    per_node = next(k for k in range(min(gpn, world), 0, -1) if world % k == 0)
+    nodes = world // per_node
     return Placement(world, nodes, world // nodes, not cluster.gpu.is_cpu)
 
 

@@ -213,6 +213,7 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
     (framework paraplan) keeps Megatron's defaults for the model states and their sync (its stack is not
     Megatron's), but its MoE token dispatch is stated: one all-to-all each way, as priced."""
     from ..framework import framework
+    from ..moe import a2a_overlap_applies
 
     fw = framework(plan.framework, attention=plan.attention, **plan.framework_switches)
     lay = plan.layout
@@ -224,14 +225,21 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
             a.append(("--moe-token-dispatcher-type", "alltoall"))
         if fw.moe_grouped_gemm:
             a.append(("--moe-grouped-gemm", None))
-        if fw.moe_a2a_overlap:
+        if a2a_overlap_applies(fw, lay):
             a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
+        elif fw.moe_a2a_overlap:
+            notes.append("the all-to-all overlap is left out: Megatron-Core runs it only with ep > 1, two "
+                         "micro-batches or more, no full recomputation and virtual stages under a pipeline (priced "
+                         "without it too)")
     if fw.states != "zero":
         return a
     if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
         a.append(("--grad-reduce-in-bf16", None))
     if lay.dtype == "fp8" and fw.fp8_weight_bytes == 0:  # priced with FP8 parameters: no cached FP8 weight copy
         a.append(("--fp8-param-gather", None))
+    if fw.moment_bytes == 4 and lay.dtype == "fp32":
+        notes.append("priced with bf16 Adam moments; Megatron's precision-aware optimizer serves 16-bit training "
+                     "only, so this fp32 run keeps fp32 moments: 4 B per parameter more than priced")
     if fw.moment_bytes == 4 and lay.dtype != "fp32":
         a += [("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
         if fw.master_bytes == 2 and lay.dtype == "fp8":
