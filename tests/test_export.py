@@ -256,7 +256,8 @@ def test_megatron_moe_model_flags(plans, tmp_path):
     # priced for this executor: Megatron's own defaults, but the dispatcher is stated (Megatron's is allgather)
     assert f["--moe-token-dispatcher-type"] == "alltoall" and "--overlap-moe-expert-parallel-comm" not in f
     core = moe.replace(framework="megatron-core", framework_switches={"moe_dispatcher": "hybridep",
-                                                                       "moe_a2a_overlap": True})
+                                                                       "moe_a2a_overlap": True},
+                       layout=moe.layout.replace(recompute="none"), stage_recompute=None)  # the overlap needs it
     f, _ = megatron_export(core, tmp_path, spec)
     assert (f["--moe-token-dispatcher-type"], f["--moe-flex-dispatcher-backend"]) == ("flex", "hybridep")
     assert {"--moe-grouped-gemm", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"} <= set(f)
