@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from paraplan.models import ModelSpec, TransformerSpec, block_names, load_model_spec, spec_from_mapping
 from paraplan.planner.errors import PlanError
-from paraplan.planner.layout import RECOMPUTE, Layout
+from paraplan.planner.layout import Layout
 from paraplan.planner.plan import Plan
 
 from .errors import ExecutionError
@@ -108,10 +108,6 @@ class Job:
             raise ExecutionError(f"{src}: fp8 plans are priced, not executed: FP8 GEMMs need an H100-class GPU and "
                                  "torchao's float8 training, which this executor does not drive yet (a CPU has no "
                                  "FP8 matmuls at all); run the same layout with --dtype bf16")
-        if plan.stage_recompute is not None:
-            bad = [m for m in plan.stage_recompute if m not in RECOMPUTE]
-            if bad:
-                raise ExecutionError(f"{src}: unknown recompute mode {bad[0]!r} in stage_recompute")
         if not isinstance(spec, TransformerSpec):
             if lay.tp > 1:
                 raise ExecutionError(f"{src}: tensor parallelism for family {spec.family} (class-sharded "
