@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paraplan.planner.framework import framework, other_stack_note
 from paraplan.planner.layout import Layout
 from paraplan.planner.schedules import in_flight
 
@@ -236,10 +237,13 @@ def dry_run(job: Job, device_type: str, progress=lambda text: None, processes: i
     out.prediction, note = _predict(job)
     if note:
         out.notes.append(note)
-    if job.plan.framework != "paraplan" and out.prediction is not None:
-        out.notes.append(f"the plan was priced for framework {job.plan.framework}, but the trace is of this executor's "
-                         "stack: their differences (states, buffers, overlaps) show as prediction error; price it "
-                         "with --framework paraplan to check the prediction itself")
+    if out.prediction is not None:
+        plan = job.plan
+        note = other_stack_note(framework(plan.framework, attention=plan.attention, **plan.framework_switches),
+                                "the plan was", "the trace is",
+                                "price it with --framework paraplan to check the prediction itself")
+        if note:
+            out.notes.append(note)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: torch's state is per process
     # one rank per process: torch keeps process groups (and their names) per process, so a process that
     # traced one rank cannot cleanly join the fake group again as another

@@ -266,3 +266,35 @@ def switches_of(fw: Framework) -> dict:
         out["optimizer_states"] = next(k for k, v in OPTIMIZER_STATES.items() if v == (fw.master_bytes,
                                                                                         fw.moment_bytes))
     return out
+
+
+def switch_flags(fw: Framework) -> list[str]:
+    """The switches that make ``fw`` of its named profile (switches_of, and the attention kernel, which plans record
+    on their own) as the CLI flags that set them, e.g. ``["--optimizer-states bf16-moments", "--no-overlap-dp"]``;
+    empty for a profile as it stands."""
+    switches = switches_of(fw)
+    if fw.attention != FRAMEWORKS[fw.name].attention:
+        switches = {"attention": fw.attention, **switches}
+    flags = []
+    for key, value in switches.items():
+        flag = key.replace("_", "-")
+        flags.append((f"--{flag}" if value else f"--no-{flag}") if isinstance(value, bool) else f"--{flag} {value}")
+    return flags
+
+
+def describe(fw: Framework) -> str:
+    """The stack a prediction was priced for, as the reports name it: the profile and the switches set apart from
+    its defaults (switch_flags), e.g. ``megatron-core with --optimizer-states bf16-moments``."""
+    flags = switch_flags(fw)
+    return f"{fw.name} with {' '.join(flags)}" if flags else f"{fw.name} (the profile's defaults)"
+
+
+def other_stack_note(fw: Framework, priced: str, measured: str, check: str) -> str | None:
+    """Where a prediction priced for another stack than this executor's is set beside what this executor does
+    (``execute --dry-run``'s trace, ``validate``'s measurements), the note that says so; None for this executor's
+    own profile. ``priced``: what was priced ("the plan was"); ``measured``: what this executor gave ("the trace
+    is"); ``check``: how to check the prediction itself ("price it ... to check the prediction itself")."""
+    if fw.name == PARAPLAN.name:
+        return None
+    return (f"{priced} priced for framework {describe(fw)}, but {measured} of this executor's stack (paraplan): "
+            f"their differences (states, buffers, overlaps) show as prediction error; {check}")

@@ -15,6 +15,7 @@ from . import chart_guard
 from .api import plan_for
 from .costmodel import CostModel, Prediction
 from .exports import report_lines
+from .framework import describe as describe_framework
 from .scaling import ScalingPoint
 from .search import Candidate, SearchResult
 
@@ -174,7 +175,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
           f"{cl.inter_node.bandwidth_GBps:g} GB/s per node across",
           f"- GPUs used: {result.gpus}; global batch {lay.global_batch} samples"
           + (f" ({lay.global_batch * work.tokens_per_sample:,} tokens)" if work.seq_length else "")
-          + f"; {result.dtype}", *calibration_lines(work), "",
+          + f"; {result.dtype}",
+          f"- priced for framework {describe_framework(work.framework)}", *calibration_lines(work), "",
           "## The chosen layout", "",
           f"**{lay.short()}** — data parallel {lay.dp}, tensor parallel {lay.tp}, pipeline parallel {lay.pp}, "
           f"micro-batch {lay.micro_batch} ({lay.num_micro_batches} per replica), "

@@ -204,3 +204,68 @@ def test_megatron_stacks_cut_equal_layer_counts_per_chunk_and_this_executor_bala
     odd = lay.replace(pp=3, virtual_stages=1, schedule="1f1b", dp=1)
     assert layers % 3  # layers that do not divide: the balanced split
     assert framework_stages(model, odd) == default_stages(model, odd)
+
+
+# The stack a prediction was priced for, named where the user reads it (planner/framework.py: describe).
+STACK = ["--model", "gpt-tiny", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "16",
+         "--framework", "megatron-core", "--optimizer-states", "bf16-moments"]
+PRICED = "megatron-core with --optimizer-states bf16-moments"
+
+
+def test_switch_flags_name_only_what_differs_from_the_profile():
+    from paraplan.planner.framework import describe, switch_flags
+
+    assert switch_flags(framework("megatron-core")) == []
+    assert describe(framework("paraplan")) == "paraplan (the profile's defaults)"
+    fw = framework("megatron-core", attention="unfused", overlap_dp=False, optimizer_states="bf16-moments",
+                   grad_reduce_in_fp32=True, overlap_tp=True)  # overlap_tp is megatron-core's own: not named
+    assert switch_flags(fw) == ["--attention unfused", "--no-overlap-dp", "--grad-reduce-in-fp32",
+                                "--optimizer-states bf16-moments"]
+
+
+def test_plan_report_names_the_framework_and_its_switches(tmp_path, capsys):
+    from paraplan.cli import main
+
+    out = tmp_path / "plan"
+    assert main(["plan", *STACK, "--no-charts", "--out", str(out), "--json"]) == 0
+    asked = (out / "report.md").read_text().split("## What was asked")[1].split("## ")[0]
+    assert f"- priced for framework {PRICED}" in asked
+
+
+def test_compare_table_names_the_framework_and_its_switches(tmp_path, capsys):
+    from paraplan.cli import main
+
+    assert main(["compare", *STACK, "--strategy", "dp=8", "--no-optimum", "--out", str(tmp_path), "--json"]) == 0
+    assert f"Priced for framework {PRICED}." in (tmp_path / "comparison.md").read_text()
+
+
+def test_validate_says_when_it_measures_this_executor_against_another_stack(tmp_path, monkeypatch, capsys):
+    """validate runs this executor's stack: predictions priced for another (--framework megatron-core) carry a note
+    saying so, as execute --dry-run's does, on stdout, in the report and in the JSON's notes; none for paraplan."""
+    import json
+    import os
+
+    from paraplan.cli import main
+    from paraplan.commands import validate as command
+    from paraplan.executor.validate import Row
+    from paraplan.planner.costmodel import default_stages
+
+    def fake_validate(work, gpus, strategies, steps, top, out, progress=None, measure_blocks=True, passes=2):
+        os.makedirs(out, exist_ok=True)  # what validate's runs write, none run here
+        model, lay = CostModel(work), Layout(dp=2, tp=1, pp=1, micro_batch=8, global_batch=16)
+        row = Row("dp=2", "strategy", lay, prediction=model.evaluate(lay, default_stages(model, lay)))
+        row.measured_s = row.predicted_s * 1.1
+        return [row]
+
+    monkeypatch.setattr(command, "validate", fake_validate)
+    args = ["validate", *STACK, "--gpus", "2", "--no-calibrate", "--no-block-times"]
+    assert main([*args, "--out", str(tmp_path / "a"), "--json"]) == 0
+    notes = [n for n in json.loads(capsys.readouterr().out)["notes"] if "this executor's stack" in n]
+    assert len(notes) == 1 and f"priced for framework {PRICED}" in notes[0] and "--framework paraplan" in notes[0]
+    assert notes[0] in (tmp_path / "a" / "validation.md").read_text()
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out.replace("\n", " ")
+    assert "note: the predictions were priced for framework megatron-core" in printed
+    plain = [a for a in args if a not in ("--framework", "megatron-core", "--optimizer-states", "bf16-moments")]
+    assert main([*plain, "--out", str(tmp_path / "c"), "--json"]) == 0
+    assert not any("this executor's stack" in n for n in json.loads(capsys.readouterr().out)["notes"])

@@ -8,6 +8,7 @@ from paraplan.hardware_specs.identity import markdown_notes
 from paraplan.planner import chart_guard
 from paraplan.planner.compare import compare, dp_optimisations, dp_per_layout, ps_vs_ring
 from paraplan.planner.errors import PlanError
+from paraplan.planner.framework import describe as describe_framework
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
@@ -61,6 +62,7 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
                     notes: list[str]) -> None:
     lines = [f"# {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
              f"{work.global_batch}", "",
+             f"Priced for framework {describe_framework(work.framework)}.", "",
              *markdown_notes(notes), *([""] if notes else []),
              "| strategy | layout | iteration s | tokens/s | MFU | GiB/GPU | tp / pp / dp "
              "comm, bubble (s) |", "|---|---|---|---|---|---|---|"]

@@ -8,6 +8,7 @@ import sys
 
 from paraplan.executor.validate import summary, to_json, update_spec, validate, write_outputs
 from paraplan.planner.errors import PlanError
+from paraplan.planner.framework import other_stack_note
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
@@ -27,6 +28,9 @@ def run(args) -> int:
                     measure_blocks=not args.no_block_times, passes=args.passes)
     stats = summary(rows)
     calibrated, notes, suffix = calibration_labels(work, validating=True)
+    if note := other_stack_note(work.framework, "the predictions were", "the measurements are",
+                                "validate with --framework paraplan to check the predictions themselves"):
+        notes.append(note)
     files = write_outputs(rows, stats, out, f"{work.spec.name} on {args.gpus} x {work.cluster.gpu.name} "
                                             f"({work.cluster.name}), global batch {work.global_batch}", calibrated,
                           notes)
