@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Any
 
+import numpy as np
+
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
 from paraplan.profiler.tp_view import region_collectives
 
@@ -262,6 +264,7 @@ class CostModel:
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
+        self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
 
@@ -447,29 +450,39 @@ class CostModel:
         return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
                 and len({x.signature for x in layers[1:-1]}) == 1)
 
-    def block_table(self, lay: Layout, place: Placement, mode: str) -> _BlockTable:
-        """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1)."""
-        key = (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode, place.tp, place.gpus_per_node_busy,
-               lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep,
-               lay.etp)  # everything block_cost's key depends on
+    def _table_key(self, lay: Layout, place: Placement) -> tuple:
+        """What a layout's block table depends on besides the recomputation mode (block_cost's key)."""
+        return (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, place.tp, place.gpus_per_node_busy,
+                lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp)
+
+    def block_table(self, lay: Layout, place: Placement, mode: str, key: tuple | None = None) -> _BlockTable:
+        """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1). ``key``:
+        ``_table_key(lay, place)`` when the caller has it already."""
+        key = (key or self._table_key(lay, place), mode)
         table = self._tables.get(key)
         if table is None:
-            n = len(self.work.profile(lay.dtype).layers)
-            costs = [self.block_cost(i, lay, place, mode) for i in range(n)]
+            layers = self.work.profile(lay.dtype).layers
+            n = len(layers)
+            costs: list[BlockCost] = []
+            for i in range(n):  # a middle layer like the one before it costs the same (block_cost's key)
+                same = 1 < i < n - 1 and layers[i].signature == layers[i - 1].signature
+                costs.append(costs[-1] if same else self.block_cost(i, lay, place, mode))
             own = [_summed_row(c) for c in costs]  # (n, len(SUMMED)); repeated layers share one BlockCost
-            cum = [[0.0] * len(SUMMED)]
-            for row in own:
-                cum.append([a + b for a, b in zip(cum[-1], row, strict=True)])
+            cum = np.zeros((n + 1, len(SUMMED)))  # (n + 1, len(SUMMED)): row i sums blocks 0..i-1, in order
+            np.cumsum(own, axis=0, out=cum[1:])
+            cum = cum.tolist()
             weights = tuple(sum(row[:6]) + 1e-12 for row in own)  # compute, recompute and TP communication
             table = _BlockTable(rows=cum, working=[c.act_working for c in costs], costs=costs, weights=weights)
             self._tables[key] = table
         return table
 
-    def totals(self, lay: Layout, mode: str) -> dict[str, float]:
+    def totals(self, lay: Layout, mode: str, place: Placement | None = None, key: tuple | None = None
+               ) -> dict[str, float]:
         """Whole-model sums of the per-block costs (SUMMED fields) in recomputation ``mode``, the largest
         working set of a block (``working``) and the last block's parameters on a rank (``head_params``):
-        what the search's lower bound needs."""
-        table = self.block_table(lay, layout_placement(self.work.cluster, lay), mode)
+        what the search's lower bound needs. ``place``, ``key``: the layout's placement and table key when
+        the caller has them (the search asks for every mode of thousands of layouts)."""
+        table = self.block_table(lay, place or layout_placement(self.work.cluster, lay), mode, key)
         if table.whole is None:
             out = dict(zip(SUMMED, table.span(0, len(table.rows) - 1), strict=True))
             out["working"] = max(table.working)

@@ -20,6 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
+
+import numpy as np
 
 from paraplan.models import TransformerSpec
 
@@ -231,58 +234,95 @@ def _pipeline_bound(model: CostModel, lay: Layout, parts: _BoundParts, total: fl
     return pipe + parts.opt
 
 
+@dataclass
+class _BlockClass:
+    """What _bound_parts needs of the layouts that share a block table (CostModel._table_key: micro-batch, tp, cp,
+    sequence parallelism, ...): the whole model's costs per mode. Thousands of layouts (dp, pp, schedule, ZeRO)
+    share a few hundred of these."""
+
+    totals: dict[str, dict[str, float]]  # per mode (and "none"): CostModel.totals
+    params: float  # one replica's non-expert parameters on its ranks (a tied weight counted once)
+    experts: float  # its expert-parallel parameters
+    acts: dict[str, float]  # per mode: activation bytes per micro-batch, whole model
+    working: dict[str, float]  # per mode: the largest block working set
+    times: dict[str, float]  # per mode: all ranks' time per micro-batch
+    total: float  # all ranks' time per micro-batch without recomputation
+    table: Any  # the block table without recomputation (fullest_rank, largest_output)
+
+
+def _block_class(model: CostModel, lay: Layout, place, modes: tuple[str, ...]) -> _BlockClass:
+    key = (model._table_key(lay, place), modes)
+    got = model.bound_classes.get(key)
+    if got is not None:
+        return got
+    totals = {u: model.totals(lay, u, place, key[0]) for u in {*modes, "none"}}
+    base = totals["none"]
+    params = base["params"]
+    head = model.work.profile(lay.dtype).layers[-1]
+    if head.tied_params:  # a tied embedding/head weight: one copy where both ends share a rank (the least)
+        params -= head.tied_params * base["head_params"] / head.params
+    timed = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd")
+    got = model.bound_classes[key] = _BlockClass(
+        totals=totals, params=params - base["experts"], experts=base["experts"],
+        acts={u: totals[u]["act_bytes"] for u in modes}, working={u: totals[u]["working"] for u in modes},
+        times={u: sum(totals[u][k] for k in timed) for u in modes},
+        total=sum(base[k] for k in ("fwd", "bwd_input", "bwd_weight", "tp_fwd", "tp_bwd")),
+        table=model.block_table(lay, place, "none", key[0]))
+    return got
+
+
 def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _BoundParts:
     work = model.work
     place = layout_placement(work.cluster, lay)
-    totals = {u: model.totals(lay, u) for u in {*modes, "none"}}
-    base = totals["none"]
-    params = base["params"]
-    head = work.profile(lay.dtype).layers[-1]
-    if head.tied_params:  # a tied embedding/head weight: one copy where both ends share a rank (the least)
-        params -= head.tied_params * base["head_params"] / head.params
-    acts = {u: totals[u]["act_bytes"] for u in modes}
-    working = {u: totals[u]["working"] for u in modes}
+    cls = _block_class(model, lay, place, modes)
+    params, experts, acts, times = cls.params, cls.experts, cls.acts, cls.times
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
     gpu = work.cluster.gpu
     schedule = lay.schedule if p > 1 else "1f1b"
     # model states over the whole model, per rank (memory.state_bytes): gradients only where they are sure to
     # meet the activation peak (CostModel.grads_at_activation_peak), the rest always; ranks alike counted once
     per = state_bytes(work.framework, lay)
-    experts, per_e = base["experts"], moe.expert_states(work.framework, lay)  # sharded over edp (planner/moe.py)
-    params -= experts
+    per_e = moe.expert_states(work.framework, lay)  # sharded over edp (planner/moe.py)
     kinds = _rank_kinds(schedule, p, v, m)  # ((gradients at the peak, fewest micro-batches held), ranks)
     least = [f for (_, f), _ in kinds]
     counts = [c for _, c in kinds]
-    states = [params * (per.weights + per.optimizer + (per.grads if g else 0.0))
-              + experts * (per_e.weights + per_e.optimizer + (per_e.grads if g else 0.0)) for (g, _), _ in kinds]
+    held, held_e = per.weights + per.optimizer, per_e.weights + per_e.optimizer
+    states = [params * (held + per.grads if g else held) + experts * (held_e + per_e.grads if g else held_e)
+              for (g, _), _ in kinds]
     allowance = untracked_bytes(gpu, 0.0)
     # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
-    timed = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd")
-    times = {u: sum(totals[u][k] for k in timed) for u in modes}
-    total = sum(base[k] for k in ("fwd", "bwd_input", "bwd_weight", "tp_fwd", "tp_bwd"))
     room = (gpu.memory_bytes - allowance) / (1 + FRAGMENTATION)
-    cheapest = min(times, key=times.get)
-    forcing = (times, acts, min(states), least, room, counts) if len(modes) > 1 and 1.0 / sum(
-        c / (st + f * acts[cheapest]) for st, f, c in zip(states, least, counts, strict=True)) > room else None
-    coupling = (times, acts, states, least, counts, room, p)
-    # the mean wait after the ranks' own work bounds the closed forms' drain and the simulator alike (not where
-    # the interleaved warm-up is simulated)
-    waiting = (totals, modes, params, experts) \
-        if lay.head_parallel == 1 and not (p > 1 and schedule == "interleaved-1f1b" and m < p) else None
-    opt = optimizer_step(model, lay).at(RankLoad(params=params / p)) + \
-        moe.expert_optimizer_step(model, lay).at(RankLoad(experts=experts / p))
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
     # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
+    equalised = _equalised_bytes(states, least, counts, [acts[u] for u in modes])
+    cheapest = min(times, key=times.get)
+    forcing = (times, acts, min(states), least, room, counts) \
+        if len(modes) > 1 and equalised[modes.index(cheapest)] > room else None
+    coupling = (times, acts, states, least, counts, room, p)
+    # the mean wait after the ranks' own work bounds the closed forms' drain and the simulator alike (not where
+    # the interleaved warm-up is simulated)
+    waiting = (cls.totals, modes, params, experts) \
+        if lay.head_parallel == 1 and not (p > 1 and schedule == "interleaved-1f1b" and m < p) else None
+    opt = optimizer_step(model, lay).at(RankLoad(params=params / p))
+    if experts:
+        opt += moe.expert_optimizer_step(model, lay).at(RankLoad(experts=experts / p))
     memory = {}
-    for u in modes:
-        tensors = 1.0 / sum(c / (st + f * acts[u]) for st, f, c in zip(states, least, counts, strict=True)) + \
-            working[u]
+    for u, held_bytes in zip(modes, equalised, strict=True):
+        tensors = held_bytes + cls.working[u]
         memory[u] = tensors + untracked_bytes(gpu, tensors)
     # blocks are whole: with few layers per rank the slowest rank, not total/p, binds (on the cheapest costs)
-    fullest = model.block_table(lay, place, "none").fullest_rank(p)
-    return _BoundParts(total=total, fullest=fullest, bwd_weight=base["bwd_weight"], opt=opt, memory=memory,
-                       forcing=forcing, coupling=coupling, waiting=waiting)
+    return _BoundParts(total=cls.total, fullest=cls.table.fullest_rank(p), bwd_weight=cls.totals["none"]["bwd_weight"],
+                       opt=opt, memory=memory, forcing=forcing, coupling=coupling, waiting=waiting)
+
+
+def _equalised_bytes(states: list[float], least: list[int], counts: list[int], acts: list[float]) -> list[float]:
+    """Per activation size a_u: 1 / sum_k counts_k / (states_k + least_k·a_u), the bytes every rank holds when a
+    relaxed split equalises the ranks (_bound_parts' memory bound)."""
+    if len(states) <= 4:  # the few kinds of rank of most layouts: plain Python is quicker than numpy's set-up
+        return [1.0 / sum(c / (st + f * a) for st, f, c in zip(states, least, counts, strict=True)) for a in acts]
+    den = np.array(states)[None, :] + np.multiply.outer(acts, least)  # (U, K): a rank of kind k's bytes per model
+    return (1.0 / (np.array(counts, dtype=float) / den).sum(axis=1)).tolist()
 
 
 def least_dp_wait(model: CostModel, lay: Layout, totals: dict[str, dict[str, float]], modes: tuple[str, ...],
