@@ -141,27 +141,31 @@ class Plan:
         return cls.from_dict(read_data_file(path, "plan", PlanError), source=path)
 
     def validate_stages(self, block_names: list[str]) -> None:
-        """Every block exactly once, in model order, in pp x virtual_stages non-empty stages."""
+        """Every block exactly once, in model order, in pp x virtual_stages non-empty stages (one PlanError line
+        naming the field: ``execute`` and every export target check a plan file with it)."""
         lay = self.layout
         if len(self.stages) != lay.num_stages:
-            raise PlanError(f"plan lists {len(self.stages)} stages but pp x virtual_stages = {lay.num_stages}")
+            raise PlanError(f"'stages' lists {len(self.stages)} stages but pp x virtual_stages = {lay.pp} x "
+                            f"{lay.virtual_stages} = {lay.num_stages}")
         flat = [n for s in self.stages for n in s]
         known = set(block_names)
         for n in flat:
             if n not in known:
-                raise PlanError(f"plan stage lists {n!r}, which is not a block of {self.model}")
+                raise PlanError(f"'stages' lists {n!r}, which is not a block of {self.model}")
         seen: set[str] = set()
         for n in flat:
             if n in seen:
-                raise PlanError(f"plan lists block {n!r} twice")
+                raise PlanError(f"'stages' lists block {n!r} twice")
             seen.add(n)
         missing = [n for n in block_names if n not in seen]
         if missing:
-            raise PlanError(f"plan leaves out block {missing[0]!r}")
+            raise PlanError(f"'stages' leaves out block {missing[0]!r} of {self.model}")
         if flat != block_names:
-            raise PlanError("plan stages must hold contiguous blocks in model order")
+            at = next(i for i, (a, b) in enumerate(zip(flat, block_names, strict=True)) if a != b)
+            raise PlanError(f"'stages' must hold contiguous blocks in model order: {flat[at]!r} stands where "
+                            f"{block_names[at]!r} belongs")
         if self.stage_recompute is not None and len(self.stage_recompute) != lay.num_stages:
-            raise PlanError("stage_recompute must give one mode per stage")
+            raise PlanError("'stage_recompute' must give one mode per stage")
 
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)

@@ -31,7 +31,7 @@ import pytest
 
 from conftest import ROOT, assert_one_line_error, run_cli
 from paraplan.cli import main
-from paraplan.models import TransformerSpec, count_parameters, load_model_spec
+from paraplan.models import ModelSpec, TransformerSpec, block_names, count_parameters, load_model_spec
 from paraplan.planner.exports import ExportRefused, export_plan, report_lines
 from paraplan.planner.exports.common import StageShape
 from paraplan.planner.exports.megatron import layout_string, stage_args
@@ -104,6 +104,15 @@ def variant(plan: Plan, path: Path, **layout) -> tuple[Plan, Path]:
     out = path.with_name(f"{path.stem}-{'-'.join(f'{k}{v}' for k, v in layout.items())}.json")
     new.write(str(out))
     return new, out
+
+
+def even_stages(spec: ModelSpec, num_stages: int) -> list[list[str]]:
+    """``spec``'s blocks as ``execute`` names them, in ``num_stages`` contiguous stages as even as can be: the stages
+    of a plan that covers the model (a plan whose model or pp x virtual stages a test changes needs new ones)."""
+    blocks = block_names(spec)
+    per, extra = divmod(len(blocks), num_stages)
+    ends = [sum(per + (i < extra) for i in range(k + 1)) for k in range(num_stages)]
+    return [blocks[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def flag_values(argv: list[str]) -> dict[str, str | None]:
@@ -247,7 +256,8 @@ def test_megatron_moe_model_flags(plans, tmp_path):
                    seq_length=1024, num_kv_heads=4, ffn_hidden_size=1024, num_experts=16, experts_per_token=2,
                    moe_ffn_hidden_size=256, num_shared_experts=1, dense_layers=1, moe_score_function="sigmoid")
     plan, _ = plans["z3"]
-    moe = plan.replace(model="moe", model_spec=None, layout=plan.layout.replace(ep=4, etp=1, zero=1))
+    moe = plan.replace(model="moe", model_spec=None, layout=plan.layout.replace(ep=4, etp=1, zero=1),
+                       stages=even_stages(spec, 1))
     f, _ = megatron_export(moe, tmp_path, spec)
     assert (f["--num-experts"], f["--moe-router-topk"], f["--moe-ffn-hidden-size"]) == ("16", "2", "256")
     assert f["--expert-model-parallel-size"] == "4" and f["--expert-tensor-parallel-size"] == "1"
@@ -323,10 +333,12 @@ def test_megatron_refuses_what_it_cannot_express(plans, tmp_path):
     p = cli("export", "--plan", str(zbv), "--to", "megatron")
     assert_one_line_error(p, "megatron cannot express the zb-v schedule")
     assert p.returncode == 2 and not p.stdout
-    bert = plan.replace(model="bert-large", model_spec=load_model_spec("bert-large").to_dict())
+    bert_spec = load_model_spec("bert-large")
+    bert = plan.replace(model="bert-large", model_spec=bert_spec.to_dict(),
+                        stages=even_stages(bert_spec, plan.layout.num_stages))
     with pytest.raises(ExportRefused, match="bert"):
         export_plan(bert, "megatron")
-    ps = plan.replace(layout=plan.layout.replace(dp_mode="ps", ps_servers=2, zero=0))
+    ps = plan.replace(layout=plan.layout.replace(dp_mode="ps", ps_servers=2, zero=0, dp=1))  # 8 + 2 of 16 GPUs
     with pytest.raises(ExportRefused, match="parameter servers"):
         export_plan(ps, "megatron")
 
@@ -624,7 +636,8 @@ def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, tor
             assert train_spec.build_optimizers_fn is build_optimizers_with_moe_load_balancing
         else:
             assert model.output.weight is model.tok_embeddings.weight  # tied
-            piped = plan.replace(layout=plan.layout.replace(pp=2, tp=1, dp=2))
+            piped = plan.replace(layout=plan.layout.replace(pp=2, tp=1, dp=2, sequence_parallel=False),
+                                 stages=even_stages(spec, 2))
             with pytest.raises(ExportRefused, match=r"tied embeddings and q/k RMSNorm and head size 48 .* with "
                                                     r"pipeline parallelism \(pp 2\).*only qwen3"):
                 export_plan(piped, "torchtitan", spec=spec)
@@ -640,17 +653,20 @@ def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
     assert p.returncode == 2 and not p.stdout and not list(tmp_path.glob("g*.toml")) + list(tmp_path.glob("g*.py"))
     assert_one_line_error(cli("export", "--plan", str(tmp_path / "gpt.json"), "--to", "torchtitan-cli"), "gpt model")
     plan, _ = plans["z3"]
-    bert = plan.replace(model="bert-large", model_spec=load_model_spec("bert-large").to_dict())
+    bert_spec = load_model_spec("bert-large")
+    bert = plan.replace(model="bert-large", model_spec=bert_spec.to_dict(), stages=even_stages(bert_spec, 1))
     with pytest.raises(ExportRefused, match="bert model .* causal decoders only"):
         export_plan(bert, "torchtitan")
     dense_first = {"name": "dense-first", **{k: v for k, v in load_model_spec("mixtral-tiny").to_dict().items()
                                              if k != "name"}, "dense_layers": 1}
     with pytest.raises(ExportRefused, match=r"dense first layers .* without latent attention"):
-        export_plan(gpt.replace(model="dense-first", model_spec=dense_first), "torchtitan")
+        export_plan(gpt.replace(model="dense-first", model_spec=dense_first,
+                                stages=even_stages(load_model_spec("mixtral-tiny"), 1)), "torchtitan")
     with pytest.raises(ExportRefused, match="dtype fp16"):
         export_plan(plan.replace(layout=plan.layout.replace(dtype="fp16")), "torchtitan")
-    with pytest.raises(ExportRefused, match=r"sequence length 8192 with tp 1 and cp 3"):
-        export_plan(plan.replace(layout=plan.layout.replace(cp=3, dp=1)), "torchtitan")
+    # the model's 8192 positions split into 2·cp chunks (the plan is valid), but the plan trains 8190-token sequences
+    with pytest.raises(ExportRefused, match=r"sequence length 8190 with tp 1 and cp 2"):
+        export_plan(plan.replace(seq_length=8190, layout=plan.layout.replace(cp=2, dp=1)), "torchtitan")
 
 
 def test_torchtitan_command_line_form_takes_the_same_flavor_module(tmp_path, torchtitan_config, torchtitan_models):
@@ -738,7 +754,8 @@ def test_deepspeed_refuses_interleaving_context_parallelism_and_zero3_pipelines(
     plan, path = plans["3d"]
     p = cli("export", "--plan", str(path), "--to", "deepspeed")
     assert_one_line_error(p, "deepspeed cannot express the interleaved-1f1b schedule", "--schedule 1f1b")
-    one = plan.replace(layout=plan.layout.replace(schedule="1f1b", virtual_stages=1))
+    one = plan.replace(layout=plan.layout.replace(schedule="1f1b", virtual_stages=1),
+                       stages=[plan.stages[i] + plan.stages[i + 1] for i in range(0, len(plan.stages), 2)])
     with pytest.raises(ExportRefused, match="ZeRO-3 with pipeline"):
         export_plan(one.replace(layout=one.layout.replace(zero=3)), "deepspeed")
     with pytest.raises(ExportRefused, match="context parallelism"):
@@ -807,6 +824,89 @@ def test_slurm_refuses_what_execute_refuses(plans, tmp_path):
     assert_one_line_error(cli("export", "--plan", str(fp16), "--to", "slurm"), "fp16")
 
 
+# ---------------------------------------------------------------- every target: the plan against its model and cluster
+
+TARGETS = ("megatron", "deepspeed", "torchtitan", "torchtitan-cli", "slurm")
+
+
+@pytest.fixture(scope="module")
+def piped(plans, tmp_path_factory) -> tuple[dict, Path]:
+    """The 3D plan with one stage per pipeline rank (1F1B, the planner's stages joined in pairs): a plan every
+    target exports as it is. Its JSON, to corrupt, and its file."""
+    plan, _ = plans["3d"]
+    one = plan.replace(layout=plan.layout.replace(schedule="1f1b", virtual_stages=1),
+                       stages=[plan.stages[i] + plan.stages[i + 1] for i in range(0, len(plan.stages), 2)])
+    path = tmp_path_factory.mktemp("piped") / "piped.json"
+    one.write(str(path))
+    for target in TARGETS:
+        p = cli("export", "--plan", str(path), "--to", target)
+        assert p.returncode == 0, (target, p.stderr)
+    return json.loads(path.read_text()), path
+
+
+def corrupted(data: dict, path: Path, name: str, **changes) -> Path:
+    """The plan's JSON with some fields replaced, written beside it as NAME.json."""
+    out = path.with_name(f"{name}.json")
+    out.write_text(json.dumps({**data, **changes}))
+    return out
+
+
+def _stage_cases(data: dict) -> list[tuple[str, list[list[str]], tuple[str, ...]]]:
+    """(name, corrupted stages, fragments of the refusal) for a plan of pp 4 x 1 virtual stage."""
+    s = data["stages"]
+    last_of_1, first_of_2 = s[1][-1], s[2][0]
+    return [
+        ("missing", [s[0], s[1][:-1], s[2], s[3]], (f"leaves out block {last_of_1!r}",)),
+        ("overlap", [s[0], s[1], [last_of_1, *s[2]], s[3]], (f"lists block {last_of_1!r} twice",)),
+        ("order", [s[0], s[2], s[1], s[3]], ("model order", f"{first_of_2!r} stands where {s[1][0]!r} belongs")),
+        ("count", [s[0], s[1], s[2] + s[3]], ("lists 3 stages but pp x virtual_stages = 4 x 1 = 4",)),
+        ("unknown", [s[0], s[1], s[2], [*s[3][:-1], "layers.99", s[3][-1]]], ("'layers.99'", "not a block of")),
+    ]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_refuses_stages_that_do_not_cover_the_model(piped, target):
+    """A plan.json whose stages leave out a layer, list one twice, run out of model order, number other than
+    pp x virtual_stages or name no block of the model: refused in one line naming the file and 'stages', by every
+    target (the check ``execute`` makes, Plan.validate_stages), and nothing written on stdout."""
+    data, path = piped
+    for name, stages, fragments in _stage_cases(data):
+        bad = corrupted(data, path, f"{target}-{name}", stages=stages)
+        p = cli("export", "--plan", str(bad), "--to", target)
+        assert_one_line_error(p, str(bad), "'stages'", *fragments)
+        assert p.returncode == 2 and not p.stdout, (name, p.stdout)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_refuses_a_world_beyond_the_plans_nodes(piped, target):
+    """The GPUs the plan needs (dp x cp x tp x pp) against its cluster's for its 'nodes' (gpus_per_node x nodes):
+    fewer nodes than the plan was made for, or a degree raised by hand, is refused in one line."""
+    data, path = piped
+    world = data["dp"] * data["cp"] * data["tp"] * data["pp"]
+    assert data["nodes"] == 2 and world == 16  # dgx-h100: 8 GPUs per node
+    bad = corrupted(data, path, f"{target}-nodes", nodes=1)
+    p = cli("export", "--plan", str(bad), "--to", target)
+    assert_one_line_error(p, str(bad), "'nodes'", f"dp x cp x tp x pp = {world} needs more GPUs than the cluster's 8",
+                          "1 node x 8 GPUs per node of dgx-h100")
+    assert p.returncode == 2 and not p.stdout
+    dp = data["dp"] * 2  # the same global batch: half the micro-batches per replica
+    bad = corrupted(data, path, f"{target}-dp", dp=dp,
+                    num_micro_batches=data["global_batch"] // (dp * data["micro_batch"]))
+    p = cli("export", "--plan", str(bad), "--to", target)
+    assert_one_line_error(p, str(bad), "'nodes'", f"= {2 * world} needs more GPUs than the cluster's 16",
+                          "2 nodes x 8 GPUs per node")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_refuses_expert_parallelism_that_does_not_divide(tmp_path, target):
+    """ep must divide a stage's dp x cp x tp ranks (and the experts), as the planner and ``execute`` require."""
+    _tiny_plan(tmp_path / "m.json", "mixtral-tiny", "--dp", "2", "--tp", "1", "--pp", "2", "--ep", "2")
+    data = json.loads((tmp_path / "m.json").read_text())
+    bad = corrupted(data, tmp_path / "m.json", "ep4", ep=4)
+    assert_one_line_error(cli("export", "--plan", str(bad), "--to", target), str(bad),
+                          "ep x etp = 4 must divide a stage's dp x cp x tp = 2 ranks")
+
+
 # ---------------------------------------------------------------- command and report
 
 
@@ -855,8 +955,9 @@ def test_plan_json_fields_out_of_range_are_one_line_errors(tmp_path):
     huge = {**data, "dp": 1000000007, "pp": 1, "global_batch": 1000000007, "num_micro_batches": 1,
             "stages": [[n for s in data["stages"] for n in s]]}
     bad.write_text(json.dumps(huge))
-    p = cli("export", "--plan", str(bad), "--to", "deepspeed")  # a prime world size: one rank per node, at once
-    assert p.returncode == 0, p.stderr
+    # a prime world size far beyond the plan's 2 nodes: refused at once, naming the field that bounds the GPUs
+    p = cli("export", "--plan", str(bad), "--to", "deepspeed")
+    assert_one_line_error(p, str(bad), "'nodes'", f"= {huge['dp'] * huge['tp']} needs more GPUs than the cluster's 16")
     assert plan.layout.world_size == 8
 
 

@@ -15,7 +15,7 @@ from paraplan.models import ModelSpec
 
 from ..errors import PlanError
 from ..plan import Plan
-from .common import Export, ExportRefused, plan_spec
+from .common import Export, ExportRefused, check_plan, plan_spec
 
 TARGETS = ("megatron", "torchtitan", "torchtitan-cli", "deepspeed", "slurm")
 
@@ -23,11 +23,19 @@ TARGETS = ("megatron", "torchtitan", "torchtitan-cli", "deepspeed", "slurm")
 def export_plan(plan: Plan, target: str, plan_path: str = "plan.json", spec: ModelSpec | None = None,
                 **options) -> Export:
     """The plan as ``target``'s file. ``spec`` defaults to the plan's model; ``options`` go to the target
-    (slurm: ``execute_flags``, the option strings ``paraplan execute`` accepts)."""
+    (slurm: ``execute_flags``, the option strings ``paraplan execute`` accepts). A plan that does not cover its
+    model or needs more GPUs than its cluster's nodes hold is refused first, whatever the target (check_plan)."""
     if target not in TARGETS:
         raise PlanError(f"unknown export target {target!r} (one of {', '.join(TARGETS)})")
+    spec = spec if spec is not None else plan_spec(plan)
+    check_plan(plan, spec, plan_path)
+    return _export(plan, target, plan_path, spec, **options)
+
+
+def _export(plan: Plan, target: str, plan_path: str, spec: ModelSpec, **options) -> Export:
+    """``export_plan`` for a plan check_plan has passed."""
     module = importlib.import_module(f".{target.replace('-', '_')}", __name__)
-    result = module.export(plan, plan_path, spec if spec is not None else plan_spec(plan), **options)
+    result = module.export(plan, plan_path, spec, **options)
     if plan.framework_switches and target not in ("megatron", "slurm"):  # slurm runs this executor's own stack
         result.notes.append(f"{target} runs its own settings for {', '.join(sorted(plan.framework_switches))} "
                             f"(the plan was priced with {plan.framework}'s switches "
@@ -42,11 +50,12 @@ def report_lines(plan_path: str, name: str = "plan.json") -> list[str]:
     try:
         plan = Plan.read(plan_path)
         spec = plan_spec(plan)
+        check_plan(plan, spec, plan_path)  # once for every target
     except PlanError as e:
         return lines + [f"(export unavailable: {e})", ""]
     for target in TARGETS:
         try:
-            result = export_plan(plan, target, name, spec)
+            result = _export(plan, target, name, spec)
         except PlanError as e:
             lines.append(f"- {target}: not exported — {e}")
             continue

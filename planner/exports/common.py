@@ -15,7 +15,7 @@ from typing import Any
 from paraplan.hardware_specs import HardwareSpecError, load_cluster
 from paraplan.models import ModelSpec, ModelSpecError, TransformerSpec, load_model_spec, spec_from_mapping
 
-from ..errors import PlanError
+from ..errors import InvalidLayout, PlanError
 from ..plan import Plan
 
 RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "mlp": 2, "full": 3}
@@ -60,6 +60,41 @@ def plan_spec(plan: Plan) -> ModelSpec:
         return load_model_spec(plan.model)
     except ModelSpecError as e:
         raise PlanError(str(e)) from None
+
+
+def model_blocks(spec: ModelSpec, dtype: str) -> list[str]:
+    """The model's pipeline blocks in order: the layer names of its meta profile, the names the planner wrote the
+    stages with (api.plan_for) and the blocks ``execute`` checks them against (models.block_names). A cached
+    profile needs no torch; the planner profiles FP8 plans in bf16 (workload.profile), so that copy is the cached
+    one (block names do not depend on the dtype)."""
+    from paraplan.profiler.api import profile_model
+
+    profile = profile_model(spec, "meta", micro_batch=1, dtype="bf16" if dtype == "fp8" else dtype)
+    return [layer.name for layer in profile.layers]
+
+
+def check_plan(plan: Plan, spec: ModelSpec, plan_path: str) -> None:
+    """Refuse a plan no target should write a file for, as the planner and ``execute`` refuse it: its layout
+    against the model (Layout.validate: tp dividing the heads, ep dividing dp x cp x tp and the experts, ...) and
+    its cluster's GPUs for its ``nodes``, and its ``stages`` against the model's blocks (Plan.validate_stages:
+    pp x virtual_stages stages, every block once, in model order). One PlanError line naming the file."""
+    lay = plan.layout
+    try:
+        cluster = load_cluster(plan.cluster, nodes=plan.nodes)
+    except HardwareSpecError:
+        cluster = None  # a cluster only known elsewhere: its GPUs are not checked here (placement() neither)
+    blocks = model_blocks(spec, lay.dtype)
+    try:
+        lay.validate(spec, len(blocks), cluster.num_gpus if cluster is not None else None)
+    except InvalidLayout as e:
+        if cluster is not None and lay.world_size > cluster.num_gpus:  # the first check validate makes
+            raise PlanError(f"{plan_path}: 'nodes': {e} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} "
+                            f"x {cluster.gpus_per_node} GPUs per node of {cluster.name})") from None
+        raise PlanError(f"{plan_path}: {e}") from None
+    try:
+        plan.validate_stages(blocks)
+    except PlanError as e:
+        raise PlanError(f"{plan_path}: {e}") from None
 
 
 def require_transformer(spec: ModelSpec, target: str, what: str) -> TransformerSpec:
