@@ -1,11 +1,13 @@
 """Throughput against GPU count for the report: the best plan searched again at smaller GPU counts.
 
-The re-plans do not depend on the main search, so they start before it, in forked processes (one per
-count) at the lowest CPU priority: they run on what the main search leaves idle (its pricing is
-single-threaded, its ILPs come in bursts) and on what the drawing of the report leaves, and never
-delay either. Each child sends back only its count's best candidate. Where fork is unavailable, on
-one core, or if a child fails, the re-plans run in line, in the parent: the answer is the same either
-way. benchmarks/bench_plan.py measures the whole command.
+The re-plans do not depend on the main search, so they start before it, in forked processes at the lowest CPU
+priority: they run on what the main search leaves idle (its pricing is single-threaded, its ILPs come in bursts)
+and on what the drawing of the report leaves, and never delay either. There are as many children as the machine
+has cores beside the main search's (one on two cores); each re-plans its counts one after another, smallest
+first, with one cost model (the block costs of one count serve the next), and sends each count's best candidate
+as soon as it has it, so a re-plan cut short by the report's deadline still gives the counts it finished. Where
+fork is unavailable, on one core, or if a child fails, the re-plans run in line, in the parent: the answer is
+the same either way. benchmarks/bench_plan.py measures the whole command.
 """
 
 from __future__ import annotations
@@ -46,17 +48,24 @@ def _replan(work: Workload, dtype: str, model: CostModel, gpus: int) -> Candidat
     return search(work, gpus, top_k=1, dtype=dtype, model=model).best
 
 
-def _child(conn, gpus: int) -> None:
-    """Forked worker: re-plan at ``gpus`` at the lowest priority and send the best candidate. On any
-    failure it sends nothing and prints nothing: the parent re-plans in line and reports any error once."""
+def _child(conn, counts: list[int]) -> None:
+    """Forked worker: re-plan at each of ``counts`` in turn, at the lowest priority, sending (count, best candidate)
+    for each as it is found. On any failure it stops sending and prints nothing: the parent re-plans the rest in
+    line and reports any error once."""
     try:
         assert _JOB is not None
         os.nice(19)
-        conn.send_bytes(pickle.dumps(_replan(*_JOB, gpus)))
+        for gpus in counts:
+            conn.send_bytes(pickle.dumps((gpus, _replan(*_JOB, gpus))))
     except BaseException:  # interrupts too: the parent sees the closed pipe
         pass
     finally:
         conn.close()
+
+
+def _shares(counts: list[int], workers: int) -> list[list[int]]:
+    """``counts`` dealt over ``workers`` children, each share smallest first (round robin: similar work each)."""
+    return [share for share in (counts[i::workers] for i in range(workers)) if share]
 
 
 class ScalingReplans:
@@ -67,21 +76,22 @@ class ScalingReplans:
         self.work, self.gpus, self.dtype, self.model = work, gpus, dtype, model
         self.counts = scaling_counts(gpus, work.cluster.gpus_per_node)
         self._started = time.monotonic()
-        self._jobs: list[tuple[int, object, object]] = []
+        self._jobs: list[tuple[list[int], object, object]] = []
         others = [g for g in self.counts if g != gpus]
-        if not others or (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        cores = os.cpu_count() or 1
+        if not others or cores < 2 or "fork" not in multiprocessing.get_all_start_methods():
             return  # points() re-plans in line
         ctx = multiprocessing.get_context("fork")
         sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
         sys.stderr.flush()
         _JOB = (work, dtype, model)
         try:
-            for g in others:
+            for share in _shares(others, cores - 1):
                 receive, send = ctx.Pipe(duplex=False)
-                child = ctx.Process(target=_child, args=(send, g), daemon=True)
+                child = ctx.Process(target=_child, args=(send, share), daemon=True)
                 child.start()
                 send.close()
-                self._jobs.append((g, receive, child))
+                self._jobs.append((share, receive, child))
         finally:
             _JOB = None
 
@@ -91,16 +101,18 @@ class ScalingReplans:
         point says so (the chart is a side view; it never holds up the plan for long)."""
         found: dict[int, Candidate | None] = {}
         late: dict[int, str] = {}
-        for g, receive, child in self._jobs:
+        for share, receive, child in self._jobs:
             try:
-                left = None if wait_s is None else max(0.0, self._started + wait_s - time.monotonic())
-                if left is not None and not receive.poll(left):
-                    child.kill()
-                    late[g] = f"re-plan stopped after {wait_s:.0f} s"
-                    continue
-                # our own child's pickle of our own dataclass, over a private pipe (nothing a user handed us)
-                found[g] = pickle.loads(receive.recv_bytes())
-            except (EOFError, OSError):  # the child died: re-plan here
+                for _ in share:
+                    left = None if wait_s is None else max(0.0, self._started + wait_s - time.monotonic())
+                    if left is not None and not receive.poll(left):
+                        child.kill()
+                        late.update({g: f"re-plan stopped after {wait_s:.0f} s" for g in share if g not in found})
+                        break
+                    # our own child's pickle of our own dataclass, over a private pipe (nothing a user handed us)
+                    g, cand = pickle.loads(receive.recv_bytes())
+                    found[g] = cand
+            except (EOFError, OSError):  # the child died: the counts it did not send are re-planned here
                 pass
             finally:
                 receive.close()

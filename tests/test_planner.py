@@ -331,7 +331,10 @@ def test_scaling_points_forked_equal_in_line_and_survive_a_dead_child(monkeypatc
     replans = scaling.ScalingReplans(work, 16, "bf16", model)
     result = search(work, 16, top_k=1, dtype="bf16", model=model)
     assert replans.counts == [2, 4, 8, 16]  # the count and up to three halvings, none below an eighth of a node
-    assert len(replans._jobs) == 3
+    # one child per core beside the main search's, each re-planning its counts smallest first
+    shares = [share for share, _, _ in replans._jobs]
+    assert sorted(g for share in shares for g in share) == [2, 4, 8] and all(share == sorted(share) for share in shares)
+    assert len(shares) == min(3, max(1, (__import__("os").cpu_count() or 1) - 1))
     # a child sends its best candidate pickled: it must pickle, traffic included (else the parent re-plans)
     sent = pickle.loads(pickle.dumps(result.best))
     assert sent.prediction.rank_comm_bytes == result.best.prediction.rank_comm_bytes
@@ -340,7 +343,7 @@ def test_scaling_points_forked_equal_in_line_and_survive_a_dead_child(monkeypatc
     in_line = _scaling_summary(scaling.ScalingPoint(g, result.best if g == 16 else search(work, g, top_k=1).best)
                                for g in replans.counts)
     assert forked == in_line
-    monkeypatch.setattr(scaling, "_child", lambda conn, gpus: __import__("os")._exit(3))
+    monkeypatch.setattr(scaling, "_child", lambda conn, counts: __import__("os")._exit(3))
     assert _scaling_summary(scaling.ScalingReplans(work, 16, "bf16", model).points(result.best)) == forked
     cancelled = scaling.ScalingReplans(work, 16, "bf16", model)
     children = [child for _, _, child in cancelled._jobs]
@@ -358,7 +361,7 @@ def test_scaling_replans_past_their_time_are_stopped_and_say_so(monkeypatch):
 
     work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
     model = CostModel(work)
-    monkeypatch.setattr(scaling, "_child", lambda conn, gpus: clock.sleep(60))
+    monkeypatch.setattr(scaling, "_child", lambda conn, counts: clock.sleep(60))
     replans = scaling.ScalingReplans(work, 16, "bf16", model)
     children = [child for _, _, child in replans._jobs]
     started = clock.monotonic()
@@ -367,3 +370,28 @@ def test_scaling_replans_past_their_time_are_stopped_and_say_so(monkeypatch):
     assert [p.gpus for p in points] == [2, 4, 8, 16]
     assert all(p.best is None and p.cut_short == "re-plan stopped after 1 s" for p in points[:3])
     assert not any(child.is_alive() for child in children)
+
+
+def test_scaling_replans_keep_the_counts_a_child_finished_before_its_time_ran_out(monkeypatch):
+    """A child re-plans its counts in turn and sends each as it is found: when the report's deadline stops it,
+    the counts it already sent keep their points and only the others say they were stopped."""
+    import time as clock
+
+    from paraplan.planner import scaling
+    from paraplan.planner.costmodel import CostModel
+
+    work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
+    model = CostModel(work)
+    first = search(work, 2, top_k=1, dtype="bf16", model=model).best
+
+    def sends_one_then_hangs(conn, counts):
+        conn.send_bytes(pickle.dumps((counts[0], first)))
+        clock.sleep(60)
+
+    monkeypatch.setattr(scaling, "_shares", lambda counts, workers: [counts])  # one child, as on two cores
+    monkeypatch.setattr(scaling, "_child", sends_one_then_hangs)
+    replans = scaling.ScalingReplans(work, 16, "bf16", model)
+    points = replans.points(None, wait_s=2.0)
+    assert [p.gpus for p in points] == [2, 4, 8, 16]
+    assert points[0].best is not None and points[0].best.layout == first.layout and not points[0].cut_short
+    assert all(p.best is None and p.cut_short == "re-plan stopped after 2 s" for p in points[1:3])
