@@ -290,12 +290,12 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _Boun
     states = [params * (held + per.grads if g else held) + experts * (held_e + per_e.grads if g else held_e)
               for (g, _), _ in kinds]
     allowance = untracked_bytes(gpu, 0.0)
-    # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
     room = (gpu.memory_bytes - allowance) / (1 + FRAGMENTATION)
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
     # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
     equalised = _equalised_bytes(states, least, counts, [acts[u] for u in modes])
+    # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
     cheapest = min(times, key=times.get)
     forcing = (times, acts, min(states), least, room, counts) \
         if len(modes) > 1 and equalised[modes.index(cheapest)] > room else None

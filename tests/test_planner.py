@@ -395,3 +395,20 @@ def test_scaling_replans_keep_the_counts_a_child_finished_before_its_time_ran_ou
     assert [p.gpus for p in points] == [2, 4, 8, 16]
     assert points[0].best is not None and points[0].best.layout == first.layout and not points[0].cut_short
     assert all(p.best is None and p.cut_short == "re-plan stopped after 2 s" for p in points[1:3])
+
+
+def test_memory_bound_sums_equal_for_few_and_many_kinds_of_rank():
+    """_bound_parts' equalised bytes, 1 / sum_k c_k / (s_k + f_k·a), by its plain and its numpy path: the same
+    figures (the numpy path serves pipelines with many kinds of rank)."""
+    import random
+
+    from paraplan.planner.search import _equalised_bytes
+
+    rng = random.Random(7)
+    for kinds in (1, 3, 4, 5, 17, 64):
+        states = [rng.uniform(1e9, 4e10) for _ in range(kinds)]
+        least = [rng.randint(1, 32) for _ in range(kinds)]
+        counts = [rng.randint(1, 4) for _ in range(kinds)]
+        acts = [rng.uniform(1e8, 5e9) for _ in range(4)]
+        expected = [1.0 / sum(c / (s + f * a) for s, f, c in zip(states, least, counts, strict=True)) for a in acts]
+        assert _equalised_bytes(states, least, counts, acts) == pytest.approx(expected, rel=1e-12)
