@@ -290,7 +290,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         one *= fw.moe_imbalance
         counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
         a2a_fwd = a2a_bwd = 2 * one
-        if a2a_overlap_applies(fw, lay):  # each pass's exchanges under another micro-batch's opposite pass
+        if a2a_overlap_applies(fw, lay, mode):  # each pass's exchanges under another micro-batch's opposite pass
             a2a_fwd, a2a_bwd = max(0.0, a2a_fwd - compute[1]), max(0.0, a2a_bwd - compute[0])
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
@@ -386,12 +386,17 @@ def tp_summed_exposure(model, lay: Layout, place: Placement) -> Exposure | None:
     return Exposure(Sync("all_reduce", sync, per_moe_shared=4.0 / data if sharded else 4.0))
 
 
-def a2a_overlap_applies(fw, lay: Layout) -> bool:
+def a2a_overlap_possible(fw, lay: Layout) -> bool:
+    """a2a_overlap_applies before the recomputation mode: a block's cost depends on this (CostModel's block keys)."""
+    return fw.moe_a2a_overlap and lay.ep > 1 and lay.num_micro_batches >= 2 and (lay.pp == 1 or lay.virtual_stages > 1)
+
+
+def a2a_overlap_applies(fw, lay: Layout, recompute: str | None = None) -> bool:
     """Does ``fw.moe_a2a_overlap`` hide this layout's all-to-alls? Megatron-Core's overlap_moe_expert_parallel_comm
     runs one micro-batch's forward beside another's backward: it needs ep > 1, two micro-batches or more, no full
-    recomputation and, with a pipeline, virtual stages (TransformerConfig's checks); elsewhere nothing is hidden."""
-    return (fw.moe_a2a_overlap and lay.ep > 1 and lay.num_micro_batches >= 2 and lay.recompute != "full"
-            and (lay.pp == 1 or lay.virtual_stages > 1))
+    recomputation and, with a pipeline, virtual stages (TransformerConfig's checks); elsewhere nothing is hidden.
+    ``recompute``: the block's mode where it is not the layout's own."""
+    return a2a_overlap_possible(fw, lay) and (recompute or lay.recompute) != "full"
 
 
 def expert_optimizer_step(model, lay: Layout) -> Affine:

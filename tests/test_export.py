@@ -978,3 +978,15 @@ def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     two = ["--global-batch", "16"]
     assert json.loads(cli(*base, *two, "--moe-a2a-overlap").stdout)["time_s"]["ep_comm"] < \
         json.loads(cli(*base, *two).stdout)["time_s"]["ep_comm"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_refuses_a_plan_of_a_python_callable_model(piped, target):
+    """A plan whose model is the user's own callable: its blocks come only from running that code, which export
+    does not do (execute refuses it too); one line naming the file, whatever the callable would do."""
+    data, path = piped
+    for name in ("two_layer_mlp", "raises"):
+        bad = corrupted(data, path, f"{target}-custom-{name}", model=f"fixtures.custom_model:{name}", model_spec=None)
+        p = cli("export", "--plan", str(bad), "--to", target)
+        assert_one_line_error(p, str(bad), "python callable")
+        assert p.returncode == 2 and not p.stdout

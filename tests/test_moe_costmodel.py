@@ -436,3 +436,26 @@ def test_deepseek_v3_published_h100_layouts_fit(pp, recompute):
     model = CostModel(work)
     pred = model.evaluate(lay, default_stages(model, lay))
     assert pred.fits, pred.peak_memory_gib
+
+
+def test_all_to_all_overlap_prices_a_layout_the_same_whichever_was_priced_first():
+    """Whether Megatron-Core's all-to-all overlap applies depends on the layout's schedule and micro-batches (moe.
+    a2a_overlap_applies), so block costs cached for one layout must not serve another that differs there: a
+    1F1B pipeline (no overlap) priced first must leave an interleaved one's price and bound as a fresh model gives."""
+    from paraplan.planner.framework import framework
+
+    work = Workload.create("mixtral-8x7b", "dgx-h100", 256, nodes=8,
+                           framework=framework("megatron-core", moe_a2a_overlap=True))
+    base = Layout(dp=16, tp=1, pp=4, micro_batch=1, global_batch=256, ep=8, dtype="bf16", zero=1)
+    plain, interleaved = base.replace(schedule="1f1b"), base.replace(schedule="interleaved-1f1b", virtual_stages=2)
+    assert not moe.a2a_overlap_applies(work.framework, plain) and moe.a2a_overlap_applies(work.framework, interleaved)
+    modes = ("none", "full")
+    fresh = CostModel(work)
+    want = (lower_bound(fresh, interleaved, modes)[0],
+            fresh.evaluate(interleaved, default_stages(fresh, interleaved)).iteration_time_s)
+    shared = CostModel(work)
+    lower_bound(shared, plain, modes)
+    shared.evaluate(plain, default_stages(shared, plain))
+    got = (lower_bound(shared, interleaved, modes)[0],
+           shared.evaluate(interleaved, default_stages(shared, interleaved)).iteration_time_s)
+    assert got == want

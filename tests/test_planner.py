@@ -397,15 +397,15 @@ def test_scaling_replans_keep_the_counts_a_child_finished_before_its_time_ran_ou
     assert all(p.best is None and p.cut_short == "re-plan stopped after 2 s" for p in points[1:3])
 
 
-def test_memory_bound_sums_equal_for_few_and_many_kinds_of_rank():
-    """_bound_parts' equalised bytes, 1 / sum_k c_k / (s_k + f_k·a), by its plain and its numpy path: the same
-    figures (the numpy path serves pipelines with many kinds of rank)."""
+def test_memory_bound_sums_by_numpy_equal_the_plain_sums():
+    """_bound_parts' equalised bytes, 1 / sum_k c_k / (s_k + f_k·a), by the numpy path (many kinds of rank): the
+    plain sums to rounding."""
     import random
 
     from paraplan.planner.search import _equalised_bytes
 
     rng = random.Random(7)
-    for kinds in (1, 3, 4, 5, 17, 64):
+    for kinds in (5, 17, 64):  # fewer take the plain path, which is the expression below
         states = [rng.uniform(1e9, 4e10) for _ in range(kinds)]
         least = [rng.randint(1, 32) for _ in range(kinds)]
         counts = [rng.randint(1, 4) for _ in range(kinds)]

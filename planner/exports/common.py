@@ -14,6 +14,7 @@ from typing import Any
 
 from paraplan.hardware_specs import HardwareSpecError, load_cluster
 from paraplan.models import ModelSpec, ModelSpecError, TransformerSpec, load_model_spec, spec_from_mapping
+from paraplan.profiler.errors import ProfileError
 
 from ..errors import InvalidLayout, PlanError
 from ..plan import Plan
@@ -79,17 +80,28 @@ def check_plan(plan: Plan, spec: ModelSpec, plan_path: str) -> None:
     its cluster's GPUs for its ``nodes``, and its ``stages`` against the model's blocks (Plan.validate_stages:
     pp x virtual_stages stages, every block once, in model order). One PlanError line naming the file."""
     lay = plan.layout
+    if spec.family == "custom":  # its blocks come from running the user's code, which nothing here does
+        raise PlanError(f"{plan_path}: model {plan.model} is a python callable; plans of the zoo's families export")
     try:
         cluster = load_cluster(plan.cluster, nodes=plan.nodes)
     except HardwareSpecError:
         cluster = None  # a cluster only known elsewhere: its GPUs are not checked here (placement() neither)
-    blocks = model_blocks(spec, lay.dtype)
     try:
-        lay.validate(spec, len(blocks), cluster.num_gpus if cluster is not None else None)
+        lay.check_fields()  # a plan read from a file has passed these; one built in code may not have
     except InvalidLayout as e:
-        if cluster is not None and lay.world_size > cluster.num_gpus:  # the first check validate makes
-            raise PlanError(f"{plan_path}: 'nodes': {e} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} "
-                            f"x {cluster.gpus_per_node} GPUs per node of {cluster.name})") from None
+        raise PlanError(f"{plan_path}: {e}") from None
+    if cluster is not None and lay.world_size > cluster.num_gpus:
+        servers = f" + {lay.ps_servers} parameter servers" if lay.dp_mode == "ps" else ""
+        raise PlanError(f"{plan_path}: 'nodes': dp x cp x tp x pp = {lay.num_gpus}{servers} needs more GPUs than the "
+                        f"cluster's {cluster.num_gpus} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x "
+                        f"{cluster.gpus_per_node} GPUs per node of {cluster.name})")
+    try:
+        blocks = model_blocks(spec, lay.dtype)
+    except (ModelSpecError, ProfileError) as e:
+        raise PlanError(f"{plan_path}: model {plan.model}: {e}") from None
+    try:
+        lay.validate(spec, len(blocks))
+    except InvalidLayout as e:
         raise PlanError(f"{plan_path}: {e}") from None
     try:
         plan.validate_stages(blocks)
