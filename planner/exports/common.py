@@ -87,21 +87,15 @@ def check_plan(plan: Plan, spec: ModelSpec, plan_path: str) -> None:
     except HardwareSpecError:
         cluster = None  # a cluster only known elsewhere: its GPUs are not checked here (placement() neither)
     try:
-        lay.check_fields()  # a plan read from a file has passed these; one built in code may not have
-    except InvalidLayout as e:
-        raise PlanError(f"{plan_path}: {e}") from None
-    if cluster is not None and lay.world_size > cluster.num_gpus:
-        servers = f" + {lay.ps_servers} parameter servers" if lay.dp_mode == "ps" else ""
-        raise PlanError(f"{plan_path}: 'nodes': dp x cp x tp x pp = {lay.num_gpus}{servers} needs more GPUs than the "
-                        f"cluster's {cluster.num_gpus} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x "
-                        f"{cluster.gpus_per_node} GPUs per node of {cluster.name})")
-    try:
         blocks = model_blocks(spec, lay.dtype)
     except (ModelSpecError, ProfileError) as e:
         raise PlanError(f"{plan_path}: model {plan.model}: {e}") from None
     try:
-        lay.validate(spec, len(blocks))
+        lay.validate(spec, len(blocks), cluster.num_gpus if cluster is not None else None)
     except InvalidLayout as e:
+        if e.reason == "more GPUs than the cluster":  # the plan's nodes: say what they hold
+            raise PlanError(f"{plan_path}: 'nodes': {e} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x "
+                            f"{cluster.gpus_per_node} GPUs per node of {cluster.name})") from None
         raise PlanError(f"{plan_path}: {e}") from None
     try:
         plan.validate_stages(blocks)
