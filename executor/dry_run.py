@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paraplan.planner.framework import framework, other_stack_note
+from paraplan.planner.framework import other_stack_note
 from paraplan.planner.layout import Layout
 from paraplan.planner.schedules import in_flight
 
@@ -238,9 +238,7 @@ def dry_run(job: Job, device_type: str, progress=lambda text: None, processes: i
     if note:
         out.notes.append(note)
     if out.prediction is not None:
-        plan = job.plan
-        note = other_stack_note(framework(plan.framework, attention=plan.attention, **plan.framework_switches),
-                                "the plan was", "the trace is",
+        note = other_stack_note(job.plan.stack(), "the plan was", "the trace is",
                                 "price it with --framework paraplan to check the prediction itself")
         if note:
             out.notes.append(note)

@@ -167,6 +167,13 @@ class Plan:
         if self.stage_recompute is not None and len(self.stage_recompute) != lay.num_stages:
             raise PlanError("'stage_recompute' must give one mode per stage")
 
+    def stack(self):
+        """The software stack the plan was priced for (planner/framework.Framework): its framework profile with its
+        attention kernel and switches."""
+        from .framework import framework
+
+        return framework(self.framework, attention=self.attention, **self.framework_switches)
+
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
 

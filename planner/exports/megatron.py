@@ -212,10 +212,9 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
     switches, planner/framework.py) where Megatron's own defaults differ. A plan priced for this executor
     (framework paraplan) keeps Megatron's defaults for the model states and their sync (its stack is not
     Megatron's), but its MoE token dispatch is stated: one all-to-all each way, as priced."""
-    from ..framework import framework
     from ..moe import a2a_overlap_applies
 
-    fw = framework(plan.framework, attention=plan.attention, **plan.framework_switches)
+    fw = plan.stack()
     lay = plan.layout
     a: Args = []
     if getattr(spec, "num_experts", 0):
