@@ -9,16 +9,22 @@ report lists it) and lets the command go on.
 core, and a report's timeline alone takes as long as the rest together): the same files and notes as drawing
 them one after another, in about half the time on two cores. A child that dies or hangs leaves its charts to the
 parent, which draws them itself; it never outlives the call.
+
+:class:`ChartServer` goes one step further for `plan`'s report: the drawing, matplotlib's import included (most
+of a second), moves to a child forked when the command starts, before this process imports matplotlib; the
+import happens beside the search, and the charts' data are sent to it when known.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import multiprocessing
 import os
 import pickle
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CHILD_WAIT_S = 300.0  # a chart child still drawing after this is stopped and its charts drawn in line
 
@@ -53,6 +59,11 @@ class ChartJob:
 def draw_files(files: dict[str, str], notes: list[str], jobs: list[ChartJob]) -> None:
     """:func:`draw_file` for every job, the heaviest in a forked child while this process draws the rest (where
     fork exists and there are two cores); ``files`` and ``notes`` come out as if drawn in order."""
+    _record(files, notes, jobs, _draw_jobs(jobs))
+
+
+def _draw_jobs(jobs: list[ChartJob]) -> dict[str, tuple[bool, list[str]]]:
+    """{key: (drawn, notes)} for every job, the heaviest in a forked child where there are fork and two cores."""
     heaviest = max(jobs, key=lambda j: j.weight, default=None)
     child = None
     if len(jobs) > 1 and (os.cpu_count() or 1) >= 2 and "fork" in multiprocessing.get_all_start_methods():
@@ -63,11 +74,18 @@ def draw_files(files: dict[str, str], notes: list[str], jobs: list[ChartJob]) ->
             results[job.key] = _draw_one(job)
     if child:
         results.update(_collect(child, [heaviest]))
+    return results
+
+
+def _record(files: dict[str, str], notes: list[str], jobs: list[ChartJob],
+            results: dict[str, tuple[bool, list[str]]]) -> None:
+    """Each job's notes in the jobs' order; the path of each drawn one in ``files``."""
     for job in jobs:
-        ok, lines = results[job.key]
-        notes.extend(lines)
-        if ok:
-            files[job.key] = job.path
+        if job.key in results:
+            ok, lines = results[job.key]
+            notes.extend(lines)
+            if ok:
+                files[job.key] = job.path
 
 
 def _draw_one(job: ChartJob) -> tuple[bool, list[str]]:
@@ -120,6 +138,121 @@ def _collect(child, jobs: list[ChartJob]) -> dict[str, tuple[bool, list[str]]]:
         if job.key not in got:
             got[job.key] = _draw_one(job)
     return got
+
+
+@dataclass
+class ChartRequest:
+    """A chart :class:`ChartServer` draws: ``chart`` names a function of planner/charts.py, called as
+    ``chart(*args, path=path, **kwargs)``; everything in it goes through a pipe (pickled), so no closures."""
+
+    key: str
+    path: str
+    what: str
+    chart: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    weight: float = 1.0
+
+    def job(self) -> ChartJob:
+        return ChartJob(self.key, self.path, self.what, functools.partial(_call_chart, self.chart, self.args,
+                                                                          self.kwargs), self.weight)
+
+
+def _call_chart(name: str, args: tuple, kwargs: dict, path: str) -> None:
+    from . import charts
+
+    getattr(charts, name)(*args, path=path, **kwargs)
+
+
+class ChartServer:
+    """A child forked when a command starts, before this process imports matplotlib: it imports planner/charts.py
+    (most of a second) while the command works (`plan` searches), then draws the requests :meth:`draw` sends it,
+    the heaviest in a grandchild (:func:`draw_files`). Without fork or a second core, or when the child dies or
+    hangs, :meth:`draw` draws here what it did not: the same files and notes either way, in the requests' order.
+    One batch per server; :meth:`close` (or draw) reaps the child."""
+
+    def __init__(self) -> None:
+        self._child = None
+        if (os.cpu_count() or 1) >= 2 and "fork" in multiprocessing.get_all_start_methods():
+            self._child = _fork_server()
+            # a command that ends without draw or close still reaps it: before multiprocessing's own exit hook,
+            # which would wait for this (non-daemon) child while our end of its pipe kept it waiting too
+            atexit.register(self.close)
+
+    def draw(self, files: dict[str, str], notes: list[str], requests: list[ChartRequest]) -> None:
+        """Draw ``requests``; record what was drawn in ``files`` and each chart's (and the import's) notes."""
+        jobs = [r.job() for r in requests]
+        module_lines, results = self._ask(requests) if self._child is not None else (None, {})
+        if module_lines is None:  # no child, or it failed before it was ready: the module's import here
+            module_lines = []
+            importable = charts_module(module_lines) is not None
+        else:
+            importable = not module_lines  # the child's import failed: so would this process's
+        if importable:  # all of them, or what the child did not send back
+            results.update(_draw_jobs([job for job in jobs if job.key not in results]))
+        notes.extend(module_lines)
+        _record(files, notes, jobs, results)
+
+    def _ask(self, requests: list[ChartRequest]) -> tuple[list[str] | None, dict[str, tuple[bool, list[str]]]]:
+        """(the import's notes, or None where the child never got ready; {key: (drawn, notes)} it sent)."""
+        conn, _ = self._child
+        module_lines, results = None, {}
+        try:
+            if conn.poll(CHILD_WAIT_S):
+                # our own child's pickles of plain results, over a private pipe (nothing a user handed us)
+                module_lines = pickle.loads(conn.recv_bytes())
+                conn.send_bytes(pickle.dumps(requests))  # it is ready, waiting for them: no deadlock
+                if module_lines == [] and conn.poll(CHILD_WAIT_S):
+                    results = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError, pickle.PicklingError, TypeError, AttributeError):
+            pass  # the child died, or a request would not go through the pipe: what is missing is drawn here
+        finally:
+            self.close()
+        return module_lines, results
+
+    def close(self) -> None:
+        """Stop the child if it still runs (a command that failed half way needs no charts)."""
+        if self._child is not None:
+            conn, proc = self._child
+            self._child = None
+            atexit.unregister(self.close)
+            conn.close()
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def _server(conn) -> None:
+    """Forked by ChartServer: import the charts and send the import's notes (none: ready); receive the requests,
+    draw them and send {key: (drawn, notes)}. On any failure it stops sending: the parent draws what is missing."""
+    try:
+        module_lines: list[str] = []
+        ready = charts_module(module_lines) is not None
+        conn.send_bytes(pickle.dumps(module_lines))
+        requests = pickle.loads(conn.recv_bytes())  # our parent's own pickle, over a private pipe
+        if ready:
+            conn.send_bytes(pickle.dumps(_draw_jobs([r.job() for r in requests])))
+    except BaseException:  # noqa: BLE001 - the parent sees the closed pipe and draws in line
+        pass
+    finally:
+        conn.close()
+
+
+def _fork_server():
+    ctx = multiprocessing.get_context("fork")
+    sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
+    sys.stderr.flush()
+    mine, theirs = ctx.Pipe(duplex=True)
+    try:
+        # not a daemon: it forks the heaviest chart's grandchild (draw_files); draw/close always reap it
+        proc = ctx.Process(target=_server, args=(theirs,), daemon=False)
+        proc.start()
+    except OSError:  # no process to spare: draw in line
+        mine.close()
+        return None
+    finally:
+        theirs.close()
+    return mine, proc
 
 
 def charts_module(notes: list[str]):

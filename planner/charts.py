@@ -187,11 +187,12 @@ def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: s
     _save(fig, path)
 
 
-def pareto(preds: list[Prediction], highlight: list[bool], path: str, title: str) -> None:
-    """Every priced candidate's throughput against its memory per GPU, with the Pareto front."""
+def pareto(memory_gib: list[float], tokens_per_s: list[float], highlight: list[bool], capacity_gib: float, path: str,
+           title: str) -> None:
+    """Every priced candidate's throughput against its memory per GPU (most loaded rank), with the Pareto front;
+    the ``highlight`` ones (the top plans) marked, the GPU's memory as a line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [p.peak_memory_gib for p in preds]
-    ys = [p.tokens_per_s for p in preds]
+    xs, ys = memory_gib, tokens_per_s
     ax.scatter(xs, ys, s=8, color="#AAAAAA", label="candidates")
     front, best_y = [], -1.0
     for x, y in sorted(zip(xs, ys, strict=True)):
@@ -204,8 +205,8 @@ def pareto(preds: list[Prediction], highlight: list[bool], path: str, title: str
     hx = [x for x, h in zip(xs, highlight, strict=True) if h]
     hy = [y for y, h in zip(ys, highlight, strict=True) if h]
     ax.scatter(hx, hy, s=30, color="#4C72B0", label="top plans", zorder=3)
-    if preds:
-        ax.axvline(preds[0].memory_capacity_gib, color="black", linestyle="--", linewidth=1, label="GPU memory")
+    if xs:
+        ax.axvline(capacity_gib, color="black", linestyle="--", linewidth=1, label="GPU memory")
     ax.set_xlabel("GiB per GPU (most loaded rank)")
     ax.set_ylabel("tokens/s")
     ax.set_title(title)

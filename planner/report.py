@@ -134,9 +134,11 @@ def _money(result: SearchResult, pred: Prediction, train_tokens: float | None) -
 
 
 def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | Callable[[], list[ScalingPoint]],
-                 train_tokens: float | None = None, charts: bool = True) -> dict[str, str]:
+                 train_tokens: float | None = None, charts: bool = True,
+                 server: chart_guard.ChartServer | None = None) -> dict[str, str]:
     """Write the whole report folder; returns {what: path}. ``scaling`` may be a call that waits for the
-    points (see scaling.start_scaling): it is made only once the other charts are drawn."""
+    points (see scaling.ScalingReplans). ``server``: draws the charts (one started with the command has
+    matplotlib imported by now); one is started here when not given."""
     os.makedirs(out, exist_ok=True)
     files = {"report": os.path.join(out, "report.md"), "plan": os.path.join(out, "plan.json"),
              "candidates": os.path.join(out, "candidates.csv")}
@@ -144,23 +146,15 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     assert best is not None
     write_plan(result, best, files["plan"])
     write_candidates_csv(result, files["candidates"])
-    if charts:
-        files.update(_charts(result, out))
     if callable(scaling):
         replans, points = scaling, []  # the re-plans at fewer GPUs; if they fail, no scaling chart or table
         scaling = points if chart_guard.draw(result.notes, "scaling", lambda: points.extend(replans())) else []
-    if charts and scaling:
-        path = os.path.join(out, "scaling.png")
-
-        def scaling_chart():
-            from . import charts as draw
-
-            draw.scaling([s.gpus for s in scaling], [s.best.prediction if s.best else None for s in scaling],
-                         path, f"Throughput vs GPU count — {result.work.spec.name}",
-                         [s.best.layout.short() if s.best else "" for s in scaling])
-
-        if chart_guard.draw(result.notes, "scaling", scaling_chart):
-            files["scaling"] = path
+    if charts:
+        server = server or chart_guard.ChartServer()
+        try:
+            server.draw(files, result.notes, _chart_requests(result, out, scaling))
+        finally:
+            server.close()
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     status = Counter(c.status for c in result.candidates)
@@ -244,35 +238,35 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     return files
 
 
-def _charts(result: SearchResult, out: str) -> dict[str, str]:
-    """Every chart but the scaling one (its points may still be being computed); a chart that fails is left
-    out with a note (planner/chart_guard.py)."""
-    files: dict[str, str] = {}
-    charts = chart_guard.charts_module(result.notes)  # imported here: a chart child inherits it
-    if charts is None:
-        return files
+def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> list[chart_guard.ChartRequest]:
+    """The report's charts as chart_guard draws them (data only: they go to the drawing child through a pipe)."""
     preds = [c.prediction for c in result.ranked]
     labels = [c.layout.short() for c in result.ranked]
     title = f"{result.work.spec.name} on {result.gpus} x {result.work.cluster.gpu.name}"
-    job = lambda key, name, what, chart, weight=1.0: chart_guard.ChartJob(  # noqa: E731
-        key, os.path.join(out, name), what, chart, weight)
-    jobs = [job("breakdown", "time_breakdown.png", "time breakdown",
-                lambda path: charts.time_breakdown(preds, labels, path, f"Where the time goes — {title}")),
-            job("memory", "memory.png", "memory",
-                lambda path: charts.memory_vs_capacity(preds, labels, path, f"Memory per GPU — {title}"))]
+    request = lambda key, name, what, chart, *args, weight=1.0, **kwargs: chart_guard.ChartRequest(  # noqa: E731
+        key, os.path.join(out, name), what, chart, args, kwargs, weight)
+    requests = [request("breakdown", "time_breakdown.png", "time breakdown", "time_breakdown", preds, labels,
+                        title=f"Where the time goes — {title}"),
+                request("memory", "memory.png", "memory", "memory_vs_capacity", preds, labels,
+                        title=f"Memory per GPU — {title}")]
     best = result.ranked[0]
     if best.prediction.method == "event simulation":  # what the report prints (planner/refine.py), drawn
-        def timeline(path: str) -> None:
-            model = result.model or CostModel(result.work)
-            sim = model.evaluate(best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True)
-            charts.gantt(sim, path)
-
-        # its labelled bars make it the dearest chart by far (about the three others together)
-        jobs.append(job("timeline", "timeline.png", "timeline", timeline, weight=3.0))
-    priced = [c for c in result.candidates if c.prediction is not None]
-    if priced:
-        jobs.append(job("pareto", "pareto.png", "throughput vs memory",
-                        lambda path: charts.pareto([c.prediction for c in priced], [c in result.ranked for c in priced],
-                                                   path, f"Throughput vs memory — {title}")))
-    chart_guard.draw_files(files, result.notes, jobs)
-    return files
+        model = result.model or CostModel(result.work)
+        sims = []
+        if chart_guard.draw(result.notes, "timeline", lambda: sims.append(model.evaluate(
+                best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True))):
+            # its labelled bars make it the dearest chart by far (about the three others together)
+            requests.append(request("timeline", "timeline.png", "timeline", "gantt", sims[0], weight=3.0))
+    if scaling:
+        requests.append(request("scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
+                                [s.best.prediction if s.best else None for s in scaling],
+                                title=f"Throughput vs GPU count — {result.work.spec.name}",
+                                labels=[s.best.layout.short() if s.best else "" for s in scaling]))
+    priced = [c.prediction for c in result.candidates if c.prediction is not None]
+    if priced:  # the points alone (thousands of predictions would be slow to send)
+        top = {id(c.prediction) for c in result.ranked}
+        requests.append(request("pareto", "pareto.png", "throughput vs memory", "pareto",
+                                [p.peak_memory_gib for p in priced], [p.tokens_per_s for p in priced],
+                                [id(p) in top for p in priced], priced[0].memory_capacity_gib,
+                                title=f"Throughput vs memory — {title}"))
+    return requests

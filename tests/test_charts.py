@@ -195,3 +195,66 @@ def test_charts_drawn_beside_each_other_come_out_as_drawn_in_order(tmp_path):
     assert set(files) == {"a", "t"} and notes == []
     assert (tmp_path / "t.txt").read_text() == str(parent)  # redrawn here after the child died
     assert multiprocessing.active_children() == []
+
+
+def test_the_chart_server_draws_in_its_child_and_what_it_cannot_is_drawn_here(tmp_path, monkeypatch):
+    """chart_guard.ChartServer (forked when `plan` starts, so matplotlib's import is not on the command's path):
+    its charts come back with the same notes, in the requests' order; a child that dies before or while drawing
+    leaves its charts to this process, which draws them; a matplotlib that cannot be imported is one note, no
+    chart; no child is left behind."""
+    import multiprocessing
+
+    from paraplan.planner import chart_guard, charts
+    from paraplan.planner.chart_guard import ChartRequest, ChartServer
+
+    parent = os.getpid()
+
+    def write(*args, path: str, **kwargs) -> None:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+    def broken(*args, path: str, **kwargs) -> None:
+        raise OSError("No space left on device")
+
+    def dies_in_a_child(*args, path: str, **kwargs) -> None:
+        if os.getpid() != parent:
+            os._exit(3)
+        write(path=path)
+
+    monkeypatch.setattr(charts, "time_breakdown", write)
+    monkeypatch.setattr(charts, "memory_vs_capacity", broken)
+    monkeypatch.setattr(charts, "scaling", dies_in_a_child)
+    requests = [ChartRequest("a", str(tmp_path / "a.txt"), "first", "time_breakdown", ([1.0], ["x"])),
+                ChartRequest("b", str(tmp_path / "b.txt"), "memory", "memory_vs_capacity", weight=3.0),
+                ChartRequest("c", str(tmp_path / "c.txt"), "third", "time_breakdown")]
+    files, notes = {}, []
+    ChartServer().draw(files, notes, requests)
+    assert files == {"a": str(tmp_path / "a.txt"), "c": str(tmp_path / "c.txt")}
+    assert notes == ["memory chart not drawn (OSError: No space left on device)"]
+    assert (tmp_path / "a.txt").read_text() != str(parent)  # drawn by the server's child
+    assert multiprocessing.active_children() == []
+
+    requests = [ChartRequest("a", str(tmp_path / "a.txt"), "first", "time_breakdown"),
+                ChartRequest("s", str(tmp_path / "s.txt"), "scaling", "scaling", weight=3.0)]
+    files, notes = {}, []
+    ChartServer().draw(files, notes, requests)  # the child (and its grandchild) die drawing "s"
+    assert set(files) == {"a", "s"} and notes == []
+    assert (tmp_path / "s.txt").read_text() == str(parent)
+    assert multiprocessing.active_children() == []
+
+    real = chart_guard.charts_module
+    monkeypatch.setattr(chart_guard, "charts_module",
+                        lambda lines: os._exit(3) if os.getpid() != parent else real(lines))
+    files, notes = {}, []
+    ChartServer().draw(files, notes, requests[:1])  # the child dies before it is ready
+    assert files == {"a": str(tmp_path / "a.txt")} and notes == []
+    assert (tmp_path / "a.txt").read_text() == str(parent)
+
+    def no_matplotlib(lines):
+        lines.append("no charts drawn (matplotlib: ImportError: libfreetype.so.6)")
+
+    monkeypatch.setattr(chart_guard, "charts_module", no_matplotlib)
+    files, notes = {}, []
+    ChartServer().draw(files, notes, requests)
+    assert files == {} and notes == ["no charts drawn (matplotlib: ImportError: libfreetype.so.6)"]
+    assert multiprocessing.active_children() == []

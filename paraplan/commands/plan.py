@@ -6,6 +6,7 @@ import os
 import re
 import sys
 
+from paraplan.planner.chart_guard import ChartServer
 from paraplan.planner.costmodel import CostModel
 from paraplan.planner.errors import PlanError
 from paraplan.planner.refine import simulate_ranked
@@ -75,6 +76,8 @@ def run(args) -> int:
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
+    # and the charts' child imports matplotlib meanwhile (planner/chart_guard.py)
+    drawing = None if args.no_charts else ChartServer()
     bar, cb = _progress(not args.json and sys.stderr.isatty())
     if bar:
         bar.start()
@@ -87,6 +90,8 @@ def run(args) -> int:
     except BaseException:
         if replans:
             replans.cancel()
+        if drawing:
+            drawing.close()
         raise
     finally:
         if bar:
@@ -97,10 +102,11 @@ def run(args) -> int:
             raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
                 c.status_text() for c in result.candidates if c.status == "traced oom"))
     # the scaling chart's re-plans (started with the search, on the cores it leaves) get as long as it took,
-    # at least SCALING_WAIT_S; by then the report's other charts are drawn
+    # at least SCALING_WAIT_S; then every chart is drawn at once, by the child that imported matplotlib meanwhile
     wait = max(SCALING_WAIT_S, result.search_time_s)
     scaling = (lambda: replans.points(result.best, wait)) if replans else []
-    files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts)
+    files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts,
+                         server=drawing)
     calibrated, notes, suffix = calibration_labels(work)
     notes = notes + result.notes
     if args.json:
