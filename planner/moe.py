@@ -394,9 +394,10 @@ def a2a_overlap_possible(fw, lay: Layout) -> bool:
 def a2a_overlap_applies(fw, lay: Layout, recompute: str | None = None) -> bool:
     """Does ``fw.moe_a2a_overlap`` hide this layout's all-to-alls? Megatron-Core's overlap_moe_expert_parallel_comm
     runs one micro-batch's forward beside another's backward: it needs ep > 1, two micro-batches or more, no full
-    recomputation and, with a pipeline, virtual stages (TransformerConfig's checks); elsewhere nothing is hidden.
-    ``recompute``: the block's mode where it is not the layout's own."""
-    return a2a_overlap_possible(fw, lay) and (recompute or lay.recompute) != "full"
+    recomputation, no recomputation of the MoE block ("moe" in recompute_modules: the "mlp" mode, see
+    exports/megatron.py) and, with a pipeline, virtual stages (TransformerConfig.__post_init__'s checks); elsewhere
+    nothing is hidden. ``recompute``: the block's mode where it is not the layout's own."""
+    return a2a_overlap_possible(fw, lay) and (recompute or lay.recompute) not in ("full", "mlp")
 
 
 def expert_optimizer_step(model, lay: Layout) -> Affine:

@@ -118,9 +118,12 @@ class ScalingReplans:
                 receive.close()
                 child.join()
         self._jobs = []
-        for g in self.counts:
+        for g in self.counts:  # no child, or one died: re-planned here, smallest first, while the time lasts
             if g != self.gpus and g not in found and g not in late:
-                found[g] = _replan(self.work, self.dtype, self.model, g)
+                if wait_s is not None and time.monotonic() >= self._started + wait_s:
+                    late[g] = f"re-plan stopped after {wait_s:.0f} s"
+                else:
+                    found[g] = _replan(self.work, self.dtype, self.model, g)
         return [ScalingPoint(g, best if g == self.gpus else found.get(g), late.get(g, "")) for g in self.counts]
 
     def cancel(self) -> None:

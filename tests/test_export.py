@@ -963,8 +963,9 @@ def test_plan_json_fields_out_of_range_are_one_line_errors(tmp_path):
 
 def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     """Megatron-Core overlaps a micro-batch's all-to-alls with another's compute only with ep > 1, two micro-batches
-    or more, no full recomputation and virtual stages under a pipeline: elsewhere --moe-a2a-overlap hides nothing
-    and the export leaves the flag out with a note."""
+    or more, no full recomputation nor of the MoE blocks (TransformerConfig refuses "moe" in recompute_modules,
+    which the mlp mode exports) and virtual stages under a pipeline: elsewhere --moe-a2a-overlap hides nothing and
+    the export leaves the flag out with a note."""
     base = ["simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--nodes", "1", "--seq-len", "1024",
             "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1", "--zero", "1",
             "--framework", "megatron-core", "--json"]
@@ -978,6 +979,13 @@ def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     two = ["--global-batch", "16"]
     assert json.loads(cli(*base, *two, "--moe-a2a-overlap").stdout)["time_s"]["ep_comm"] < \
         json.loads(cli(*base, *two).stdout)["time_s"]["ep_comm"]
+    mlp = ["--global-batch", "16", "--recompute", "mlp"]  # two micro-batches, but the MoE blocks recomputed
+    plain = json.loads(cli(*base, *mlp).stdout)
+    over = json.loads(cli(*base, *mlp, "--moe-a2a-overlap", "--write-plan", str(tmp_path / "m.json")).stdout)
+    assert over["iteration_time_s"] == pytest.approx(plain["iteration_time_s"], rel=1e-12)
+    result = export_plan(Plan.read(str(tmp_path / "m.json")), "megatron")
+    assert "--overlap-moe-expert-parallel-comm" not in result.text and "moe" in result.text.split(
+        "--recompute-modules")[1].split("--")[0]
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -397,6 +397,39 @@ def test_scaling_replans_keep_the_counts_a_child_finished_before_its_time_ran_ou
     assert all(p.best is None and p.cut_short == "re-plan stopped after 2 s" for p in points[1:3])
 
 
+def test_scaling_replans_of_a_dead_child_stop_at_the_deadline_too(monkeypatch):
+    """A child that dies leaves its counts to the parent, which re-plans them in line only while the report's time
+    lasts: a count it reaches after the deadline says it was stopped, as a late child's would."""
+    import time as clock
+
+    from paraplan.planner import scaling
+    from paraplan.planner.costmodel import CostModel
+
+    work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
+    model = CostModel(work)
+    first = search(work, 2, top_k=1, dtype="bf16", model=model).best
+
+    def sends_one_then_dies(conn, counts):
+        conn.send_bytes(pickle.dumps((counts[0], first)))
+        conn.close()
+        __import__("os")._exit(3)
+
+    in_line = []
+
+    def slow_replan(work, dtype, model, gpus):
+        in_line.append(gpus)
+        clock.sleep(1.5)
+
+    monkeypatch.setattr(scaling, "_shares", lambda counts, workers: [counts])  # one child, as on two cores
+    monkeypatch.setattr(scaling, "_child", sends_one_then_dies)
+    monkeypatch.setattr(scaling, "_replan", slow_replan)
+    points = scaling.ScalingReplans(work, 16, "bf16", model).points(None, wait_s=1.0)
+    assert in_line == [4]  # begun before the deadline; 8 would begin after it
+    assert points[0].best is not None and points[0].best.layout == first.layout
+    assert points[1].best is None and not points[1].cut_short
+    assert points[2].best is None and points[2].cut_short == "re-plan stopped after 1 s"
+
+
 def test_memory_bound_sums_by_numpy_equal_the_plain_sums():
     """_bound_parts' equalised bytes, 1 / sum_k c_k / (s_k + f_k·a), by the numpy path (many kinds of rank): the
     plain sums to rounding."""

@@ -228,8 +228,8 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
             a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
         elif fw.moe_a2a_overlap:
             notes.append("the all-to-all overlap is left out: Megatron-Core runs it only with ep > 1, two "
-                         "micro-batches or more, no full recomputation and virtual stages under a pipeline (priced "
-                         "without it too)")
+                         "micro-batches or more, no full recomputation nor of the MoE blocks (mlp), and virtual stages "
+                         "under a pipeline (priced without it too)")
     if fw.states != "zero":
         return a
     if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
