@@ -877,6 +877,21 @@ def test_every_target_refuses_stages_that_do_not_cover_the_model(piped, target):
         assert p.returncode == 2 and not p.stdout, (name, p.stdout)
 
 
+def test_a_plan_whose_cluster_file_cannot_be_read_is_refused(piped, tmp_path):
+    """The plan names a cluster YAML that is here but broken: one line naming 'cluster' and what is wrong (its GPUs
+    cannot be checked), not an export that skips the check; a cluster file that is not here (planned elsewhere)
+    still exports."""
+    data, path = piped
+    broken = tmp_path / "cluster.yaml"
+    broken.write_text("name: mine\ngpu: [unclosed\n")
+    bad = corrupted(data, path, "broken-cluster", cluster=str(broken))
+    p = cli("export", "--plan", str(bad), "--to", "megatron")
+    assert_one_line_error(p, str(bad), "'cluster'", str(broken))
+    assert p.returncode == 2 and not p.stdout
+    elsewhere = corrupted(data, path, "cluster-elsewhere", cluster=str(tmp_path / "absent.yaml"))
+    assert cli("export", "--plan", str(elsewhere), "--to", "megatron").returncode == 0
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_target_refuses_a_world_beyond_the_plans_nodes(piped, target):
     """The GPUs the plan needs (dp x cp x tp x pp) against its cluster's for its 'nodes' (gpus_per_node x nodes):

@@ -9,6 +9,7 @@ ahead and says what changed in a note.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,9 @@ def check_plan(plan: Plan, spec: ModelSpec, plan_path: str) -> None:
         raise PlanError(f"{plan_path}: model {plan.model} is a python callable; plans of the zoo's families export")
     try:
         cluster = load_cluster(plan.cluster, nodes=plan.nodes)
-    except HardwareSpecError:
+    except HardwareSpecError as e:
+        if os.path.isfile(plan.cluster):  # a cluster file here that cannot be read: say so, as plan would
+            raise PlanError(f"{plan_path}: 'cluster': {e}") from None
         cluster = None  # a cluster only known elsewhere: its GPUs are not checked here (placement() neither)
     try:
         blocks = model_blocks(spec, lay.dtype)
