@@ -59,13 +59,16 @@ BIG = [
 # mixtures of experts (planner/moe.py): experts over dp ranks (edp = 1), over dp and tp with sequence
 # parallelism in a pipeline (ZeRO 2, tp-summed router), a pipeline with full recomputation (the all-to-alls
 # repeated), MLP recomputation of the MoE block over tp with SP, DeepSeek-style MLA with a shared expert and a
-# dense first layer over tp without SP (ZeRO 3); and Mixtral 8x7B with ep8 on one DGX node
+# dense first layer over tp without SP (ZeRO 3), and under selective recomputation; and Mixtral 8x7B with ep8 on one
+# DGX node
 MOE = [
     ("mixtral-tiny", 8, "--dp 2 --tp 1 --pp 1 --ep 2 --micro-batch 2"),
     ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 2 --ep 2 --micro-batch 1 --zero 2 --sequence-parallel"),
     ("mixtral-tiny", 16, "--dp 2 --tp 1 --pp 2 --ep 2 --micro-batch 1 --recompute full"),
     ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 1 --ep 2 --micro-batch 2 --sequence-parallel --recompute mlp"),
     ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --zero 3"),
+    # selective recomputation of MLA: its latent norms and up-projection recomputed (models.in_attention_prologue)
+    ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --recompute selective"),
 ]
 MOE_BIG = [("mixtral-8x7b", 16, "--dp 8 --tp 1 --pp 1 --ep 8 --micro-batch 1 --zero 1")]
 SPREAD += MOE

@@ -22,7 +22,10 @@ Likewise MLP recomputation (--recompute mlp) and Megatron-Core's MLA activation 
 the modules save, with no free parameter. The tables do not say what a run recomputed: each row is priced with
 the lightest --recompute that fits (RECOMPUTE_ORDER), as a user holding only the table would. The DeepSeek-V3
 25.09 row's switches (RECIPES) were read from that release's performance script after the row was seen +58%
-off (its all-to-all overlap); they are the recipe's settings, not numbers chosen for the row.
+off (its all-to-all overlap); they are the recipe's settings, not numbers chosen for the row. That script also
+recomputes MLA's up-projections (recompute_modules mla_up_proj): selective recomputation of MLA models does so
+since (planner/fused_activations.mla_bytes), added after Megatron-Core was found to refuse the all-to-all overlap
+beside the MoE recomputation this row had been priced with; it counts what the modules free, no free parameter.
 
 Rows left out, and why (printed too): B200 rows (no B200 spec), hybrid Mamba models (Nemotron 3: not a
 transformer family here), Llama 4 Maverick (every other layer is MoE: our specs put dense layers first only),

@@ -6,9 +6,12 @@
 - ``selective`` (Korthikanti et al. 2022): only the attention core, softmax(QK^T)V, is recomputed.
   Each layer's attention module runs under selective activation checkpointing whose policy saves
   every op's output except those executed inside the attention core (the model flags that region,
-  see ``paraplan.models.in_attention_core``), which are recomputed. (Wrapping the attention module
-  rather than the whole layer keeps the norms, whose fused kernels update tensors in place, out of
-  the cached region.)
+  see ``paraplan.models.in_attention_core``), which are recomputed; so is the attention's prologue where
+  it has one (``in_attention_prologue``): multi-head latent attention's latent norms and up-projection
+  into per-head queries, keys and values (Megatron-Core's ``mla_up_proj``, which DeepSeek-V3's recipes
+  recompute), Qwen3's per-head query/key norms. (Wrapping the attention module rather than the whole
+  layer keeps the layer's norms, whose kernels update tensors in place, out of the cached region; the
+  norms inside the attention are in its prologue, recomputed, for the same reason.)
 
 Modules are wrapped in place (``layers[i]``, ``layers[i].attn`` or ``layers[i].mlp``/``.moe``), so block names
 still resolve.
@@ -22,13 +25,14 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from paraplan.models import in_attention_core
+from paraplan.models import in_attention_core, in_attention_prologue
 
 from .errors import ExecutionError
 
 
 def _recompute_attention_core(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE if in_attention_core() else CheckpointPolicy.MUST_SAVE
+    recompute = in_attention_core() or in_attention_prologue()
+    return CheckpointPolicy.PREFER_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
 
 
 def _wrapper(mode: str):

@@ -27,7 +27,7 @@ _LAZY = {
     **dict.fromkeys(("block_names", "build_model", "initialize", "loss_function", "parameter_generator",
                      "reference_init", "sample_batch", "tied_aliases", "tp_plan", "tp_style"), "registry"),
     "CustomModel": "custom", "StagedModel": "staged",
-    "in_attention_core": "transformer", "unfused_attention": "transformer",
+    "in_attention_core": "transformer", "in_attention_prologue": "transformer", "unfused_attention": "transformer",
     **dict.fromkeys(("MoE", "balanced_routing", "collect_aux_losses", "local_dispatch", "routes_balanced",
                      "set_aux_loss_scale"), "moe"),
 }
@@ -47,4 +47,5 @@ __all__ = [
     "initialize", "parameter_generator", "tied_aliases",
     "load_callable_model", "load_model_spec", "loss_function", "parse_data_file", "reference_init", "sample_batch",
     "spec_from_mapping", "tokens_per_sample", "tp_plan", "tp_style", "unfused_attention", "in_attention_core",
+    "in_attention_prologue",
 ]

@@ -33,11 +33,30 @@ from .staged import StagedModel
 
 _UNFUSED_ATTENTION: ContextVar[bool] = ContextVar("unfused_attention", default=False)
 _IN_ATTENTION_CORE: ContextVar[bool] = ContextVar("in_attention_core", default=False)
+_IN_ATTENTION_PROLOGUE: ContextVar[bool] = ContextVar("in_attention_prologue", default=False)
 
 
 def in_attention_core() -> bool:
     """True while softmax(QK^T)V runs: the part selective recomputation recomputes (the profiler asks)."""
     return _IN_ATTENTION_CORE.get()
+
+
+def in_attention_prologue() -> bool:
+    """True while the attention core's queries and keys are formed from tensors the layer keeps anyway: multi-head
+    latent attention's latent norms and up-projection into per-head queries, keys and values (Megatron-Core's
+    recompute_modules ``mla_up_proj``), Qwen3's per-head query/key norms. Selective recomputation repeats this
+    too (executor/checkpointing.py; the profiler asks). An RMSNorm's kernel updates a tensor it made in place,
+    which selective checkpointing cannot cache, so no norm inside the attention module may stay outside it."""
+    return _IN_ATTENTION_PROLOGUE.get()
+
+
+@contextlib.contextmanager
+def _attention_prologue():
+    token = _IN_ATTENTION_PROLOGUE.set(True)
+    try:
+        yield
+    finally:
+        _IN_ATTENTION_PROLOGUE.reset(token)
 
 
 @contextlib.contextmanager
@@ -132,7 +151,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, a_local, d)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, kv_local, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            with _attention_prologue():
+                q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, a_local, s, d), (b, kv_local, s, d)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.rotary:
@@ -182,17 +202,19 @@ class LatentAttention(nn.Module):
         b, s, _ = x.shape  # (b, s, h)
         shard = self.sequence_shard
         positions = shard.positions(x.device) if shard is not None else None
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_b") else self.wq(x)  # (b, s, a·(nope+rope))
-        q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)  # (b, a_local, s, nope+rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_latent = self.wq_a(x) if hasattr(self, "wq_b") else x  # (b, s, q_lora_rank) or (b, s, h)
         latent, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)  # (b, s, kv_rank), (b, s, rope)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (b, a_local, s, nope), (b, a_local, s, v)
         k_pe = _rotate(k_pe.unsqueeze(1), positions)  # (b, 1, s, rope): one rotary key for every head
         if self.shared_key is not None:
             k_pe = self.shared_key(k_pe)
-        q = torch.cat([q_nope, _rotate(q_pe, positions)], dim=-1)  # (b, a_local, s, nope+rope)
-        k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        with _attention_prologue():  # latents -> per-head queries, keys and values (what mla_up_proj recomputes)
+            q = self.wq_b(self.q_norm(q_latent)) if hasattr(self, "wq_b") else self.wq(q_latent)  # (b, s, a·qk)
+            q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)  # (b, a_local, s, nope+rope)
+            q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+            kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (b, a_local, s, nope), (b, a_local, s, v)
+            q = torch.cat([q_nope, _rotate(q_pe, positions)], dim=-1)  # (b, a_local, s, nope+rope)
+            k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         mask = None
         if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, a_local, S, .)
             k, v, mask = shard.gather(k), shard.gather(v), shard.causal_mask(x.device)

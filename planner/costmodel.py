@@ -328,9 +328,10 @@ class CostModel:
             if mode == "mlp" or early_stop else []
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
-        elif mode == "selective":
+        elif mode == "selective":  # the attention core, and its prologue where it has one (MLA's up-projection)
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
-            recompute_time, rflops = times.core_fwd, core_flops * b
+            core_flops += sum(layer.fwd_ops.prologue_gemm_flops)
+            recompute_time, rflops = times.core_fwd + times.prologue_fwd, core_flops * b
         elif mode == "mlp":
             recompute_time, rflops = times.mlp_fwd, sum(mlp_gemms) * b
         else:

@@ -18,8 +18,9 @@ Per token: 4h + 4h (the two norm + linear pairs) + 2(2a·d + 2kv·d) (attention)
 and MLP tensors are split over the tensor-parallel ranks, the norms' over them only with sequence parallelism.
 Korthikanti's 34·s·b·h for GPT (MHA, 4h MLP) is this count's 32·s·b·h plus the two residual dropout masks.
 With a flash kernel selective recomputation (Megatron's ``core_attn``) saves nothing more: there is no score
-matrix, and the kernel's inputs and output are kept by the linears around it. MLP recomputation (Megatron-
-Core's recompute_modules ``mlp``/``moe``: the sublayer runs under tensor_parallel.checkpoint) keeps the
+matrix, and the kernel's inputs and output are kept by the linears around it (but with multi-head latent
+attention, whose up-projections selective recomputation repeats too: see :func:`mla_bytes`). MLP recomputation
+(Megatron-Core's recompute_modules ``mlp``/``moe``: the sublayer runs under tensor_parallel.checkpoint) keeps the
 sublayer's input (2h: for a dense MLP the residual its fused norm + linear takes; for an MoE block the
 separate pre-MLP norm's output, beside that norm's input) instead of the sublayer's tensors. Full
 recomputation keeps the layer's input only. A layer whose MLP is a mixture of experts keeps its attention's
@@ -32,7 +33,7 @@ from __future__ import annotations
 from . import fused_moe
 
 
-def mla_bytes(spec) -> tuple[float, float]:
+def mla_bytes(spec, recompute: str = "none") -> tuple[float, float]:
     """(replicated, sharded) bytes per token Megatron-Core's multi-head latent attention keeps (MLASelfAttention,
     megatron/core/transformer/multi_latent_attention.py, with TE modules): the input norm's input and output
     (2h each; the down projections run on the sequence shard under SP and share the norm's output as input);
@@ -40,13 +41,16 @@ def mla_bytes(spec) -> tuple[float, float]:
     projections are column-parallel, their latents sharded like the hidden states); the flash kernel's query and
     key (a heads of qk_nope + qk_rope each), value (a·v_head) and output (a·v_head, shared with the output
     projection). The rotary part of the key (qk_rope per token, gathered whole) is negligible and left out.
-    Without SP the latents and norms are replicated (the down projections run on every rank)."""
+    Without SP the latents and norms are replicated (the down projections run on every rank).
+    ``recompute`` "selective" recomputes the up-projections too (recompute_modules ``mla_up_proj``: output-
+    discarding checkpointing frees the kernel's query, key and value after the forward and rebuilds them from
+    the latents in backward): the kernel's output alone stays of the sharded part."""
     h, a = spec.hidden_size, spec.num_attention_heads
     q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
     latents = 4 * ((spec.q_lora_rank or 0) + spec.kv_lora_rank)
     replicated = 2 * h + 2 * h + latents
-    sharded = 2 * a * (2 * q_head + spec.v_head_dim) + 2 * a * spec.v_head_dim
-    return replicated, sharded
+    qkv = 0 if recompute == "selective" else 2 * a * (2 * q_head + spec.v_head_dim)
+    return replicated, qkv + 2 * a * spec.v_head_dim
 
 
 def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False) -> float:
@@ -56,7 +60,7 @@ def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, mo
     if recompute == "full":
         return 2 * h * tokens / (tp if sp else 1)
     if getattr(spec, "mla", False):  # the attention's norm and its tensors (mla_bytes), in the same two shares
-        norm_and_qkv, attention = mla_bytes(spec)
+        norm_and_qkv, attention = mla_bytes(spec, recompute)
         return tokens * (norm_and_qkv / (tp if sp else 1)) + _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer,
                                                                            attention, replicated=0.0)
     attention = 2 * (a * d + 2 * kv * d) + 2 * a * d

@@ -8,10 +8,11 @@ ZeRO-2 also the gradients, ZeRO-3 also the weights. Plain fp32 training keeps 4 
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, Table 2): what the
 profiler traced the layer to save, split into the part inside the tensor-parallel regions (divided by
 t) and the replicated rest (divided by t only with sequence parallelism). Selective recomputation keeps
-what is saved without the attention core's internals; MLP recomputation (Megatron-Core's recompute_modules
-``mlp`` and ``moe``) keeps what "none" does less what the MLP sublayer produced and saved (its input stays,
-as the checkpoint's); full recomputation keeps only the layer's input (one checkpoint per layer) plus, while
-a layer's backward runs, that one layer's activations.
+what is saved without the attention core's internals (and, for multi-head latent attention, without what its
+up-projection of the latents produced: Megatron-Core's ``mla_up_proj``); MLP recomputation (Megatron-Core's
+recompute_modules ``mlp`` and ``moe``) keeps what "none" does less what the MLP sublayer produced and saved (its
+input stays, as the checkpoint's); full recomputation keeps only the layer's input (one checkpoint per layer)
+plus, while a layer's backward runs, that one layer's activations.
 With a fused (flash) attention kernel the score matrix is never saved, so "none" costs what
 "selective" does plus the core's output. With Megatron's ``unfused`` attention and dropout (the papers'
 setting) each layer also keeps its dropout masks: one byte per element of the two residual-branch
@@ -88,6 +89,9 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
         if recompute == "none":  # a flash kernel keeps its output (and a small log-sum-exp) for backward
             total += layer.fwd_ops.core_output_bytes
             sharded += layer.fwd_ops.core_output_bytes
+        else:  # selective repeats the attention's prologue too (MLA's up-projection): what it made is not kept
+            total -= layer.prologue_dropped_bytes
+            sharded -= layer.prologue_dropped_bytes_sharded
     else:
         total, sharded = layer.activation_bytes, layer.activation_bytes_sharded
     if attention == "unfused" and layer.kind == "transformer_layer":

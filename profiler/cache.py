@@ -20,7 +20,7 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 5  # 5: block signatures hashed with sha1 (stable across processes)
+_FORMAT = 6  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection
 
 
 def _folder() -> Path | None:

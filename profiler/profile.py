@@ -211,7 +211,9 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
         activation_bytes_selective_sharded=trace.saved_bytes_selective_sharded, region_io=trace.region_io,
         expert_params=experts, inactive_params=inactive, activation_bytes_moe=trace.saved_bytes_moe,
         moe_params=sum(p.numel() for m in _moes(block) for p in m.parameters()),
-        mlp_dropped_bytes=trace.saved_bytes_mlp, mlp_dropped_bytes_sharded=trace.saved_bytes_mlp_sharded)
+        mlp_dropped_bytes=trace.saved_bytes_mlp, mlp_dropped_bytes_sharded=trace.saved_bytes_mlp_sharded,
+        prologue_dropped_bytes=trace.saved_bytes_prologue,
+        prologue_dropped_bytes_sharded=trace.saved_bytes_prologue_sharded)
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,

@@ -64,6 +64,13 @@ class OpMix:
     gemm_mlp: list[bool] = field(default_factory=list)
     other_bytes_mlp: int = 0
     kernels_mlp: int = 0
+    # The attention's prologue (models.in_attention_prologue: MLA's up-projection, Qwen3's query/key norms): its
+    # GEMMs (also in gemm_flops), the bytes moved and kernels run there — what selective recomputation repeats
+    # besides the attention core.
+    prologue_gemm_flops: list[int] = field(default_factory=list)
+    prologue_gemm_sharded: list[bool] = field(default_factory=list)
+    other_bytes_prologue: int = 0
+    kernels_prologue: int = 0
 
 
 @dataclass
@@ -97,6 +104,10 @@ class LayerProfile:
     # itself (its input, produced before it, is kept as the checkpoint's); 0 when not traced (= no saving).
     mlp_dropped_bytes: int = 0
     mlp_dropped_bytes_sharded: int = 0
+    # Of activation_bytes_selective, what selective recomputation drops besides where it repeats the attention's
+    # prologue (what that produced, less the inputs it then keeps); 0 without one.
+    prologue_dropped_bytes: int = 0
+    prologue_dropped_bytes_sharded: int = 0
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from paraplan.models import in_attention_core, unfused_attention
+from paraplan.models import in_attention_core, in_attention_prologue, unfused_attention
 from paraplan.models.moe import GroupedExperts, MoE
 
 from .records import OpMix
@@ -55,6 +55,10 @@ class _OpRecorder(TorchDispatchMode):
         self.mix = OpMix()
         self.producer: dict[int, tuple[bool, bool]] = {}  # storage -> (sharded, produced in attention core)
         self.core_inputs: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, sharded) fed into the core
+        # the attention's prologue (models.in_attention_prologue): storages it produced, and those fed into it from
+        # outside, storage -> (bytes, sharded)
+        self.in_prologue: set[int] = set()
+        self.prologue_inputs: dict[int, tuple[int, bool]] = {}
         self.keep_alive: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -63,10 +67,14 @@ class _OpRecorder(TorchDispatchMode):
         if getattr(func, "is_view", False) or func.overloadpacket in (torch.ops.aten.detach,):
             return out
         sharded, core, moe, mlp = self.sharded_now(), in_attention_core(), self.moe_now(), self.mlp_now()
+        prologue = in_attention_prologue()
         outs, ins = _tensors(out), _tensors(args)
         packet = func.overloadpacket
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)  # the formula FlopCounterMode uses
+            if prologue:
+                self.mix.prologue_gemm_flops.append(int(flops))
+                self.mix.prologue_gemm_sharded.append(sharded)
             self.mix.gemm_flops.append(int(flops))
             self.mix.gemm_sharded.append(sharded)
             self.mix.gemm_core.append(core)
@@ -83,7 +91,9 @@ class _OpRecorder(TorchDispatchMode):
             self.mix.other_bytes_moe += moved if moe else 0
             self.mix.other_bytes_expert += moved if moe == 2 else 0
             self.mix.other_bytes_mlp += moved if mlp else 0
+            self.mix.other_bytes_prologue += moved if prologue else 0
         self.mix.kernels += 1
+        self.mix.kernels_prologue += int(prologue)
         self.mix.kernels_mlp += int(mlp)
         self.mix.kernels_core += int(core)
         self.mix.kernels_moe += int(moe > 0)
@@ -93,8 +103,16 @@ class _OpRecorder(TorchDispatchMode):
                 key = _storage_key(t)
                 if not self.producer.get(key, (False, False))[1]:
                     self.core_inputs[key] = (t.untyped_storage().nbytes(), self.producer.get(key, (sharded, False))[0])
+        if prologue:
+            for t in ins:
+                key = _storage_key(t)
+                if key not in self.in_prologue:
+                    made_sharded = self.producer.get(key, (sharded, False))[0]
+                    self.prologue_inputs[key] = (t.untyped_storage().nbytes(), made_sharded)
         for t in outs:
             self.producer[_storage_key(t)] = (sharded, core)
+            if prologue:
+                self.in_prologue.add(_storage_key(t))
             self.moe_of[_storage_key(t)] = moe
             if mlp:
                 self.in_mlp.add(_storage_key(t))
@@ -119,6 +137,9 @@ class BlockTrace:
     saved_bytes_moe: int = 0  # saved inside MoE blocks (none of it in the attention core: selective keeps it)
     saved_bytes_mlp: int = 0  # saved tensors the MLP sublayer produced (what recomputing it drops)
     saved_bytes_mlp_sharded: int = 0
+    # what selective recomputation drops besides, where it repeats the attention's prologue (0 without one)
+    saved_bytes_prologue: int = 0
+    saved_bytes_prologue_sharded: int = 0
 
 
 class _ModuleStack:
@@ -241,6 +262,13 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     mlp_dropped = [saved[key][:2] for key in saved if key in recorder.in_mlp]
     kept = [(b, s) for b, s, core in saved.values() if not core]
     kept += [(b, s) for key, (b, s) in recorder.core_inputs.items() if key not in saved and key not in params]
+    # Where the attention has a prologue (MLA's up-projection, Qwen3's query/key norms: models.in_attention_prologue)
+    # it repeats that too (executor/checkpointing.py): what it produced is dropped (the core's queries, keys and
+    # values among it), what it reads is kept.
+    prologue = recorder.in_prologue
+    kept_prologue = [(b, s) for key, (b, s, core) in saved.items() if not core and key not in prologue]
+    kept_prologue += [(b, s) for key, (b, s) in {**recorder.core_inputs, **recorder.prologue_inputs}.items()
+                      if key not in saved and key not in params and key not in prologue]
     return BlockTrace(
         outputs=outputs, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_ops=fwd_mix, bwd_ops=recorder.mix,
         saved_bytes=sum(b for b, _, _ in saved.values()),
@@ -248,4 +276,6 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         saved_bytes_selective=sum(b for b, _ in kept), saved_bytes_selective_sharded=sum(b for b, s in kept if s),
         input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io,
         saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe),
-        saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s))
+        saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s),
+        saved_bytes_prologue=sum(b for b, _ in kept) - sum(b for b, _ in kept_prologue),
+        saved_bytes_prologue_sharded=sum(b for b, s in kept if s) - sum(b for b, s in kept_prologue if s))

@@ -25,6 +25,8 @@ LOSS_CASES = {
         Case("mixtral-dp2-ep2-zero3", "mixtral-tiny", dp=2, ep=2, zero=3, micro_batch=2),
         Case("deepseek-tp2-sp-ep2", "deepseek-tiny", tp=2, ep=2, sequence_parallel=True, micro_batch=4),
         Case("mixtral-dp2-ep2-mlp", "mixtral-tiny", dp=2, ep=2, recompute="mlp", micro_batch=2),  # a2a rerun
+        # selective recomputation repeats MLA's latent norms and up-projection (models.in_attention_prologue)
+        Case("deepseek-tp2-ep2-selective", "deepseek-tiny", tp=2, ep=2, recompute="selective", micro_batch=4),
     ],
     4: [
         Case("mixtral-dp2-pp2-ep2", "mixtral-tiny", dp=2, pp=2, ep=2, micro_batch=2),
@@ -43,6 +45,7 @@ GRAD_CASES = {
         Case("deepseek-tp2", "deepseek-tiny", tp=2, micro_batch=4),  # MLA's shared rotary key
         Case("qwen3-moe-tp2-ep2", "qwen3-moe-tiny", tp=2, ep=2, micro_batch=4),  # per-head q/k norms
         Case("qwen3-moe-tp2-sp", "qwen3-moe-tiny", tp=2, sequence_parallel=True, micro_batch=4),
+        Case("qwen3-moe-tp2-selective", "qwen3-moe-tiny", tp=2, recompute="selective", micro_batch=4),  # q/k norms
     ],
     4: LOSS_CASES[4],
 }

@@ -1003,6 +1003,22 @@ def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
         "--recompute-modules")[1].split("--")[0]
 
 
+def test_mla_selective_recomputation_exports_the_up_projections_and_keeps_the_overlap(tmp_path):
+    """Selective recomputation of a multi-head latent attention model repeats its up-projections too (priced so:
+    planner/fused_activations.mla_bytes, executor/checkpointing.py): Megatron gets recompute_modules core_attn and
+    mla_up_proj, which its all-to-all overlap allows (unlike moe), so the overlap flag stays."""
+    plan = tmp_path / "p.json"
+    cli("simulate", "--model", "deepseek-tiny", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "16",
+        "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "4", "--micro-batch", "1", "--zero", "1", "--recompute",
+        "selective", "--framework", "megatron-core", "--moe-a2a-overlap", "--write-plan", str(plan), "--json")
+    script = tmp_path / "mla.sh"
+    script.write_text(export_plan(Plan.read(str(plan)), "megatron").text)
+    argv = megatron_argv(script)
+    at = argv.index("--recompute-modules")
+    assert argv[at + 1:at + 3] == ["core_attn", "mla_up_proj"] and "--overlap-moe-expert-parallel-comm" in argv
+    assert not set(flag_values(argv)) - MEGATRON_FLAGS
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_target_refuses_a_plan_of_a_python_callable_model(piped, target):
     """A plan whose model is the user's own callable: its blocks come only from running that code, which export

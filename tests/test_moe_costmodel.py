@@ -412,12 +412,15 @@ def test_megatron_core_mla_keeps_what_its_modules_save():
     token, with DeepSeek-V3's config.json: h 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
     qk_rope 64, v_head 128. Replicated (split by t under SP): the input norm's input and output, 2 x 2·7168, and
     the two latents before and after their norms, 4 x (1536 + 512) = 36,864 bytes. Sharded over t: query and key
-    (128 heads x 192), value and the kernel's output (128 x 128), 2 bytes each = 163,840 bytes."""
+    (128 heads x 192), value and the kernel's output (128 x 128), 2 bytes each = 163,840 bytes. Selective
+    recomputation repeats the up-projections (Megatron-Core's mla_up_proj): of the sharded part only the kernel's
+    output stays, 2 x 128 x 128 = 32,768 bytes."""
     from paraplan.models import load_model_spec
     from paraplan.planner.fused_activations import fused_layer_bytes, mla_bytes
 
     spec = load_model_spec("deepseek-v3")
     assert mla_bytes(spec) == (36864, 163840)
+    assert mla_bytes(spec, "selective") == (36864, 32768)
     tokens, h = 4096, spec.hidden_size
     # an MoE layer under MLP recomputation adds the pre-MLP norm's input and output (2h each, split by t with SP)
     mlp = fused_layer_bytes(spec, tokens, 2, True, "mlp", moe_layer=True)

@@ -78,7 +78,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
         notes.append("Megatron-LM has no GPipe schedule: it runs 1F1B (the same bubble, less activation memory)")
     groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length),
               "PARALLEL_ARGS": parallel_args(plan, spec),
-              "TRAINING_ARGS": training_args(plan, notes) + stack_args(plan, spec, notes)}
+              "TRAINING_ARGS": training_args(plan, notes, spec) + stack_args(plan, spec, notes)}
     env = []
     if lay.zero >= 2:
         env = ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP needs more than one connection"]
@@ -188,7 +188,7 @@ def layout_string(shapes: list[StageShape], mtp_layers: int = 0) -> str:
     return "|".join(stages)
 
 
-def training_args(plan: Plan, notes: list[str]) -> Args:
+def training_args(plan: Plan, notes: list[str], spec=None) -> Args:
     lay = plan.layout
     a: Args = [("--micro-batch-size", lay.micro_batch), ("--global-batch-size", lay.global_batch)]
     a += DTYPE_FLAGS[lay.dtype] + ZERO_FLAGS[lay.zero]
@@ -198,7 +198,9 @@ def training_args(plan: Plan, notes: list[str]) -> Args:
     mode, note = uniform_recompute(plan, TARGET)
     if note:
         notes.append(note)
-    if mode == "selective":
+    if mode == "selective" and getattr(spec, "kv_lora_rank", None):  # MLA: its up-projections too (as priced)
+        a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("core_attn", "mla_up_proj"))]
+    elif mode == "selective":
         a.append(("--recompute-granularity", "selective"))
     elif mode == "mlp":  # Megatron-Core's per-module recomputation: dense MLPs and MoE blocks
         a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("mlp", "moe"))]
