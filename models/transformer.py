@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .moe import MoE
 from .specs import TransformerSpec
@@ -42,21 +43,29 @@ def in_attention_core() -> bool:
 
 
 def in_attention_prologue() -> bool:
-    """True while the attention core's queries and keys are formed from tensors the layer keeps anyway: multi-head
-    latent attention's latent norms and up-projection into per-head queries, keys and values (Megatron-Core's
-    recompute_modules ``mla_up_proj``), Qwen3's per-head query/key norms. Selective recomputation repeats this
-    too (executor/checkpointing.py; the profiler asks). An RMSNorm's kernel updates a tensor it made in place,
-    which selective checkpointing cannot cache, so no norm inside the attention module may stay outside it."""
+    """True while the attention core's queries, keys and values are formed from what the layer keeps anyway and
+    selective recomputation reruns with the core: multi-head latent attention's latent norms and up-projection
+    (Megatron-Core's recompute_modules ``mla_up_proj``); with Qwen3's query/key norms, those norms, the rotary
+    embedding and the K/V head sharing (one checkpoint from the projections on). Not under context parallelism,
+    whose K/V gather sits between them and the core. The profiler asks."""
     return _IN_ATTENTION_PROLOGUE.get()
 
 
 @contextlib.contextmanager
-def _attention_prologue():
-    token = _IN_ATTENTION_PROLOGUE.set(True)
+def _attention_prologue(active: bool = True):
+    token = _IN_ATTENTION_PROLOGUE.set(active)
     try:
         yield
     finally:
         _IN_ATTENTION_PROLOGUE.reset(token)
+
+
+def _recomputed(fn: Callable[..., torch.Tensor], recompute: bool, *args) -> torch.Tensor:
+    """``fn(*args)``; with ``recompute`` (selective recomputation: the executor sets the attention's
+    ``recompute_core``) under a checkpoint that keeps only ``args`` and runs ``fn`` again in backward."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
 
 
 @contextlib.contextmanager
@@ -144,29 +153,39 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
         self.sequence_shard: SequenceShard | None = None  # context parallelism (the executor sets it)
+        self.recompute_core = False  # selective recomputation (the executor sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, h)
-        shard = self.sequence_shard
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, a_local, d)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, kv_local, d)
-        if self.q_norm is not None:
-            with _attention_prologue():
-                q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, a_local, s, d), (b, kv_local, s, d)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        if self.rotary:
-            positions = shard.positions(x.device) if shard is not None else None
-            q, k = _rotate(q, positions), _rotate(k, positions)
-        mask = None
-        if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, kv_local, S, d)
-            k, v = shard.gather(k), shard.gather(v)
-            mask = shard.causal_mask(x.device) if self.causal else None
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each K/V head among a group
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = _attention_core(q, k, v, self.causal, mask)  # (b, a_local, s, d)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        # With query/key norms the prologue (norms, rotary embedding, K/V head sharing) is recomputed with the core:
+        # one checkpoint from the projections on (but context parallelism's K/V gather stays out of it).
+        whole = self.q_norm is not None and self.sequence_shard is None
+        y = _recomputed(self._prologue_and_core, self.recompute_core and whole, q, k, v)  # (b, a_local, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+    def _prologue_and_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(b, s, a_local, d) queries, (b, s, kv_local, d) keys and values -> (b, a_local, s, d) attention output."""
+        shard = self.sequence_shard
+        whole = self.q_norm is not None and shard is None
+        with _attention_prologue(whole):
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
+            if self.rotary:
+                positions = shard.positions(q.device) if shard is not None else None
+                q, k = _rotate(q, positions), _rotate(k, positions)
+            mask = None
+            if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, kv_local, S, d)
+                k, v = shard.gather(k), shard.gather(v)
+                mask = shard.causal_mask(q.device) if self.causal else None
+            if k.shape[1] != q.shape[1]:  # grouped-query attention: share each K/V head among a group
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        # selective recomputation of the core alone keeps its inputs (Korthikanti et al. 2022, Sec. 5)
+        return _recomputed(_attention_core, self.recompute_core and not whole, q, k, v, self.causal, mask)
 
 
 class LatentAttention(nn.Module):
@@ -197,6 +216,7 @@ class LatentAttention(nn.Module):
         # the executor's hook on the rotary key every head shares (tensor parallelism sums its gradient)
         self.shared_key: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.sequence_shard: SequenceShard | None = None  # context parallelism (the executor sets it)
+        self.recompute_core = False  # selective recomputation (the executor sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, h)
@@ -207,7 +227,20 @@ class LatentAttention(nn.Module):
         k_pe = _rotate(k_pe.unsqueeze(1), positions)  # (b, 1, s, rope): one rotary key for every head
         if self.shared_key is not None:
             k_pe = self.shared_key(k_pe)
-        with _attention_prologue():  # latents -> per-head queries, keys and values (what mla_up_proj recomputes)
+        # Selective recomputation reruns the prologue (latent norms, up-projections: Megatron-Core's mla_up_proj)
+        # with the core, from the latents: one checkpoint (but context parallelism's K/V gather stays out of it).
+        whole = shard is None
+        y = _recomputed(self._prologue_and_core, self.recompute_core and whole, q_latent, latent, k_pe, positions)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+    def _prologue_and_core(self, q_latent: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                           positions: torch.Tensor | None) -> torch.Tensor:
+        """(b, s, q_lora_rank) query latents, (b, s, kv_rank) key/value latents, (b, 1, s, rope) rotated shared
+        key -> (b, a_local, s, v_head) attention output."""
+        b, s, _ = latent.shape
+        shard = self.sequence_shard
+        whole = shard is None
+        with _attention_prologue(whole):  # latents -> per-head queries, keys and values
             q = self.wq_b(self.q_norm(q_latent)) if hasattr(self, "wq_b") else self.wq(q_latent)  # (b, s, a·qk)
             q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)  # (b, a_local, s, nope+rope)
             q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
@@ -217,9 +250,8 @@ class LatentAttention(nn.Module):
             k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         mask = None
         if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, a_local, S, .)
-            k, v, mask = shard.gather(k), shard.gather(v), shard.causal_mask(x.device)
-        y = _attention_core(q, k, v, True, mask)  # (b, a_local, s, v)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+            k, v, mask = shard.gather(k), shard.gather(v), shard.causal_mask(latent.device)
+        return _recomputed(_attention_core, self.recompute_core and not whole, q, k, v, True, mask)
 
 
 class MLP(nn.Module):

@@ -321,6 +321,9 @@ class CostModel:
         # stops once backward's tensors are rebuilt: nothing saves a dense MLP's down-projection output inside a
         # recomputed MLP, nor after it in a pre-norm layer, so neither that GEMM nor its output reduce reruns; an
         # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
+        # selective recomputation reruns the attention's prologue (MLA's up-projection) too, but not in this
+        # executor under context parallelism (its K/V gather sits between the prologue and the core)
+        prologue = lay.cp == 1 or fw.saved_activations == "fused"
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
         again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []
@@ -330,8 +333,11 @@ class CostModel:
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
         elif mode == "selective":  # the attention core, and its prologue where it has one (MLA's up-projection)
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
-            core_flops += sum(layer.fwd_ops.prologue_gemm_flops)
-            recompute_time, rflops = times.core_fwd + times.prologue_fwd, core_flops * b
+            recompute_time = times.core_fwd
+            if prologue:
+                core_flops += sum(layer.fwd_ops.prologue_gemm_flops)
+                recompute_time += times.prologue_fwd
+            rflops = core_flops * b
         elif mode == "mlp":
             recompute_time, rflops = times.mlp_fwd, sum(mlp_gemms) * b
         else:
@@ -370,7 +376,7 @@ class CostModel:
 
         def saved(u: str) -> float:
             """Bytes the block keeps per micro-batch until its backward, in recomputation mode ``u``."""
-            kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input)
+            kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input, prologue)
             if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
                 kept = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer)  # Transformer Engine's modules
             if cpc is not None and u != "full":  # the whole sequence's K/V an attention kernel saves (all-gather)

@@ -66,12 +66,14 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_o
 
 
 def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, recompute: str, attention: str,
-                           gathered_inputs: bool = False) -> float:
+                           gathered_inputs: bool = False, prologue: bool = True) -> float:
     """Bytes one rank keeps for one micro-batch of ``b`` samples through this block until its backward.
 
     ``gathered_inputs``: under sequence parallelism the column-parallel linears keep the input they were
     given — with DTensor's PrepareModuleInput (this executor) the all-gathered, whole-sequence tensor, not
-    the rank's shard (Megatron keeps the shard and gathers it again in backward)."""
+    the rank's shard (Megatron keeps the shard and gathers it again in backward). ``prologue``: selective
+    recomputation reruns the attention's prologue (models.in_attention_prologue; not under this executor's
+    context parallelism, whose K/V gather comes between it and the core)."""
     if recompute == "full":
         return layer.input_bytes * b / (tp if sp else 1)
     extra = 0.0
@@ -89,7 +91,7 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
         if recompute == "none":  # a flash kernel keeps its output (and a small log-sum-exp) for backward
             total += layer.fwd_ops.core_output_bytes
             sharded += layer.fwd_ops.core_output_bytes
-        else:  # selective repeats the attention's prologue too (MLA's up-projection): what it made is not kept
+        elif prologue:  # selective reruns the attention's prologue too (MLA's up-projection): what it made goes
             total -= layer.prologue_dropped_bytes
             sharded -= layer.prologue_dropped_bytes_sharded
     else:
