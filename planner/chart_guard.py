@@ -204,7 +204,7 @@ class ChartServer:
                 conn.send_bytes(pickle.dumps(requests))  # it is ready, waiting for them: no deadlock
                 if module_lines == [] and conn.poll(CHILD_WAIT_S):
                     results = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError, pickle.PicklingError, TypeError, AttributeError):
+        except (EOFError, OSError, pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError):
             pass  # the child died, or a request would not go through the pipe: what is missing is drawn here
         finally:
             self.close()

@@ -89,11 +89,9 @@ def layer_cost(model, lay, place, mode: str, elem: int, core_fwd: float) -> CPCo
         repeat = 1 if mode in ("selective", "full") else 0
         return CPCost(fwd=fwd, bwd=bwd + repeat * fwd,
                       traffic={"all_gather": (1 + repeat) * full, "reduce_scatter": full})
-    repeat = 1 if mode == "full" else 0  # the executor's selective recomputation keeps the gathered K/V
+    # the executor's selective recomputation checkpoints the core alone, keeping its inputs: the gathered K/V
+    repeat = 1 if mode == "full" else 0
     kept = b * spec.seq_length * saved * elem * (1 - 1 / cp)  # the kernel's K/V: whole sequences, not 1/cp
-    if mode == "selective":  # selective checkpointing keeps every op's output outside the attention core: also
-        # the all-gather's (when grouped-query heads are repeated after it) and its sequence-first local copies
-        kept += (full if exchanged != saved else 0.0) + full / cp
     return CPCost(fwd=gather, bwd=gather * (1 + repeat), saved_bytes=kept,
                   traffic={"all_gather": (1 + repeat) * full, "reduce_scatter": full})
 

@@ -321,9 +321,9 @@ class CostModel:
         # stops once backward's tensors are rebuilt: nothing saves a dense MLP's down-projection output inside a
         # recomputed MLP, nor after it in a pre-norm layer, so neither that GEMM nor its output reduce reruns; an
         # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
-        # selective recomputation reruns the attention's prologue (MLA's up-projection) too, but not in this
-        # executor under context parallelism (its K/V gather sits between the prologue and the core)
-        prologue = lay.cp == 1 or fw.saved_activations == "fused"
+        # what selective recomputation reruns of the attention's prologue (Framework.selective_extra)
+        prologue = (fw.selective_extra == "prologue" and lay.cp == 1) or (
+            fw.selective_extra == "mla" and bool(getattr(work.spec, "mla", False)))
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
         again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []

@@ -106,6 +106,12 @@ class Framework:
     # output nothing saves (a pre-norm layer's MLP output reduce: reduce-scatter under SP, else all-reduce);
     # Megatron's tensor_parallel.checkpoint and DeepSpeed's checkpointing rerun the whole function.
     recompute_early_stop: bool = False
+    # What selective recomputation reruns besides the attention core: "prologue" — the attention's whole prologue
+    # (models.in_attention_prologue: MLA's latent norms and up-projection, Qwen3's q/k norms with the rotary
+    # embedding and K/V sharing), but not under context parallelism (this executor's checkpoint); "mla" — MLA's
+    # up-projections (Megatron-Core's recompute_modules mla_up_proj, which paraplan's export adds for MLA models);
+    # "" — the core alone (Megatron's core_attn elsewhere, DeepSpeed, torchtitan's op-level selective checkpoint)
+    selective_extra: str = ""
     # Adam's state under ZeRO's accounting ("zero" states; OPTIMIZER_STATES): bytes per parameter of the master
     # weights (16-bit training only) and of the two moments (memory.state_bytes, dp_sync.optimizer_step)
     master_bytes: int = 4
@@ -121,7 +127,7 @@ class Framework:
 
 
 PARAPLAN = Framework(
-    name="paraplan", recompute_early_stop=True,
+    name="paraplan", recompute_early_stop=True, selective_extra="prologue",
     source="executor/data_parallel.py, pipeline.py, tensor_parallel.py, context_parallel.py (checked by execute "
            "--dry-run); FP8 as torchao's float8 training (tensorwise dynamic scaling, high-precision tensors saved)")
 
@@ -156,7 +162,7 @@ MEGATRON_CORE = Framework(
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
     fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
-    moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True,
+    moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True, selective_extra="mla",
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "
            "use_distributed_optimizer; overlap_p2p_comm with virtual pipelines; performance scripts' "

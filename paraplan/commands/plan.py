@@ -78,35 +78,15 @@ def run(args) -> int:
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
     # and the charts' child imports matplotlib meanwhile (planner/chart_guard.py)
     drawing = None if args.no_charts else ChartServer()
-    bar, cb = _progress(not args.json and sys.stderr.isatty())
-    if bar:
-        bar.start()
     try:
-        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model,
-                        refine_slack=None if args.exhaustive else 0.05, allowed_modes=args.recompute_modes)
-        simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
-        if result.best is None:
-            raise PlanError(nothing_fits_message(result))
+        result, files = _search_and_report(args, work, gpus, model, out, replans, drawing)
     except BaseException:
         if replans:
             replans.cancel()
-        if drawing:
-            drawing.close()
         raise
     finally:
-        if bar:
-            bar.stop()
-    if args.verify:
-        verify_by_dry_run(result, work, args.json)
-        if result.best is None:
-            raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
-                c.status_text() for c in result.candidates if c.status == "traced oom"))
-    # the scaling chart's re-plans (started with the search, on the cores it leaves) get as long as it took,
-    # at least SCALING_WAIT_S; then every chart is drawn at once, by the child that imported matplotlib meanwhile
-    wait = max(SCALING_WAIT_S, result.search_time_s)
-    scaling = (lambda: replans.points(result.best, wait)) if replans else []
-    files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts,
-                         server=drawing)
+        if drawing:
+            drawing.close()  # drawn by now, or not needed: the command failed
     calibrated, notes, suffix = calibration_labels(work)
     notes = notes + result.notes
     if args.json:
@@ -138,6 +118,35 @@ def run(args) -> int:
     stdout.print(f"searched {len(result.candidates):,} layouts ({result.num_feasible:,} not rejected) in "
                  f"{result.search_time_s:.2f} s, {result.ilp_solves} ILPs; report: {files['report']}")
     return 0
+
+
+def _search_and_report(args, work: Workload, gpus: int, model: CostModel, out: str, replans: ScalingReplans | None,
+                       drawing: ChartServer | None) -> tuple[SearchResult, dict[str, str]]:
+    """The search (with its progress bar), the dry-run check (--verify) and the report folder."""
+    bar, cb = _progress(not args.json and sys.stderr.isatty())
+    if bar:
+        bar.start()
+    try:
+        result = search(work, gpus, top_k=args.top, dtype=args.dtype, progress=cb, model=model,
+                        refine_slack=None if args.exhaustive else 0.05, allowed_modes=args.recompute_modes)
+        simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
+        if result.best is None:
+            raise PlanError(nothing_fits_message(result))
+    finally:
+        if bar:
+            bar.stop()
+    if args.verify:
+        verify_by_dry_run(result, work, args.json)
+        if result.best is None:
+            raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
+                c.status_text() for c in result.candidates if c.status == "traced oom"))
+    # the scaling chart's re-plans (started with the search, on the cores it leaves) get as long as it took,
+    # at least SCALING_WAIT_S; then every chart is drawn at once, by the child that imported matplotlib meanwhile
+    wait = max(SCALING_WAIT_S, result.search_time_s)
+    scaling = (lambda: replans.points(result.best, wait)) if replans else []
+    files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts,
+                         server=drawing)
+    return result, files
 
 
 def verify_by_dry_run(result: SearchResult, work: Workload, quiet: bool) -> None:
