@@ -105,19 +105,26 @@ def _child(conn, jobs: list[ChartJob]) -> None:
 
 
 def _fork(jobs: list[ChartJob]):
+    receive, proc = _start_child(_child, duplex=False, daemon=True, args=(jobs,))
+    return (receive, proc) if proc is not None else None
+
+
+def _start_child(target: Callable, duplex: bool, daemon: bool, args: tuple = ()):
+    """Fork ``target(its end of a new pipe, *args)``: (our end, the process), or (None, None) when no process can be
+    started (the caller draws in line)."""
     ctx = multiprocessing.get_context("fork")
     sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
     sys.stderr.flush()
-    receive, send = ctx.Pipe(duplex=False)
+    mine, theirs = ctx.Pipe(duplex=duplex)
     try:
-        proc = ctx.Process(target=_child, args=(send, jobs), daemon=True)
+        proc = ctx.Process(target=target, args=(theirs, *args), daemon=daemon)
         proc.start()
-    except OSError:  # no process to spare: draw in line
-        receive.close()
-        return None
+    except OSError:  # no process to spare
+        mine.close()
+        return None, None
     finally:
-        send.close()
-    return receive, proc
+        theirs.close()
+    return mine, proc
 
 
 def _collect(child, jobs: list[ChartJob]) -> dict[str, tuple[bool, list[str]]]:
@@ -239,20 +246,9 @@ def _server(conn) -> None:
 
 
 def _fork_server():
-    ctx = multiprocessing.get_context("fork")
-    sys.stdout.flush()  # a child flushes its copy of the buffers when it ends: nothing may be in them twice
-    sys.stderr.flush()
-    mine, theirs = ctx.Pipe(duplex=True)
-    try:
-        # not a daemon: it forks the heaviest chart's grandchild (draw_files); draw/close always reap it
-        proc = ctx.Process(target=_server, args=(theirs,), daemon=False)
-        proc.start()
-    except OSError:  # no process to spare: draw in line
-        mine.close()
-        return None
-    finally:
-        theirs.close()
-    return mine, proc
+    # not a daemon: it forks the heaviest chart's grandchild (draw_files); draw/close always reap it
+    mine, proc = _start_child(_server, duplex=True, daemon=False)
+    return (mine, proc) if proc is not None else None
 
 
 def charts_module(notes: list[str]):
