@@ -19,7 +19,7 @@ from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
 
 DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
-SCALING_WAIT_S = 10.0
+SCALING_WAIT_S = 3.0  # the scaling re-plans' least time: as long as the main search, at least this
 
 
 def _progress(enabled: bool):
