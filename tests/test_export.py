@@ -994,6 +994,8 @@ def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     two = ["--global-batch", "16"]
     assert json.loads(cli(*base, *two, "--moe-a2a-overlap").stdout)["time_s"]["ep_comm"] < \
         json.loads(cli(*base, *two).stdout)["time_s"]["ep_comm"]
+    per_stage = Plan.read(str(tmp_path / "p.json"))  # one micro-batch: no stage of it was priced with the overlap
+    assert any("priced without it too" in n for n in export_plan(per_stage, "megatron").notes)
     mlp = ["--global-batch", "16", "--recompute", "mlp"]  # two micro-batches, but the MoE blocks recomputed
     plain = json.loads(cli(*base, *mlp).stdout)
     over = json.loads(cli(*base, *mlp, "--moe-a2a-overlap", "--write-plan", str(tmp_path / "m.json")).stdout)
@@ -1001,6 +1003,16 @@ def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     result = export_plan(Plan.read(str(tmp_path / "m.json")), "megatron")
     assert "--overlap-moe-expert-parallel-comm" not in result.text and "moe" in result.text.split(
         "--recompute-modules")[1].split("--")[0]
+    # stages of mixed modes, one recomputing its MoE blocks: exported with mlp throughout, so without the overlap
+    # the other stage was priced with
+    mixed = Plan.read(str(tmp_path / "m.json"))
+    mixed = mixed.replace(layout=mixed.layout.replace(pp=2, dp=4, schedule="interleaved-1f1b", virtual_stages=2),
+                          stage_recompute=["mlp", "none", "none", "none"])
+    from paraplan.planner.exports.megatron import stack_args
+
+    notes: list[str] = []
+    stack_args(mixed, load_model_spec("qwen3-30b-a3b"), notes)
+    assert any("priced with it on the stages recomputing less: slower than predicted" in n for n in notes)
 
 
 def test_mla_selective_recomputation_exports_the_up_projections_and_keeps_the_overlap(tmp_path):

@@ -229,9 +229,13 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
         if a2a_overlap_applies(fw, lay):
             a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
         elif fw.moe_a2a_overlap:
+            # the layout's mode is the strongest of its stages' (what the export applies to all); lighter stages
+            # were priced with the overlap
+            priced = any(a2a_overlap_applies(fw, lay, mode) for mode in plan.stage_recompute or [])
             notes.append("the all-to-all overlap is left out: Megatron-Core runs it only with ep > 1, two "
                          "micro-batches or more, no full recomputation nor of the MoE blocks (mlp), and virtual stages "
-                         "under a pipeline (priced without it too)")
+                         "under a pipeline (" + ("priced with it on the stages recomputing less: slower than "
+                                                 "predicted)" if priced else "priced without it too)"))
     if fw.states != "zero":
         return a
     if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
