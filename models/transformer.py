@@ -160,16 +160,18 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, a_local, d)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, kv_local, d)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        # With query/key norms the prologue (norms, rotary embedding, K/V head sharing) is recomputed with the core:
-        # one checkpoint from the projections on (but context parallelism's K/V gather stays out of it).
-        whole = self.q_norm is not None and self.sequence_shard is None
-        y = _recomputed(self._prologue_and_core, self.recompute_core and whole, q, k, v)  # (b, a_local, s, d)
+        y = _recomputed(self._prologue_and_core, self.recompute_core and self._whole(), q, k, v)  # (b, a_local, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+    def _whole(self) -> bool:
+        """Is the prologue recomputed with the core? With query/key norms it is (norms, rotary embedding, K/V head
+        sharing: one checkpoint from the projections on), but not around context parallelism's K/V gather."""
+        return self.q_norm is not None and self.sequence_shard is None
 
     def _prologue_and_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(b, s, a_local, d) queries, (b, s, kv_local, d) keys and values -> (b, a_local, s, d) attention output."""
         shard = self.sequence_shard
-        whole = self.q_norm is not None and shard is None
+        whole = self._whole()
         with _attention_prologue(whole):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -227,11 +229,14 @@ class LatentAttention(nn.Module):
         k_pe = _rotate(k_pe.unsqueeze(1), positions)  # (b, 1, s, rope): one rotary key for every head
         if self.shared_key is not None:
             k_pe = self.shared_key(k_pe)
-        # Selective recomputation reruns the prologue (latent norms, up-projections: Megatron-Core's mla_up_proj)
-        # with the core, from the latents: one checkpoint (but context parallelism's K/V gather stays out of it).
-        whole = shard is None
-        y = _recomputed(self._prologue_and_core, self.recompute_core and whole, q_latent, latent, k_pe, positions)
+        y = _recomputed(self._prologue_and_core, self.recompute_core and self._whole(), q_latent, latent, k_pe,
+                        positions)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+    def _whole(self) -> bool:
+        """Is the prologue (latent norms, up-projections: Megatron-Core's mla_up_proj) recomputed with the core, from
+        the latents, in one checkpoint? Not around context parallelism's K/V gather."""
+        return self.sequence_shard is None
 
     def _prologue_and_core(self, q_latent: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                            positions: torch.Tensor | None) -> torch.Tensor:
@@ -239,7 +244,7 @@ class LatentAttention(nn.Module):
         key -> (b, a_local, s, v_head) attention output."""
         b, s, _ = latent.shape
         shard = self.sequence_shard
-        whole = shard is None
+        whole = self._whole()
         with _attention_prologue(whole):  # latents -> per-head queries, keys and values
             q = self.wq_b(self.q_norm(q_latent)) if hasattr(self, "wq_b") else self.wq(q_latent)  # (b, s, a·qk)
             q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)  # (b, a_local, s, nope+rope)

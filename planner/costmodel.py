@@ -317,13 +317,13 @@ class CostModel:
             moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
             times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
                                         mlp_fwd=times.mlp_fwd + moe_f)
+        # what selective recomputation reruns of the attention's prologue (Framework.selective_extra)
+        prologue = (fw.selective_extra == "prologue" and lay.cp == 1) or (
+            fw.selective_extra == "mla" and bool(getattr(work.spec, "mla", False)))
         # What recomputation reruns in backward. An early-stopping checkpoint (Framework.recompute_early_stop)
         # stops once backward's tensors are rebuilt: nothing saves a dense MLP's down-projection output inside a
         # recomputed MLP, nor after it in a pre-norm layer, so neither that GEMM nor its output reduce reruns; an
         # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
-        # what selective recomputation reruns of the attention's prologue (Framework.selective_extra)
-        prologue = (fw.selective_extra == "prologue" and lay.cp == 1) or (
-            fw.selective_extra == "mla" and bool(getattr(work.spec, "mla", False)))
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
         again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []

@@ -8,8 +8,8 @@ ZeRO-2 also the gradients, ZeRO-3 also the weights. Plain fp32 training keeps 4 
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, Table 2): what the
 profiler traced the layer to save, split into the part inside the tensor-parallel regions (divided by
 t) and the replicated rest (divided by t only with sequence parallelism). Selective recomputation keeps
-what is saved without the attention core's internals (and, for multi-head latent attention, without what its
-up-projection of the latents produced: Megatron-Core's ``mla_up_proj``); MLP recomputation (Megatron-Core's
+what is saved without the attention core's internals (and, where the stack reruns the attention's prologue with it,
+without what that produced: MLA's up-projection, Megatron-Core's ``mla_up_proj``); MLP recomputation (Megatron-Core's
 recompute_modules ``mlp`` and ``moe``) keeps what "none" does less what the MLP sublayer produced and saved (its
 input stays, as the checkpoint's); full recomputation keeps only the layer's input (one checkpoint per layer)
 plus, while a layer's backward runs, that one layer's activations.

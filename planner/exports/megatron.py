@@ -198,7 +198,7 @@ def training_args(plan: Plan, notes: list[str], spec=None) -> Args:
     mode, note = uniform_recompute(plan, TARGET)
     if note:
         notes.append(note)
-    if mode == "selective" and getattr(spec, "kv_lora_rank", None):  # MLA: its up-projections too (as priced)
+    if mode == "selective" and getattr(spec, "mla", False):  # MLA: its up-projections too (as priced)
         a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("core_attn", "mla_up_proj"))]
     elif mode == "selective":
         a.append(("--recompute-granularity", "selective"))
