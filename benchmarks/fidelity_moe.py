@@ -27,6 +27,11 @@ recomputes MLA's up-projections (recompute_modules mla_up_proj): selective recom
 since (planner/fused_activations.mla_bytes), added after Megatron-Core was found to refuse the all-to-all overlap
 beside the MoE recomputation this row had been priced with; it counts what the modules free, no free parameter.
 
+A row whose table cells contradict the recipe its release ran carries that recipe's layout (``recipe_layout``,
+with its source): Qwen3-30B-A3B at 26.02.01, whose table kept the 26.02 row's PP2/VP12/EP8 while the release's
+recipe ran PP1/EP16 with HybridEP (read from Megatron-Bridge's history after the row was seen at +0.0% as
+printed; priced as run it is -10.0%, beside the same recipe's 26.04 rows).
+
 Rows left out, and why (printed too): B200 rows (no B200 spec), hybrid Mamba models (Nemotron 3: not a
 transformer family here), Llama 4 Maverick (every other layer is MoE: our specs put dense layers first only),
 rows without a layout (DeepSeek-V3 report, MoE Parallel Folding abstract, Megatron-Core README).
@@ -126,7 +131,14 @@ def model_of(row: dict):
     return None, f"model {name} not available"
 
 
+def as_run(row: dict) -> dict:
+    """The row with the layout its release's recipe ran, where the table's cells contradict it (``recipe_layout``,
+    with its ``recipe_source``; the published figures are kept)."""
+    return {**row, **(row.get("recipe_layout") or {})}
+
+
 def layout_of(row: dict) -> Layout:
+    row = as_run(row)
     gpus, tp, pp, cp = row["gpus"], row["tp"], row["pp"], row.get("cp") or 1
     vp = row.get("vp")
     vp = vp if isinstance(vp, int) and vp > 1 and pp > 1 else 1
@@ -149,6 +161,7 @@ def published_step(row: dict) -> float | None:
 
 def recipe(row: dict) -> dict:
     """The framework switches of the row's recipe (RECIPES), where its layout is the recipe's."""
+    row = as_run(row)
     return RECIPES.get((row.get("model"), row.get("tp"), row.get("pp"), row.get("ep")), {})
 
 
