@@ -63,17 +63,25 @@ def draw_files(files: dict[str, str], notes: list[str], jobs: list[ChartJob]) ->
 
 
 def _draw_jobs(jobs: list[ChartJob]) -> dict[str, tuple[bool, list[str]]]:
-    """{key: (drawn, notes)} for every job, the heaviest in a forked child where there are fork and two cores."""
-    heaviest = max(jobs, key=lambda j: j.weight, default=None)
-    child = None
+    """{key: (drawn, notes)} for every job; where there are fork and two cores, the jobs are dealt into two
+    shares of about equal weight (heaviest first, each to the lighter share; the heaviest away) and one is drawn in
+    a forked child."""
+    away: list[ChartJob] = []
     if len(jobs) > 1 and (os.cpu_count() or 1) >= 2 and "fork" in multiprocessing.get_all_start_methods():
-        child = _fork([heaviest])
+        here_weight = away_weight = 0.0
+        for job in sorted(jobs, key=lambda j: -j.weight):
+            if away_weight <= here_weight:
+                away.append(job)
+                away_weight += job.weight
+            else:
+                here_weight += job.weight
+    child = _fork(away) if away else None
     results: dict[str, tuple[bool, list[str]]] = {}
     for job in jobs:
-        if child is None or job is not heaviest:
+        if child is None or job not in away:
             results[job.key] = _draw_one(job)
     if child:
-        results.update(_collect(child, [heaviest]))
+        results.update(_collect(child, away))
     return results
 
 
@@ -171,6 +179,11 @@ def _call_chart(name: str, args: tuple, kwargs: dict, path: str) -> None:
     getattr(charts, name)(*args, path=path, **kwargs)
 
 
+# what a pipe to a child may raise: it died (EOF, OS errors), or a request would not pickle
+_PIPE_ERRORS = (EOFError, OSError, pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError, ValueError,
+                RecursionError)
+
+
 class ChartServer:
     """A child forked when a command starts, before this process imports matplotlib: it imports planner/charts.py
     (most of a second) while the command works (`plan` searches), then draws the requests :meth:`draw` sends it,
@@ -186,10 +199,18 @@ class ChartServer:
             # which would wait for this (non-daemon) child while our end of its pipe kept it waiting too
             atexit.register(self.close)
 
-    def draw(self, files: dict[str, str], notes: list[str], requests: list[ChartRequest]) -> None:
-        """Draw ``requests``; record what was drawn in ``files`` and each chart's (and the import's) notes."""
+    def draw(self, files: dict[str, str], notes: list[str], requests: list[ChartRequest],
+             meanwhile: Callable[[], None] | None = None) -> None:
+        """Draw ``requests``; record what was drawn in ``files`` and each chart's (and the import's) notes.
+        ``meanwhile``: the caller's own work, done while the child draws (its errors are the caller's)."""
         jobs = [r.job() for r in requests]
-        module_lines, results = self._ask(requests) if self._child is not None else (None, {})
+        try:
+            module_lines, sent = self._send(requests) if self._child is not None else (None, False)
+            if meanwhile is not None:
+                meanwhile()
+            results = self._receive() if sent and module_lines == [] else {}
+        finally:
+            self.close()
         if module_lines is None:  # no child, or it failed before it was ready: the module's import here
             module_lines = []
             importable = charts_module(module_lines) is not None
@@ -200,22 +221,29 @@ class ChartServer:
         notes.extend(module_lines)
         _record(files, notes, jobs, results)
 
-    def _ask(self, requests: list[ChartRequest]) -> tuple[list[str] | None, dict[str, tuple[bool, list[str]]]]:
-        """(the import's notes, or None where the child never got ready; {key: (drawn, notes)} it sent)."""
+    def _send(self, requests: list[ChartRequest]) -> tuple[list[str] | None, bool]:
+        """(the import's notes, or None where the child never got ready; whether the requests went to it)."""
         conn, _ = self._child
-        module_lines, results = None, {}
+        module_lines = None
         try:
             if conn.poll(CHILD_WAIT_S):
                 # our own child's pickles of plain results, over a private pipe (nothing a user handed us)
                 module_lines = pickle.loads(conn.recv_bytes())
                 conn.send_bytes(pickle.dumps(requests))  # it is ready, waiting for them: no deadlock
-                if module_lines == [] and conn.poll(CHILD_WAIT_S):
-                    results = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError, pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError):
+                return module_lines, True
+        except _PIPE_ERRORS:
             pass  # the child died, or a request would not go through the pipe: what is missing is drawn here
-        finally:
-            self.close()
-        return module_lines, results
+        return module_lines, False
+
+    def _receive(self) -> dict[str, tuple[bool, list[str]]]:
+        """{key: (drawn, notes)} the child sent ({} where it died or hung: drawn here)."""
+        conn, _ = self._child
+        try:
+            if conn.poll(CHILD_WAIT_S):
+                return pickle.loads(conn.recv_bytes())
+        except _PIPE_ERRORS:
+            pass
+        return {}
 
     def close(self) -> None:
         """Stop the child if it still runs (a command that failed half way needs no charts)."""

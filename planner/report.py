@@ -60,23 +60,34 @@ def _trace_line(result: SearchResult, best: Candidate) -> str:
             f"{p.peak_memory_gib:.1f} GiB predicted, of {p.memory_capacity_gib:g} GiB.{before}")
 
 
+CANDIDATE_COLUMNS = ["rank", "dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "num_micro_batches", "schedule",
+                     "virtual_stages", "zero", "sequence_parallel", "recompute", "status", "iteration_time_s",
+                     "tokens_per_s", "mfu", "peak_memory_gib", "lower_bound_s"]
+
+
 def write_candidates_csv(result: SearchResult, path: str) -> None:
-    cols = ["rank", "dp", "tp", "pp", "micro_batch", "num_micro_batches", "schedule", "virtual_stages", "zero",
-            "sequence_parallel", "recompute", "status", "iteration_time_s", "tokens_per_s", "mfu",
-            "peak_memory_gib", "lower_bound_s"]
-    order = {id(c): i + 1 for i, c in enumerate(sorted((c for c in result.candidates if c.status == "ok"),
-                                                       key=lambda c: c.time_s))}
+    """Every candidate, fastest first (then by lower bound), with its status. A 1T-parameter search writes
+    ~90,000 rows, most of them invalid: each row is one tuple, the prices formatted only where there are some."""
+    ranked = sorted((c for c in result.candidates if c.status == "ok"), key=lambda c: c.time_s)
+    order = {id(c): i for i, c in enumerate(ranked, 1)}
+    inf = float("inf")
+
+    def row(c):
+        lay, p = c.layout, c.prediction
+        recompute = "/".join(c.stage_recompute) if c.stage_recompute else lay.recompute
+        bound = f"{c.lower_bound_s:.6g}" if c.lower_bound_s != inf else ""
+        head = (order.get(id(c), ""), lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.etp, lay.micro_batch,
+                lay.num_micro_batches, lay.schedule, lay.virtual_stages, lay.zero, lay.sequence_parallel, recompute,
+                c.status_text())
+        if p is None:
+            return (*head, "", "", "", "", bound)
+        return (*head, f"{p.iteration_time_s:.6g}", f"{p.tokens_per_s:.6g}", f"{p.mfu:.4f}",
+                f"{p.peak_memory_gib:.3f}", bound)
+
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(cols)
-        for c in sorted(result.candidates, key=lambda c: (c.time_s, c.lower_bound_s)):
-            lay, p = c.layout, c.prediction
-            w.writerow([order.get(id(c), ""), lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.num_micro_batches,
-                        lay.schedule, lay.virtual_stages, lay.zero, lay.sequence_parallel,
-                        "/".join(c.stage_recompute) if c.stage_recompute else lay.recompute, c.status_text(),
-                        f"{p.iteration_time_s:.6g}" if p else "", f"{p.tokens_per_s:.6g}" if p else "",
-                        f"{p.mfu:.4f}" if p else "", f"{p.peak_memory_gib:.3f}" if p else "",
-                        f"{c.lower_bound_s:.6g}" if c.lower_bound_s != float("inf") else ""])
+        w.writerow(CANDIDATE_COLUMNS)
+        w.writerows(map(row, sorted(result.candidates, key=lambda c: (c.time_s, c.lower_bound_s))))
 
 
 def _why(result: SearchResult) -> list[str]:
@@ -145,16 +156,21 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     best = result.best
     assert best is not None
     write_plan(result, best, files["plan"])
-    write_candidates_csv(result, files["candidates"])
     if callable(scaling):
         replans, points = scaling, []  # the re-plans at fewer GPUs; if they fail, no scaling chart or table
         scaling = points if chart_guard.draw(result.notes, "scaling", lambda: points.extend(replans())) else []
-    if charts:
+
+    def every_candidate() -> None:
+        write_candidates_csv(result, files["candidates"])
+
+    if charts:  # the candidates (~90,000 rows for a 1T model's search) are written while the charts are drawn
         server = server or chart_guard.ChartServer()
         try:
-            server.draw(files, result.notes, _chart_requests(result, out, scaling))
+            server.draw(files, result.notes, _chart_requests(result, out, scaling), meanwhile=every_candidate)
         finally:
             server.close()
+    else:
+        every_candidate()
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     status = Counter(c.status for c in result.candidates)
@@ -255,8 +271,10 @@ def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint])
         sims = []
         if chart_guard.draw(result.notes, "timeline", lambda: sims.append(model.evaluate(
                 best.layout, best.stages, best.stage_recompute, simulate=True, keep_timeline=True))):
-            # its labelled bars make it the dearest chart by far (about the three others together)
-            requests.append(request("timeline", "timeline.png", "timeline", "gantt", sims[0], weight=3.0))
+            # its labelled bars make a long pipeline's the dearest chart by far (about three others together)
+            bars = len(sims[0].sim.timeline)
+            requests.append(request("timeline", "timeline.png", "timeline", "gantt", sims[0],
+                                    weight=3.0 if bars > 500 else 0.5))
     if scaling:
         requests.append(request("scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
                                 [s.best.prediction if s.best else None for s in scaling],

@@ -84,15 +84,23 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
     # for thousands of layouts, so no per-task tuples or dicts on the hot path.
     done_f, done_b = [-1.0] * (n_stages * m), [-1.0] * (n_stages * m)
     t_bw = t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)]  # non-zb: B is the whole backward
-    record = keep_timeline or act_bytes is not None
-    starts: dict[tuple[str, int, int], float] = {}
+    starts: dict[tuple[str, int, int], float] = {}  # only for the timeline
     finish: dict[tuple[str, int, int], float] = {}
+    # Activation memory, kept as the ranks run: a rank runs its tasks one after another, so the events
+    # (a forward's start allocates, the freeing task's end releases) come in time order, and at one instant a
+    # release (a task that ends) comes before an allocation (the next task that starts then): the forward
+    # reuses what the backward released, so the two never count at once.
+    frees = "W" if split else "B"
+    memory = act_bytes is not None
+    level, peak = [0.0] * pp, [0.0] * pp
+    curves: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     ptr, clock = [0] * pp, [0.0] * pp
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(pp):
             order, k, now = orders[r], ptr[r], clock[r]
+            curve = curves[r]
             while k < len(order):
                 kind, s, i = order[k]
                 if kind == "F":
@@ -109,7 +117,15 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
                     done_f[s * m + i] = now
                 elif kind == "B":
                     done_b[s * m + i] = now
-                if record:
+                if memory:
+                    if kind == "F":
+                        level[r] += act_bytes[s]
+                        peak[r] = max(peak[r], level[r])
+                        curve.append((begin, level[r]))
+                    elif kind == frees:
+                        level[r] -= act_bytes[s]
+                        curve.append((now, level[r]))
+                if keep_timeline:
                     starts[order[k]], finish[order[k]] = begin, now
                 k += 1
             if k > ptr[r]:
@@ -121,25 +137,8 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
     if keep_timeline:
         result.timeline = sorted((TimelineEntry(stage_rank(schedule, op[1], pp), op[0], op[1], op[2], starts[op],
                                                 finish[op]) for op in starts), key=lambda e: (e.rank, e.start))
-    if act_bytes is not None:
-        frees = "W" if split else "B"
-        events: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
-        for (kind, s, i), start in starts.items():
-            r = stage_rank(schedule, s, pp)
-            if kind == "F":
-                events[r].append((start, act_bytes[s]))
-            elif kind == frees:
-                events[r].append((finish[(kind, s, i)], -act_bytes[s]))
-        for r in range(pp):
-            level, peak, curve = 0.0, 0.0, []
-            # at one instant a free (a backward that ends) comes before an allocation (a forward that starts
-            # then): the forward reuses what the backward released, so the two never count at once
-            for t, delta in sorted(events[r], key=lambda e: (e[0], e[1] > 0)):
-                level += delta
-                peak = max(peak, level)
-                curve.append((t, level))
-            result.peak_activation_bytes.append(peak)
-            result.memory_curve.append(curve)
+    if memory:
+        result.peak_activation_bytes, result.memory_curve = peak, curves
     return result
 
 

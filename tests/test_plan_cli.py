@@ -31,6 +31,9 @@ def test_plan_json_and_report_folder(tmp_path):
     assert plan["dp"] * plan["tp"] * plan["pp"] == 16 and plan["stages"][0][0] == "embed"
     rows = list(csv.DictReader((out / "candidates.csv").open()))
     assert len(rows) == r["num_candidates"]
+    # every parallel degree is a column: a context-parallel layout is not a copy of the same row without it
+    assert {"dp", "tp", "pp", "cp", "ep", "etp"} <= set(rows[0])
+    assert len({tuple(row.values()) for row in rows}) == len(rows)
     statuses = {row["status"].split(":")[0].split(" (")[0] for row in rows}
     assert "ok" in statuses and any(s.startswith("invalid") or s.startswith("out of memory") for s in statuses)
     report = (out / "report.md").read_text()
