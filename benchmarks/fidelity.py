@@ -118,23 +118,36 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def bloom_sweep() -> list[tuple[dict, float, object]]:
-    """(row, our TFLOP/s by Megatron's Eq. 3, prediction) for every row of BLOOM's sweep on 384 GPUs that
-    publishes the model's shape, the layout and TFLOP/s: Megatron-DeepSpeed on Jean Zay (4 Omni-Path links per
-    node), ZeRO 1 (or the row's stage), full recomputation, 2048-token sequences, a 250,880-token vocabulary."""
+# bigscience's Megatron-DeepSpeed as the sweep ran it (Feb 2022), through the CLI's switches: the fused softmax's
+# availability check of 2021-10-21..2022-03-06 (--fused-softmax bigscience-2021-10; compute.softmax_falls_back),
+# and, before the BF16 optimizer of 02-28, gradients accumulated in fp16 (--no-grad-reduce-in-fp32: "this is
+# compared to fp16 which grad accumulates in fp16", chronicles-prequel.md line 899)
+BLOOM_SOFTMAX = "bigscience-2021-10"
+
+
+def bloom_sweep(fused_softmax: str = BLOOM_SOFTMAX) -> list[tuple[dict, float, float, object]]:
+    """(row, our TFLOP/s by Megatron's Eq. 3, the published run's by Eq. 3 from its seconds per iteration,
+    prediction) for every row of BLOOM's sweep on 384 GPUs that publishes the model's shape, the layout and its
+    time: Megatron-DeepSpeed on Jean Zay (4 Omni-Path links per node), ZeRO 1 (or the row's stage), full
+    recomputation, 2048-token sequences, a 250,880-token vocabulary. Rows that repeat another's configuration with
+    its cells garbled (``repeats``) are left out, as the data file leaves out verbatim repeats. The published
+    TFLOP/s are taken from the seconds per iteration (one formula for every row: one row's TFLOP/s cell came from
+    the sweep's older estimate)."""
     rows = yaml.safe_load((DATA.parent / "bloom_sweep.yaml").read_text())["rows"]
     keys = ("num_layers", "hidden_size", "num_attention_heads", "tp", "pp", "dp", "micro_batch", "global_batch")
     out, models = [], {}
     for row in rows:
-        if row.get("gpus") != 384 or not all(isinstance(row.get(k), int) for k in keys) or \
+        if row.get("gpus") != 384 or not all(isinstance(row.get(k), int) for k in keys) or row.get("repeats") or \
                 not isinstance(row.get("tflops_per_gpu"), (int, float)):
             continue
         layers, h, a = row["num_layers"], row["hidden_size"], row["num_attention_heads"]
-        key = (layers, h, a, row["global_batch"])
+        fp16_grads = not str(row.get("dtype", "")).startswith("bf16")
+        key = (layers, h, a, row["global_batch"], fp16_grads)
         if key not in models:
             spec = gpt([layers, h, a], 250880)
             models[key] = CostModel(Workload.create(spec, "jean-zay-a100", row["global_batch"], nodes=48,
-                                                    framework="megatron-deepspeed"))
+                                                    framework="megatron-deepspeed", fused_softmax=fused_softmax,
+                                                    grad_reduce_in_fp32=not fp16_grads))
         model = models[key]
         lay = Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
                      global_batch=row["global_batch"], recompute="full", dtype="fp16",
@@ -143,7 +156,9 @@ def bloom_sweep() -> list[tuple[dict, float, object]]:
         pred = model.evaluate(lay, framework_stages(model, lay))
         s, vocab, gb = 2048, 250880, row["global_batch"]
         flops = 96 * gb * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
-        out.append((row, flops / (384 * pred.iteration_time_s) / 1e12, pred))
+        published = flops / (384 * row["step_time_s"]) / 1e12 if isinstance(row.get("step_time_s"), int | float) \
+            else row["tflops_per_gpu"]
+        out.append((row, flops / (384 * pred.iteration_time_s) / 1e12, published, pred))
     return out
 
 
@@ -185,10 +200,13 @@ def main() -> int:
         nar.append(ours / pub - 1)
         print(f"  {row['id']:18s} {lay.short():34s} {ours:6.1f} vs {pub} TFLOP/s ({100 * nar[-1]:+5.1f}%)")
     print(_summary("  Table 1 (all held out)", nar))
-    print("BLOOM-176B layout sweep on Jean Zay (--framework megatron-deepspeed)")
-    bloom = bloom_sweep()
-    print(f"  {len(bloom)} rows, Spearman rank correlation of TFLOP/s: "
-          f"{spearman([x[1] for x in bloom], [x[0]['tflops_per_gpu'] for x in bloom]):.3f}")
+    print(f"BLOOM-176B layout sweep on Jean Zay (--framework megatron-deepspeed --fused-softmax {BLOOM_SOFTMAX}, "
+          "--no-grad-reduce-in-fp32 before 02-28)")
+    for rule in (BLOOM_SOFTMAX, "always"):
+        bloom = bloom_sweep(rule)
+        print(f"  --fused-softmax {rule}: {len(bloom)} rows, Spearman rank correlation of TFLOP/s: "
+              f"{spearman([x[1] for x in bloom], [x[2] for x in bloom]):.3f}, mean |error| "
+              f"{100 * statistics.mean(abs(x[1] / x[2] - 1) for x in bloom):.1f}%")
     print("Other runs (DeepSpeed pipeline engine on Selene-like clusters; not asserted)")
     for run in data["other_runs"]:
         pred = predict_run(run)

@@ -102,6 +102,10 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
                         "fp32 master with bf16 moments (8 B; Megatron's precision-aware optimizer), or 16-bit master "
                         "and bf16 moments (6 B; NeMo's distributed_fused_adam with dtype bf16) (overrides the "
                         "framework)")
+    p.add_argument("--fused-softmax", choices=("always", "bigscience-2021-10"),
+                   help="the unfused attention's fused scale-mask-softmax kernel: always taken, or only where "
+                        "bigscience's Megatron-DeepSpeed of 2021-10-21..2022-03-06 (BLOOM's layout sweep) found it "
+                        "available, PyTorch's fp32 softmax elsewhere (overrides the framework)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine first when no calibration of it exists (local cluster, "
                         "validate); predictions are then labelled uncalibrated (env: PARAPLAN_NO_CALIBRATE=1)")

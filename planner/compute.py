@@ -13,7 +13,9 @@ The attention core (softmax(QK^T)V) follows the attention kernel: ``flash`` (fus
 runs on GPUs) moves no score matrix through memory; ``unfused`` is Megatron-LM's GPT as the 2021-2022
 papers ran it: a fused scale-mask-softmax between two batched GEMMs that reads and writes the score
 matrix once per pass, and dropout (p > 0) on the attention probabilities and on both residual branches,
-each reading and writing its tensor and writing a one-byte mask.
+each reading and writing its tensor and writing a one-byte mask. Where the fused softmax kernel is not taken
+(softmax_falls_back), PyTorch's path runs instead: a cast to fp32, the scale, the masked fill, the softmax and
+the cast back, each a pass over the score matrix of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,37 @@ ATTENTION_KERNELS = ("flash", "unfused")
 # A causal flash kernel computes the tiles on and below the diagonal: half the score matrix, plus half the
 # diagonal tiles (FlashAttention-2 skips the masked blocks), taken as one half for long sequences.
 CAUSAL_FLASH_FRACTION = 0.5
+
+
+# Memory traffic of the unfused attention's softmax, in units of the 16-bit score matrix S (bytes), per pass.
+# The fused scale-mask-softmax kernel reads and writes it once (2 S) and its backward reads the output and its
+# gradient and writes the input's gradient (3 S). Megatron's PyTorch fallback (FusedScaleMaskSoftmax.
+# forward_torch_softmax with softmax in fp32, the scale on): float() reads S and writes 2 S (3), the scale 2 S in
+# and out (4), masked_fill the same (4), softmax the same (4), half() 2 S in, S out (3): 18 S; their backwards in
+# reverse: 3 + 6 (softmax's reads output and gradient) + 4 + 4 + 3 = 20 S.
+SOFTMAX_FUSED_TRAFFIC = (2.0, 3.0)
+SOFTMAX_TORCH_TRAFFIC = (18.0, 20.0)
+
+
+def softmax_falls_back(rule: str, heads_per_rank: int, micro_batch: int, seq: int) -> bool:
+    """Whether Megatron's FusedScaleMaskSoftmax runs PyTorch's softmax instead of its fused kernel (causal mask,
+    16-bit inputs) under the availability ``rule`` (Framework.fused_softmax). "bigscience-2021-10": bigscience's
+    Megatron-DeepSpeed from 9f5f5d4c (2021-10-21) to 1cb76a64 (2022-03-06) — BLOOM's layout sweep of Feb 2022 —
+    called get_batch_per_block(sq, sk, b, np) on a function declared (b, np, sq, sk), so the kernel's batches per
+    block came from the heads per rank np instead of the key length: with P the power of two at or above np, a
+    warp of min(P, 32) threads, 128 threads per block and 2 batches per warp where P <= 128, b·np had to be a
+    multiple of (128 / warp)·(2 or 1) — 32 for 8 heads per rank, 16 for 9-16 — and of 4; the kernel also needed
+    16 < sq <= 2048 (megatron/model/fused_softmax.py, is_kernel_available, at c9afebc6)."""
+    if rule == "always":
+        return False
+    assert rule == "bigscience-2021-10", rule
+    power = 1
+    while power < heads_per_rank:
+        power *= 2
+    warp = min(power, 32)
+    per_block = (128 // warp) * (2 if power <= 128 else 1)
+    batches = micro_batch * heads_per_rank
+    return not (16 < seq <= 2048 and batches % 4 == 0 and batches % per_block == 0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +96,7 @@ def gemm_dtype(dtype: str, layer_kind: str, core: bool, bf16_expert: bool = Fals
 
 def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, sp: bool, gpu: GPUSpec, dtype: str,
                         attention: str, elementwise: float = 1.0, causal_fraction: float = 1.0,
-                        fp8_experts: bool = True) -> PassTimes:
+                        fp8_experts: bool = True, softmax_fallback: bool = False) -> PassTimes:
     """Peak-and-efficiency estimate for a block profiled at one micro-batch, scaled to ``micro_batch_scale``.
 
     Tensor parallelism divides the GEMMs and memory traffic of the sharded modules by ``tp``;
@@ -74,6 +107,8 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     skips the tiles above the diagonal: about half, FlashAttention-2, Dao 2023, Sec. 3.1.1); its FLOPs are
     still counted whole in the model FLOPs, as Megatron's formula counts them. ``fp8_experts``: under FP8 the
     routed experts' GEMMs (marked 2 in ``gemm_moe``) run in FP8 too (Framework.fp8_experts), or in bf16.
+    ``softmax_fallback``: the unfused attention's softmax runs PyTorch's path, not the fused kernel
+    (softmax_falls_back; SOFTMAX_TORCH_TRAFFIC).
     """
     mix, b = layer.fwd_ops, micro_batch_scale
     gemm_all = gemm_core = gemm_mlp = last_mlp = 0.0
@@ -108,10 +143,11 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
         return elementwise * (moved + pass_mix.other_bytes_fixed * weight_share) / hbm
 
     scores = mix.core_scores_bytes * b / tp if attention == "unfused" else 0.0
-    # Scale-mask-softmax reads and writes the scores (2), its backward reads output and gradient and
-    # writes the gradient (3); attention dropout reads, writes and writes a half-size mask (2.5 each way).
-    core_fwd_traffic = (2 + 2.5) * scores / hbm
-    core_bwd_traffic = (3 + 2.5) * scores / hbm
+    # Scale-mask-softmax moves the scores SOFTMAX_FUSED_TRAFFIC times each way (or PyTorch's path, where the fused
+    # kernel is not taken); attention dropout reads, writes and writes a half-size mask (2.5 each way).
+    softmax_fwd, softmax_bwd = SOFTMAX_TORCH_TRAFFIC if softmax_fallback else SOFTMAX_FUSED_TRAFFIC
+    core_fwd_traffic = (softmax_fwd + 2.5) * scores / hbm
+    core_bwd_traffic = (softmax_bwd + 2.5) * scores / hbm
     hidden_dropout = 0.0
     if attention == "unfused" and layer.kind == "transformer_layer":  # two residual-branch dropouts
         hidden_dropout = 2 * 2.5 * layer.input_bytes * b / (tp if sp else 1) / hbm

@@ -29,7 +29,7 @@ from paraplan.hardware_specs import FRAMEWORK_EVENTS
 from paraplan.profiler.tp_view import region_collectives
 
 from . import comm, context_parallel, fp8, moe
-from .compute import estimate_pass_times, measured_pass_times
+from .compute import estimate_pass_times, measured_pass_times, softmax_falls_back
 from .concerns import RankLoad, exposed_seconds, traffic
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
@@ -291,13 +291,15 @@ class CostModel:
         cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
         fw = work.framework
         causal = context_parallel.attention_work_fraction(work, lay)
+        softmax_fallback = work.attention == "unfused" and layer.kind == "transformer_layer" and softmax_falls_back(
+            fw.fused_softmax, work.spec.num_attention_heads // t, lay.micro_batch, work.tokens_per_sample // lay.cp)
         times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
-                                    fw.fp8_experts)
+                                    fw.fp8_experts, softmax_fallback)
         measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
             m = measured["layers"][i]
             base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
-                                       causal, fw.fp8_experts)
+                                       causal, fw.fp8_experts, softmax_fallback)
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
         colls = [c for style, ib, ob, tok in layer.region_io
                  for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
@@ -376,7 +378,8 @@ class CostModel:
 
         def saved(u: str) -> float:
             """Bytes the block keeps per micro-batch until its backward, in recomputation mode ``u``."""
-            kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input, prologue)
+            kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input, prologue,
+                                          softmax_fallback)
             if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
                 kept = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer)  # Transformer Engine's modules
             if cpc is not None and u != "full":  # the whole sequence's K/V an attention kernel saves (all-gather)

@@ -20,6 +20,7 @@ from .errors import PlanError
 
 CP_COMM = ("all_gather", "ring", "all_gather_overlap")
 MOE_DISPATCHERS = ("alltoall", "hybridep")
+FUSED_SOFTMAX = ("always", "bigscience-2021-10")
 # Adam's state in 16-bit training (``--optimizer-states``), bytes per parameter as (master weights, both moments):
 # "fp32" = fp32 master weights and moments (ZeRO's K = 12, Rajbhandari et al. 2020 Sec. 3.1; Megatron-LM's
 # distributed optimizer by default); "bf16-moments" = fp32 master weights, bf16 moments (Megatron-Core's
@@ -76,6 +77,10 @@ class Framework:
     # tensorwise); "delayed" = the scale comes from an amax history and the amax is computed inside the
     # cast kernel (TE's DelayedScaling): planner/fp8.py prices the difference
     fp8_scaling: str = "dynamic"
+    # the unfused attention's scale-mask-softmax (compute.softmax_falls_back): "always" = Megatron's fused kernel;
+    # "bigscience-2021-10" = only where bigscience's Megatron-DeepSpeed of 2021-10-21..2022-03-06 found it
+    # available (its check passed its arguments in the wrong order), elsewhere PyTorch's fp32 softmax
+    fused_softmax: str = "always"
     # fraction of the element-wise and normalisation memory traffic of eager PyTorch (what the profiler
     # traces) that the stack's fused kernels still move (compute.estimate_pass_times)
     elementwise_traffic: float = 1.0
@@ -180,11 +185,13 @@ MEGATRON_CORE = Framework(
 MEGATRON_DEEPSPEED = Framework(
     name="megatron-deepspeed", attention="unfused", overlap_dp=False, overlap_tp=False, states="zero", grad_bytes=4,
     dp_sync_pipelined="end", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
-    sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
+    sp_saves_gathered_input=False, p2p_scatter_gather=True, embedding_sp_reduce="reduce_scatter",
     cp_comm="all_gather", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
     source="bigscience-workshop/bigscience train/tr11-176B-ml (README and chronicles): Megatron-DeepSpeed, "
            "DeepSpeed pipeline engine, ZeRO-1 with the BF16 optimizer (fp32 gradient accumulation), fused "
-           "scale-mask-softmax, bias-gelu and bias-dropout-add kernels")
+           "scale-mask-softmax, bias-gelu and bias-dropout-add kernels; DeepSpeed's pipeline engine sends 1/t of "
+           "each boundary tensor per tensor-parallel rank and all-gathers it on arrival (deepspeed/runtime/pipe/"
+           "engine.py, v0.6.0: is_pipe_partitioned = is_grad_partitioned = is_model_parallel)")
 
 # DeepSpeed's ZeRO engine with a plain PyTorch model (HF Transformers): ZeRO's memory accounting (2 + 2 + 12
 # bytes per parameter, Rajbhandari et al. 2020), gradients reduced in the 16-bit training dtype
@@ -218,12 +225,13 @@ FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATR
 
 def framework(profile: str | Framework, attention: str | None = None, overlap_dp: bool | None = None,
               overlap_tp: bool | None = None, moe_dispatcher: str | None = None, moe_a2a_overlap: bool | None = None,
-              grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None) -> Framework:
+              grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None,
+              fused_softmax: str | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
     ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``,
-    ``--optimizer-states``: the settings of a recipe, Megatron-Bridge's names where it has them). Switches a stack
-    cannot run are refused, not priced: this executor (and torchtitan) dispatch tokens with one all-to-all each
-    way, exposed, reduce fp32 gradients and keep torch's Adam state in fp32."""
+    ``--optimizer-states``, ``--fused-softmax``: the settings of a recipe, Megatron-Bridge's names where it has
+    them). Switches a stack cannot run are refused, not priced: this executor (and torchtitan) dispatch tokens with
+    one all-to-all each way, exposed, reduce fp32 gradients and keep torch's Adam state in fp32."""
     if isinstance(profile, Framework):
         fw = profile
     elif profile in FRAMEWORKS:
@@ -231,7 +239,8 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
     else:
         raise PlanError(f"unknown framework {profile!r} (one of {', '.join(FRAMEWORKS)})")
     changes = {k: v for k, v in (("attention", attention), ("overlap_dp", overlap_dp), ("overlap_tp", overlap_tp),
-                                 ("moe_dispatcher", moe_dispatcher), ("moe_a2a_overlap", moe_a2a_overlap))
+                                 ("moe_dispatcher", moe_dispatcher), ("moe_a2a_overlap", moe_a2a_overlap),
+                                 ("fused_softmax", fused_softmax))
                if v is not None}
     if grad_reduce_in_fp32 is not None:
         changes["grad_bytes"] = 4 if grad_reduce_in_fp32 else 2
@@ -242,6 +251,12 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
         changes["master_bytes"], changes["moment_bytes"] = OPTIMIZER_STATES[optimizer_states]
     if changes.get("attention", fw.attention) not in ATTENTION_KERNELS:
         raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+    if changes.get("fused_softmax", fw.fused_softmax) not in FUSED_SOFTMAX:
+        raise PlanError(f"--fused-softmax must be one of {', '.join(FUSED_SOFTMAX)}")
+    if changes.get("fused_softmax", fw.fused_softmax) != "always" and \
+            changes.get("attention", fw.attention) != "unfused":
+        raise PlanError("--fused-softmax: only the unfused attention (--attention unfused) has a softmax kernel of its "
+                        "own; a flash kernel fuses it")
     if changes.get("moe_dispatcher", fw.moe_dispatcher) not in MOE_DISPATCHERS:
         raise PlanError(f"MoE token dispatcher must be one of {', '.join(MOE_DISPATCHERS)}")
     if fw.states == "executor":
@@ -257,14 +272,16 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
 
 
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
-SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states")
+SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
+            "fused_softmax")
 
 
 def switches_of(fw: Framework) -> dict:
     """The switches (SWITCHES) that make ``fw`` of its named profile: what a plan records so that pricing it again,
     validating it or exporting it sees the stack the planner priced. Empty for a profile as it stands."""
     base = FRAMEWORKS[fw.name]
-    out: dict = {k: getattr(fw, k) for k in ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap")
+    out: dict = {k: getattr(fw, k) for k in ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap",
+                                             "fused_softmax")
                  if getattr(fw, k) != getattr(base, k)}
     if fw.grad_bytes != base.grad_bytes:
         out["grad_reduce_in_fp32"] = fw.grad_bytes == 4

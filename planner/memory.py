@@ -66,14 +66,17 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_o
 
 
 def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, recompute: str, attention: str,
-                           gathered_inputs: bool = False, prologue: bool = True) -> float:
+                           gathered_inputs: bool = False, prologue: bool = True,
+                           softmax_fallback: bool = False) -> float:
     """Bytes one rank keeps for one micro-batch of ``b`` samples through this block until its backward.
 
     ``gathered_inputs``: under sequence parallelism the column-parallel linears keep the input they were
     given — with DTensor's PrepareModuleInput (this executor) the all-gathered, whole-sequence tensor, not
     the rank's shard (Megatron keeps the shard and gathers it again in backward). ``prologue``: selective
     recomputation reruns the attention's prologue (models.in_attention_prologue; not under this executor's
-    context parallelism, whose K/V gather comes between it and the core)."""
+    context parallelism, whose K/V gather comes between it and the core). ``softmax_fallback``: the unfused
+    attention's softmax runs PyTorch's fp32 path (compute.softmax_falls_back), whose softmax keeps its fp32 output
+    (2 bytes per 16-bit score more than the fused kernel's 16-bit one)."""
     if recompute == "full":
         return layer.input_bytes * b / (tp if sp else 1)
     extra = 0.0
@@ -83,7 +86,7 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
             gathered = gathered[:-1]  # the MLP region gathers its input inside the recomputed sublayer
         extra = sum(gathered) * b * (1 - 1 / tp)
     if recompute == "mlp":  # what "none" keeps, less what the MLP sublayer produced and saved
-        kept = layer_activation_bytes(layer, b, tp, sp, "none", attention)
+        kept = layer_activation_bytes(layer, b, tp, sp, "none", attention, softmax_fallback=softmax_fallback)
         dropped, dropped_sharded = layer.mlp_dropped_bytes, layer.mlp_dropped_bytes_sharded
         return kept - b * (dropped_sharded / tp + (dropped - dropped_sharded) / (tp if sp else 1)) + extra
     if recompute == "selective" or attention == "flash":
@@ -99,7 +102,9 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
     if attention == "unfused" and layer.kind == "transformer_layer":
         hidden_masks = layer.input_bytes / _elem(layer) * 2  # 2 masks x s·b·h elements x 1 byte
         replicated_extra = hidden_masks
-        sharded_extra = 0.0 if recompute == "selective" else 1.5 * layer.fwd_ops.core_scores_bytes
+        # the softmax's output (16-bit, or fp32 on PyTorch's path) and the dropout's one-byte mask
+        sharded_extra = 0.0 if recompute == "selective" else \
+            (2.5 if softmax_fallback else 1.5) * layer.fwd_ops.core_scores_bytes
         total, sharded = total + replicated_extra + sharded_extra, sharded + sharded_extra
     replicated = total - sharded
     return b * (sharded / tp + (replicated / tp if sp else replicated)) + extra

@@ -207,8 +207,8 @@ def _framework_switches(switches: Any, framework: str, source: str) -> dict[str,
     for key, value in switches.items():
         if key not in SWITCHES:
             raise PlanError(f"{source}: unknown framework switch '{key}' (known: {', '.join(SWITCHES)})")
-        if key in ("moe_dispatcher", "optimizer_states") and not isinstance(value, str) or \
-                key not in ("moe_dispatcher", "optimizer_states") and not isinstance(value, bool):
+        if key in ("moe_dispatcher", "optimizer_states", "fused_softmax") and not isinstance(value, str) or \
+                key not in ("moe_dispatcher", "optimizer_states", "fused_softmax") and not isinstance(value, bool):
             raise PlanError(f"{source}: framework switch '{key}' has the wrong type: {value!r}")
     try:
         build(framework, **switches)

@@ -269,3 +269,78 @@ def test_validate_says_when_it_measures_this_executor_against_another_stack(tmp_
     plain = [a for a in args if a not in ("--framework", "megatron-core", "--optimizer-states", "bf16-moments")]
     assert main([*plain, "--out", str(tmp_path / "c"), "--json"]) == 0
     assert not any("this executor's stack" in n for n in json.loads(capsys.readouterr().out)["notes"])
+
+
+def test_bigscience_fused_softmax_check_swapped_its_arguments():
+    """bigscience's Megatron-DeepSpeed (megatron/model/fused_softmax.py from 9f5f5d4c, 2021-10-21, to 1cb76a64,
+    2022-03-06) sized the kernel's batches per block from the heads per rank: 128 threads per block, warps of
+    min(P, 32) threads for P the power of two at or above the heads, 2 batches per warp where P <= 128. The BLOOM
+    chronicles (chronicles-prequel.md line 743) say "NHEADS=108 breaks constraints for invoking optimized fused
+    softmax kernel": 108 heads over tp 4 (27 per rank) fall back at micro-batches 1, 2 and 4."""
+    from paraplan.planner.compute import softmax_falls_back
+
+    rule = "bigscience-2021-10"
+    assert softmax_falls_back(rule, 8, 1, 2048)  # 8 batches, 16 warps of 8 x 2 = 32 per block
+    assert not softmax_falls_back(rule, 8, 4, 2048)  # 32
+    assert not softmax_falls_back(rule, 16, 1, 2048)  # 8 warps of 16 x 2 = 16 per block
+    assert softmax_falls_back(rule, 12, 2, 2048) and not softmax_falls_back(rule, 12, 4, 2048)  # 24, 48 vs 16
+    assert not softmax_falls_back(rule, 32, 1, 2048)  # 4 warps of 32 x 2 = 8
+    assert all(softmax_falls_back(rule, 27, b, 2048) for b in (1, 2, 4))
+    assert softmax_falls_back(rule, 16, 1, 4096)  # the kernel's sequences: 16 < sq <= 2048
+    assert not any(softmax_falls_back("always", n, b, 2048) for n in (8, 27) for b in (1, 2))
+
+
+def test_softmax_fallback_moves_the_scores_as_pytorch_does():
+    """PyTorch's fp32 softmax path moves the 16-bit score matrix S 18 times forward and 20 times backward where the
+    fused kernel moves it 2 and 3 times (compute.SOFTMAX_TORCH_TRAFFIC: float, scale, masked_fill, softmax, half),
+    and keeps its fp32 output (S more) for the backward; GEMMs are the same."""
+    from paraplan.planner.memory import layer_activation_bytes
+
+    work = Workload.create(MODEL, "dgx-a100-80gb", 64, framework="megatron-2021")
+    layer, gpu = work.profile("fp16").layers[1], work.cluster.gpu
+    hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    b, tp = 2, 2
+    scores = layer.fwd_ops.core_scores_bytes * b / tp
+    fused = estimate_pass_times(layer, b, tp, False, gpu, "fp16", "unfused")
+    torch = estimate_pass_times(layer, b, tp, False, gpu, "fp16", "unfused", softmax_fallback=True)
+    assert torch.fwd - fused.fwd == pytest.approx((18 - 2) * scores / hbm)
+    assert torch.bwd_input - fused.bwd_input == pytest.approx((20 - 3) * scores / hbm)
+    assert torch.bwd_weight == fused.bwd_weight
+    kept = {f: layer_activation_bytes(layer, b, tp, False, "none", "unfused", softmax_fallback=f) for f in (0, 1)}
+    assert kept[1] - kept[0] == pytest.approx(scores)
+    assert layer_activation_bytes(layer, b, tp, False, "full", "unfused", softmax_fallback=True) == \
+        layer_activation_bytes(layer, b, tp, False, "full", "unfused")
+
+
+def test_fused_softmax_switch_from_the_cli_and_refused_with_flash_attention():
+    """--fused-softmax bigscience-2021-10 prices a layout whose heads per rank the fork's check turned down slower,
+    one it accepted the same; a flash kernel has no softmax kernel of its own to choose (one line)."""
+    from conftest import assert_one_line_error, run_cli, run_cli_json
+
+    args = ["simulate", "--model", MODEL, "--cluster", "dgx-a100-80gb", "--global-batch", "64", "--pp", "1",
+            "--zero", "1", "--framework", "megatron-deepspeed", "--recompute", "full"]
+    heads = Workload.create(MODEL, "dgx-h100", 64).spec.num_attention_heads
+    for tp, mb in ((heads // 8, 1), (heads // 8, 4)):  # 8 heads per rank: 8 batches fall back, 32 do not
+        layout = ["--dp", str(8 // tp if tp <= 8 else 1), "--tp", str(tp), "--micro-batch", str(mb)]
+        plain = run_cli_json(*args, *layout)
+        old = run_cli_json(*args, *layout, "--fused-softmax", "bigscience-2021-10")
+        if mb == 1:
+            assert old["iteration_time_s"] > plain["iteration_time_s"]
+        else:
+            assert old["iteration_time_s"] == pytest.approx(plain["iteration_time_s"], rel=1e-9)
+    p = run_cli("simulate", "--model", MODEL, "--cluster", "dgx-h100", "--global-batch", "64", "--dp", "8", "--tp",
+                "1", "--pp", "1", "--micro-batch", "1", "--framework", "megatron-core", "--fused-softmax",
+                "bigscience-2021-10")
+    assert_one_line_error(p, "--fused-softmax", "unfused")
+
+
+def test_deepspeed_pipeline_sends_a_tensor_parallel_shard():
+    """DeepSpeed's pipeline engine (deepspeed/runtime/pipe/engine.py, v0.6.0: is_pipe_partitioned =
+    is_grad_partitioned = is_model_parallel) sends 1/t of each boundary per tensor-parallel rank and all-gathers it
+    on arrival: Megatron-DeepSpeed's sends carry what Megatron's scatter/gather sends do."""
+    assert framework("megatron-deepspeed").p2p_scatter_gather
+    lay = Layout(dp=1, tp=4, pp=2, micro_batch=1, global_batch=8, zero=0)
+    sent = {fw: CostModel(Workload.create(MODEL, "dgx-a100-80gb", 8, framework=fw)).stage_costs(lay, [[0, 1, 2],
+                                                                                                    [3, 4, 5]])
+            for fw in ("megatron-deepspeed", "deepspeed")}
+    assert sent["megatron-deepspeed"][0].p2p_bytes == pytest.approx(sent["deepspeed"][0].p2p_bytes / 4)

@@ -236,6 +236,10 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
                          "micro-batches or more, no full recomputation nor of the MoE blocks (mlp), and virtual stages "
                          "under a pipeline (" + ("priced with it on the stages recomputing less: slower than "
                                                  "predicted)" if priced else "priced without it too)"))
+    if fw.fused_softmax != "always":
+        notes.append(f"priced with the softmax of --fused-softmax {fw.fused_softmax} (PyTorch's fp32 softmax where "
+                     "that fork's check turned its fused kernel down); Megatron-LM takes its fused kernel (or a "
+                     "flash kernel) there: faster than predicted")
     if fw.states != "zero":
         return a
     if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
