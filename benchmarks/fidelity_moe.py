@@ -137,6 +137,15 @@ def as_run(row: dict) -> dict:
     return {**row, **(row.get("recipe_layout") or {})}
 
 
+def default_etp(row: dict) -> int:
+    """The expert tensor parallelism of a row that publishes none: Megatron-Bridge's performance recipes set
+    expert_tensor_parallel_size=1 (scripts/performance/configs: BASE_QWEN3_*, BASE_DEEPSEEK_V3_CONFIG); NVIDIA's
+    dgxc-benchmarking Grok-1 recipes of v24.11.1 and v25.02 set none, so Megatron-Core's default applies, the
+    tensor-parallel size (megatron/core/parallel_state.py, core_r0.10.0: "if expert_tensor_parallel_size is None:
+    expert_tensor_parallel_size = tensor_model_parallel_size"); their README lists no ETP (v25.05's lists 1)."""
+    return row["tp"] if str(row.get("id", "")).startswith("dgxc-") else 1
+
+
 def layout_of(row: dict) -> Layout:
     row = as_run(row)
     gpus, tp, pp, cp = row["gpus"], row["tp"], row["pp"], row.get("cp") or 1
@@ -144,7 +153,7 @@ def layout_of(row: dict) -> Layout:
     vp = vp if isinstance(vp, int) and vp > 1 and pp > 1 else 1
     dtype = str(row.get("dtype") or row.get("dtype_published")).lower()
     dtype = "fp8" if "fp8" in dtype else dtype  # FP8, FP8-CS, "not stated in table (FP8, see notes)"
-    return Layout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=row["ep"], etp=row.get("etp") or 1,
+    return Layout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=row["ep"], etp=row.get("etp") or default_etp(row),
                   micro_batch=row["micro_batch"], global_batch=row["global_batch"],
                   schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                   sequence_parallel=tp > 1, zero=1, dtype=dtype)
