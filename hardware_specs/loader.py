@@ -117,14 +117,18 @@ def parse_efficiency(where: str, data: Any) -> Efficiency:
 
 
 def gpu_from_mapping(data: Any, where: str) -> GPUSpec:
-    data = _check_keys(where, data, {"name", "memory_GiB", "hbm_GBps", "peak_tflops"}, {"efficiency"})
+    data = _check_keys(where, data, {"name", "memory_GiB", "hbm_GBps", "peak_tflops"}, {"efficiency", "sm_count"})
     peaks = _check_keys(f"{where}: peak_tflops", data["peak_tflops"], set(DTYPES))
     peak = {d: None if peaks[d] is None else _number(where, f"peak_tflops.{d}", peaks[d]) for d in DTYPES}
     if all(v is None for v in peak.values()):
         raise HardwareSpecError(f"{where}: peak_tflops gives no dtype a number")
     eff = parse_efficiency(f"{where}: efficiency", data["efficiency"]) if "efficiency" in data else DEFAULT_EFFICIENCY
+    sms = data.get("sm_count", 0)
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 0:
+        raise HardwareSpecError(f"{where}: 'sm_count' must be a whole number >= 0, got {sms!r}")
     return GPUSpec(name=str(data["name"]), memory_GiB=_number(where, "memory_GiB", data["memory_GiB"]),
-                   hbm_GBps=_number(where, "hbm_GBps", data["hbm_GBps"]), peak_tflops=peak, efficiency=eff)
+                   hbm_GBps=_number(where, "hbm_GBps", data["hbm_GBps"]), peak_tflops=peak, efficiency=eff,
+                   sm_count=sms)
 
 
 def link_from_mapping(data: Any, where: str, default_name: str) -> LinkSpec:

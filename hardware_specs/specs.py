@@ -62,6 +62,9 @@ class GPUSpec:
     hbm_GBps: float
     peak_tflops: dict[str, float | None]
     efficiency: Efficiency
+    # streaming multiprocessors (NVIDIA; 0: not given): what a communication kernel running beside compute takes
+    # its share of (planner/moe.py, the overlapped all-to-all)
+    sm_count: int = 0
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; fp32 training uses TF32 tensor cores where they exist."""

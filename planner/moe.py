@@ -60,6 +60,19 @@ from .placement import Placement, consecutive_group
 
 COUNT_BYTES = 8  # one int64 token count per expert in the executor's split-size exchange
 AUX_BYTES = 4  # the auxiliary loss's tokens per expert, fp32 (models/moe.py sequence_aux_loss)
+# SMs an all-to-all kernel holds while it runs beside compute: DeepSeek-V3's report (Sec. 3.2.2) runs its
+# dispatch and combine on 20 of the H800's 132 SMs, enough to saturate InfiniBand and NVLink (DeepEP's Buffer
+# default num_sms is 20); taken for every dispatcher (NCCL's all-to-all runs one block per channel, a like count)
+COMM_SMS = 20
+
+
+def overlapped_exposure(a2a: float, compute: float, sm_count: int) -> float:
+    """Seconds an all-to-all of ``a2a`` seconds adds to the ``compute`` it runs beside (Megatron-Core's
+    overlap_moe_expert_parallel_comm): the compute keeps r = 1 - COMM_SMS / sm_count of the GPU while the exchange
+    runs, so it ends with it (exposing a2a - compute) where a2a·r covers it, else a2a·(1 - r) later than alone.
+    Without an SM count, r = 1 (the exchange free beside compute)."""
+    r = 1.0 - COMM_SMS / sm_count if sm_count > COMM_SMS else 1.0
+    return a2a - compute if a2a * r >= compute else a2a * (1.0 - r)
 
 
 def is_moe(layer: LayerProfile) -> bool:
@@ -291,7 +304,9 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
         a2a_fwd = a2a_bwd = 2 * one
         if a2a_overlap_applies(fw, lay, mode):  # each pass's exchanges under another micro-batch's opposite pass
-            a2a_fwd, a2a_bwd = max(0.0, a2a_fwd - compute[1]), max(0.0, a2a_bwd - compute[0])
+            sms = cluster.gpu.sm_count
+            a2a_fwd, a2a_bwd = (overlapped_exposure(a2a_fwd, compute[1], sms),
+                                overlapped_exposure(a2a_bwd, compute[0], sms))
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
         traffic["all_to_all"] = (4 + 2 * repeat) * sent + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)

@@ -73,6 +73,7 @@ def test_inline_cluster(write):
     (("fp8: null", "fp8: fast"), "'peak_tflops.fp8' must be a number"),
     (("gpus_per_node: 4", "gpus_per_node: 0"), "gpus_per_node"),
     (("gpu: {", "gpu: no-such-gpu\nx: {"), "unknown"),
+    (("hbm_GBps: 900", "hbm_GBps: 900, sm_count: 1.5"), "'sm_count' must be a whole number"),
 ])
 def test_loader_refuses_bad_specs(write, edit, fragment):
     path = _cluster_yaml(write, GOOD.replace(*edit))

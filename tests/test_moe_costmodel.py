@@ -462,3 +462,18 @@ def test_all_to_all_overlap_prices_a_layout_the_same_whichever_was_priced_first(
     got = (lower_bound(shared, interleaved, modes)[0],
            shared.evaluate(interleaved, default_stages(shared, interleaved)).iteration_time_s)
     assert got == want
+
+
+def test_overlapped_all_to_all_slows_the_compute_it_runs_beside():
+    """An all-to-all hidden behind another micro-batch's compute holds COMM_SMS (20: DeepSeek-V3's report, Sec.
+    3.2.2) of the GPU's SMs while it runs, so that compute keeps r = 1 - 20/132 of an H100: an exchange of A
+    seconds beside C seconds of compute costs A - C where A·r >= C (the compute ends under it), else A·(1 - r)."""
+    r = 1 - moe.COMM_SMS / 132
+    assert moe.overlapped_exposure(10.0, 2.0, 132) == pytest.approx(8.0)
+    assert moe.overlapped_exposure(2.0, 10.0, 132) == pytest.approx(2.0 * (1 - r))
+    assert moe.overlapped_exposure(5.0, 5.0 * r, 132) == pytest.approx(5.0 * (1 - r))  # both cases agree there
+    assert moe.overlapped_exposure(2.0, 10.0, 0) == 0.0  # no SM count: the exchange hides for free
+    assert moe.overlapped_exposure(10.0, 2.0, 0) == pytest.approx(8.0)
+    from paraplan.hardware_specs import load_gpu
+
+    assert load_gpu("h100-sxm-80gb").sm_count == 132 and load_gpu("a100-80gb").sm_count == 108
