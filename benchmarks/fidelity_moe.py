@@ -27,10 +27,11 @@ recomputes MLA's up-projections (recompute_modules mla_up_proj): selective recom
 since (planner/fused_activations.mla_bytes), added after Megatron-Core was found to refuse the all-to-all overlap
 beside the MoE recomputation this row had been priced with; it counts what the modules free, no free parameter.
 
-Two more were written after every row had been seen (the held-out mean was 12.1%): Grok-1's dgxc rows, which
-publish no expert tensor parallelism, run Megatron-Core's default ETP = TP (default_etp; 9.0%), and an
-all-to-all overlapped with compute takes moe.COMM_SMS of the GPU's SMs from it (DeepSeek-V3's report; 8.4%):
-each from the software's or the report's figures, no free parameter.
+Three more were written after every row had been seen (the held-out mean was 12.1%): Grok-1's dgxc rows, which
+publish no expert tensor parallelism, run Megatron-Core's default ETP = TP (default_etp; 9.0%), an all-to-all
+overlapped with compute takes moe.COMM_SMS of the GPU's SMs from it (DeepSeek-V3's report; 8.4%), and FP8
+experts behind the all-to-all dispatcher pay TE's padding copies (planner/fused_moe.py; 8.2%): each from the
+software's or the report's figures, no free parameter.
 A row whose table cells contradict the recipe its release ran carries that recipe's layout (``recipe_layout``,
 with its source): Qwen3-30B-A3B at 26.02.01, whose table kept the 26.02 row's PP2/VP12/EP8 while the release's
 recipe ran PP1/EP16 with HybridEP (read from Megatron-Bridge's history after the row was seen at +0.0% as

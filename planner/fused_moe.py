@@ -33,6 +33,12 @@ output gradient and writes the input gradient (2·up + 2f + 2·up per copy; the 
 permute's gradient sums the k copies (read 2kh, write 2h); the top-k softmax's gradient reads scores and
 gradient and writes a gradient (12E); the shared experts' activation as the routed ones'.
 
+FP8 with the all-to-all dispatcher: the grouped GEMM needs each expert's tokens in multiples of 16 rows, which
+that dispatcher's permutation does not give, so TE's Fp8Padding copies the permuted tokens into a padded buffer
+and Fp8Unpadding copies the outputs back (megatron/core/transformer/moe/experts.py: "Regular AllToAll normally
+reaches this branch"; HybridEP pads inside its dispatch, and routing does where moe_router_padding_for_
+quantization is set, which the recipes priced here leave off): read and write 2h per copy each way, twice
+(8kh forward), and their gradients the same backward.
 FP8 keeps the expert GEMMs' inputs as FP8 copies, 1 byte each instead of 2: planner/fp8.py subtracts that.
 The pre-MLP norm is outside the block (fused_activations.py counts it with the layer).
 """
@@ -59,12 +65,14 @@ def expert_widths(spec) -> tuple[int, int, int, int]:
     return f, (2 if gated else 1) * f, f_s, (2 if gated else 1) * f_s
 
 
-def block_bytes(spec, local_experts: int, dispatcher: str) -> MoEBlockBytes:
+def block_bytes(spec, local_experts: int, dispatcher: str, fp8: bool = False) -> MoEBlockBytes:
     """The Megatron-Core MoE block of ``spec`` on a rank holding ``local_experts`` routed experts, with the
-    token ``dispatcher`` (``alltoall`` or ``hybridep``): see the module docstring."""
+    token ``dispatcher`` (``alltoall`` or ``hybridep``), its experts' GEMMs in FP8 or not: see the module
+    docstring."""
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     f, up, f_s, up_s = expert_widths(spec)
     sorts = 2 * (4 * k * h) if dispatcher == "alltoall" and local_experts > 1 else 0.0
+    sorts += 8 * k * h if fp8 and dispatcher == "alltoall" else 0.0  # Fp8Padding and Fp8Unpadding
     shared_add = 6 * h if f_s else 0
     fwd = (8 * e + (2 * h + 2 * k * h) + sorts + k * (2 * up + 2 * f) + (2 * k * h + 2 * h) + shared_add
            + (2 * up_s + 2 * f_s if f_s else 0))

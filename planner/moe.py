@@ -201,7 +201,7 @@ def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: f
     """(forward, backward) seconds of the fused MoE kernels' memory traffic (planner/fused_moe.py) on a rank
     routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (``moe_imbalance``)."""
     local = spec.num_experts // lay.ep
-    per = fused_moe.block_bytes(spec, local, framework.moe_dispatcher)
+    per = fused_moe.block_bytes(spec, local, framework.moe_dispatcher, lay.dtype == "fp8" and framework.fp8_experts)
     routed = tokens / lay.tp * framework.moe_imbalance
     return per.fwd * routed / hbm_Bps, per.bwd * routed / hbm_Bps
 

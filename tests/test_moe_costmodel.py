@@ -477,3 +477,19 @@ def test_overlapped_all_to_all_slows_the_compute_it_runs_beside():
     from paraplan.hardware_specs import load_gpu
 
     assert load_gpu("h100-sxm-80gb").sm_count == 132 and load_gpu("a100-80gb").sm_count == 108
+
+
+def test_fp8_experts_behind_the_all_to_all_dispatcher_pad_their_tokens():
+    """Megatron-Core's grouped FP8 GEMM wants each expert's tokens in multiples of 16 rows: behind the all-to-all
+    dispatcher TE's Fp8Padding copies the permuted tokens into a padded buffer and Fp8Unpadding copies the
+    outputs back (megatron/core/transformer/moe/experts.py), 2h bytes read and written per routed copy each way,
+    so 8kh more per token in each pass; HybridEP pads inside its dispatch, and 16-bit experts need none."""
+    from paraplan.models import load_model_spec
+    from paraplan.planner import fused_moe
+
+    spec = load_model_spec("qwen3-30b-a3b")
+    h, k = spec.hidden_size, spec.top_k
+    plain = fused_moe.block_bytes(spec, 8, "alltoall")
+    padded = fused_moe.block_bytes(spec, 8, "alltoall", fp8=True)
+    assert (padded.fwd - plain.fwd, padded.bwd - plain.bwd, padded.saved) == (8 * k * h, 8 * k * h, plain.saved)
+    assert fused_moe.block_bytes(spec, 8, "hybridep", fp8=True) == fused_moe.block_bytes(spec, 8, "hybridep")
