@@ -318,7 +318,7 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
         peaks.setdefault(d, None)
     gpu_map = {"name": gpu.name, "memory_GiB": gpu.memory_GiB,
                "hbm_GBps": round(cal.bandwidth_GBps, 3),
-               "peak_tflops": peaks,
+               "peak_tflops": peaks, **({"sm_count": gpu.sm_count} if gpu.sm_count else {}),
                "efficiency": {"source": f"paraplan calibrate: {cal.device}, {cal.threads} thread(s) per rank, "
                                         f"{time.strftime('%Y-%m-%d')}",
                               "matmul": curves, "memory_bound": 1.0, "op_overhead_us": round(cal.op_overhead_us, 3)}}

@@ -222,7 +222,7 @@ def cluster_mapping(cluster: ClusterSpec) -> dict:
     out = {
         "name": cluster.name,
         "gpu": {"name": gpu.name, "memory_GiB": gpu.memory_GiB, "hbm_GBps": gpu.hbm_GBps,
-                "peak_tflops": dict(gpu.peak_tflops),
+                "peak_tflops": dict(gpu.peak_tflops), **({"sm_count": gpu.sm_count} if gpu.sm_count else {}),
                 "efficiency": {"source": eff.source,
                                "matmul": {d: [list(p) for p in pts] for d, pts in eff.matmul.items()},
                                "memory_bound": eff.memory_bound, "op_overhead_us": eff.op_overhead_us,

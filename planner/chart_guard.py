@@ -22,6 +22,7 @@ import functools
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -253,14 +254,27 @@ class ChartServer:
             atexit.unregister(self.close)
             conn.close()
             if proc.is_alive():
-                proc.kill()
+                try:  # its process group: the child and the grandchild drawing for it (a killed child reaps none)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:  # not a group of its own (setpgid refused): the child alone
+                    proc.kill()
             proc.join()
+
+
+def _own_group(pid: int) -> None:
+    """Make ``pid`` (0: this process) the leader of a process group of its own, so that killing the group stops it
+    and every process it forked; both parent and child ask, whichever runs first (as shells do)."""
+    try:
+        os.setpgid(pid, pid or os.getpid())
+    except OSError:  # e.g. the child is already gone, or the platform refuses: close() kills the child alone
+        pass
 
 
 def _server(conn) -> None:
     """Forked by ChartServer: import the charts and send the import's notes (none: ready); receive the requests,
     draw them and send {key: (drawn, notes)}. On any failure it stops sending: the parent draws what is missing."""
     try:
+        _own_group(0)
         module_lines: list[str] = []
         ready = charts_module(module_lines) is not None
         conn.send_bytes(pickle.dumps(module_lines))
@@ -276,7 +290,10 @@ def _server(conn) -> None:
 def _fork_server():
     # not a daemon: it forks the heaviest chart's grandchild (draw_files); draw/close always reap it
     mine, proc = _start_child(_server, duplex=True, daemon=False)
-    return (mine, proc) if proc is not None else None
+    if proc is None:
+        return None
+    _own_group(proc.pid)
+    return mine, proc
 
 
 def charts_module(notes: list[str]):

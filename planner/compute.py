@@ -41,25 +41,28 @@ SOFTMAX_FUSED_TRAFFIC = (2.0, 3.0)
 SOFTMAX_TORCH_TRAFFIC = (18.0, 20.0)
 
 
-def softmax_falls_back(rule: str, heads_per_rank: int, micro_batch: int, seq: int) -> bool:
-    """Whether Megatron's FusedScaleMaskSoftmax runs PyTorch's softmax instead of its fused kernel (causal mask,
-    16-bit inputs) under the availability ``rule`` (Framework.fused_softmax). "bigscience-2021-10": bigscience's
+def softmax_falls_back(rule: str, heads_per_rank: int, micro_batch: int, seq: int, dtype: str = "bf16") -> bool:
+    """Whether Megatron's FusedScaleMaskSoftmax runs PyTorch's softmax instead of its fused kernel (causal mask)
+    under the availability ``rule`` (Framework.fused_softmax). "bigscience-2021-10": bigscience's
     Megatron-DeepSpeed from 9f5f5d4c (2021-10-21) to 1cb76a64 (2022-03-06) — BLOOM's layout sweep of Feb 2022 —
     called get_batch_per_block(sq, sk, b, np) on a function declared (b, np, sq, sk), so the kernel's batches per
     block came from the heads per rank np instead of the key length: with P the power of two at or above np, a
     warp of min(P, 32) threads, 128 threads per block and 2 batches per warp where P <= 128, b·np had to be a
     multiple of (128 / warp)·(2 or 1) — 32 for 8 heads per rank, 16 for 9-16 — and of 4; the kernel also needed
-    16 < sq <= 2048 (megatron/model/fused_softmax.py, is_kernel_available, at c9afebc6)."""
+    16-bit inputs, 16 < sq <= 2048 and sk a multiple of 4 (megatron/model/fused_softmax.py, is_kernel_available, at
+    c9afebc6; here sq = sk = ``seq``)."""
     if rule == "always":
         return False
     assert rule == "bigscience-2021-10", rule
+    if dtype not in ("fp16", "bf16", "fp8"):  # FP8 runs the attention in 16 bits
+        return True
     power = 1
     while power < heads_per_rank:
         power *= 2
     warp = min(power, 32)
     per_block = (128 // warp) * (2 if power <= 128 else 1)
     batches = micro_batch * heads_per_rank
-    return not (16 < seq <= 2048 and batches % 4 == 0 and batches % per_block == 0)
+    return not (16 < seq <= 2048 and seq % 4 == 0 and batches % 4 == 0 and batches % per_block == 0)
 
 
 @dataclass(frozen=True)

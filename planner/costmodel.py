@@ -291,15 +291,20 @@ class CostModel:
         cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
         fw = work.framework
         causal = context_parallel.attention_work_fraction(work, lay)
-        softmax_fallback = work.attention == "unfused" and layer.kind == "transformer_layer" and softmax_falls_back(
-            fw.fused_softmax, work.spec.num_attention_heads // t, lay.micro_batch, work.tokens_per_sample // lay.cp)
+
+        def falls_back(tp: int) -> bool:  # the unfused attention's softmax on PyTorch's path (compute.py)
+            return work.attention == "unfused" and layer.kind == "transformer_layer" and softmax_falls_back(
+                fw.fused_softmax, work.spec.num_attention_heads // tp, lay.micro_batch,
+                work.tokens_per_sample // lay.cp, lay.dtype)
+
+        softmax_fallback = falls_back(t)
         times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
                                     fw.fp8_experts, softmax_fallback)
         measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
             m = measured["layers"][i]
             base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
-                                       causal, fw.fp8_experts, softmax_fallback)
+                                       causal, fw.fp8_experts, falls_back(1))
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
         colls = [c for style, ib, ob, tok in layer.region_io
                  for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []

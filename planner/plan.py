@@ -95,7 +95,7 @@ class Plan:
         if framework not in FRAMEWORKS:
             raise PlanError(f"{source}: unknown framework {framework!r} (one of {', '.join(FRAMEWORKS)})")
         switches = _framework_switches({} if data.get("framework_switches") is None else data["framework_switches"],
-                                       framework, source)
+                                       framework, source, data.get("attention", "flash"))
         for k in ("model", "cluster"):
             if not isinstance(data[k], str) or not data[k]:
                 raise PlanError(f"{source}: '{k}' must be a name, got {data[k]!r}")
@@ -197,8 +197,9 @@ def _head_parallel(strategies: object, source: str) -> int:
     return strategies["head"]["degree"] if "head" in strategies else 1
 
 
-def _framework_switches(switches: Any, framework: str, source: str) -> dict[str, Any]:
-    """A plan's 'framework_switches', checked as the CLI checks them (framework.framework)."""
+def _framework_switches(switches: Any, framework: str, source: str, attention: Any = None) -> dict[str, Any]:
+    """A plan's 'framework_switches', checked as the CLI checks them (framework.framework), beside the plan's
+    attention kernel (some switches need the unfused one)."""
     from .framework import SWITCHES
     from .framework import framework as build
 
@@ -211,7 +212,7 @@ def _framework_switches(switches: Any, framework: str, source: str) -> dict[str,
                 key not in ("moe_dispatcher", "optimizer_states", "fused_softmax") and not isinstance(value, bool):
             raise PlanError(f"{source}: framework switch '{key}' has the wrong type: {value!r}")
     try:
-        build(framework, **switches)
+        build(framework, attention=attention if attention in ATTENTION_KERNELS else None, **switches)
     except PlanError as e:
         raise PlanError(f"{source}: framework_switches: {e}") from None
     return dict(switches)

@@ -258,3 +258,36 @@ def test_the_chart_server_draws_in_its_child_and_what_it_cannot_is_drawn_here(tm
     ChartServer().draw(files, notes, requests)
     assert files == {} and notes == ["no charts drawn (matplotlib: ImportError: libfreetype.so.6)"]
     assert multiprocessing.active_children() == []
+
+
+def test_a_failure_beside_the_drawing_stops_every_drawing_process(tmp_path, monkeypatch):
+    """ChartServer.draw runs the caller's own work (candidates.csv) while its child draws; if that work fails, the
+    child is stopped with the grandchild drawing its heavier share: no chart appears after the command failed."""
+    import time
+
+    from paraplan.planner import charts
+    from paraplan.planner.chart_guard import ChartRequest, ChartServer
+
+    def slow(*args, path: str, **kwargs) -> None:
+        time.sleep(2.0)
+        with open(path, "w") as f:
+            f.write("late")
+
+    def quick(*args, path: str, **kwargs) -> None:
+        with open(path, "w") as f:
+            f.write("ok")
+
+    monkeypatch.setattr(charts, "gantt", slow)
+    monkeypatch.setattr(charts, "time_breakdown", quick)
+    server = ChartServer()  # forked now: the child has the patched charts
+    requests = [ChartRequest("t", str(tmp_path / "t.txt"), "timeline", "gantt", weight=3.0),
+                ChartRequest("a", str(tmp_path / "a.txt"), "first", "time_breakdown")]
+
+    def fails() -> None:
+        time.sleep(0.5)  # the grandchild is drawing by now
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError):
+        server.draw({}, [], requests, meanwhile=fails)
+    time.sleep(2.5)
+    assert not (tmp_path / "t.txt").exists()

@@ -287,6 +287,8 @@ def test_bigscience_fused_softmax_check_swapped_its_arguments():
     assert not softmax_falls_back(rule, 32, 1, 2048)  # 4 warps of 32 x 2 = 8
     assert all(softmax_falls_back(rule, 27, b, 2048) for b in (1, 2, 4))
     assert softmax_falls_back(rule, 16, 1, 4096)  # the kernel's sequences: 16 < sq <= 2048
+    assert softmax_falls_back(rule, 16, 1, 2046)  # and keys a multiple of 4
+    assert softmax_falls_back(rule, 16, 1, 2048, "fp32")  # 16-bit inputs only
     assert not any(softmax_falls_back("always", n, b, 2048) for n in (8, 27) for b in (1, 2))
 
 
@@ -344,3 +346,24 @@ def test_deepspeed_pipeline_sends_a_tensor_parallel_shard():
                                                                                                     [3, 4, 5]])
             for fw in ("megatron-deepspeed", "deepspeed")}
     assert sent["megatron-deepspeed"][0].p2p_bytes == pytest.approx(sent["deepspeed"][0].p2p_bytes / 4)
+
+
+def test_a_plan_priced_with_a_switch_of_the_unfused_attention_reads_back(tmp_path):
+    """A plan written with --attention unfused --fused-softmax ... on a stack whose own kernel is flash is checked
+    with its attention kernel when it is read again: it loads, prices as written, and its Megatron export says
+    what Megatron-LM runs instead."""
+    from conftest import run_cli, run_cli_json
+    from paraplan.planner.api import predict_plan
+    from paraplan.planner.plan import Plan
+
+    plan = tmp_path / "p.json"
+    args = ["--model", MODEL, "--cluster", "dgx-a100-80gb", "--global-batch", "64", "--framework", "megatron-core",
+            "--attention", "unfused", "--fused-softmax", "bigscience-2021-10"]
+    first = run_cli_json("simulate", *args, "--dp", "4", "--tp", "2", "--pp", "1", "--micro-batch", "1",
+                         "--write-plan", str(plan))
+    loaded = Plan.read(str(plan))
+    assert loaded.framework_switches == {"fused_softmax": "bigscience-2021-10"}
+    assert predict_plan(loaded).iteration_time_s == pytest.approx(first["iteration_time_s"], rel=1e-9)
+    p = run_cli("export", "--plan", str(plan), "--to", "megatron")
+    assert p.returncode == 0, p.stderr
+    assert "--fused-softmax bigscience-2021-10" in p.stdout + p.stderr

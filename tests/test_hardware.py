@@ -106,3 +106,15 @@ def test_efficiency_curve_interpolates_in_log_flops():
     mid = eff.matmul_fraction(10 ** 9.5, "bf16")
     assert lo < mid < hi and abs(mid - (lo + hi) / 2) < 1e-9
     assert eff.matmul_fraction(1e20, "bf16") == eff.matmul[("default")][-1][1]
+
+
+def test_a_cluster_written_back_keeps_its_gpu_s_sm_count(tmp_path):
+    """Specs written back (calibrate, validate --update-spec) carry sm_count: the overlapped all-to-all's price
+    needs it (planner/moe.py)."""
+    import yaml
+
+    from paraplan.hardware_specs import cluster_mapping
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cluster_mapping(load_cluster("dgx-h100"))))
+    assert load_cluster(str(path)).gpu.sm_count == 132
