@@ -54,7 +54,9 @@ def compare_solvers(env: dict, repeats: int) -> None:
 
 
 def _layout(plan: dict) -> str:
-    return f"dp{plan['dp']} tp{plan['tp']} pp{plan['pp']} mb{plan['micro_batch']} {plan['schedule']} z{plan['zero']}"
+    extra = "".join(f" {k}{plan[k]}" for k in ("cp", "ep") if plan.get(k, 1) > 1)
+    return (f"dp{plan['dp']} tp{plan['tp']} pp{plan['pp']}{extra} mb{plan['micro_batch']} {plan['schedule']} "
+            f"z{plan['zero']}")
 
 
 def main() -> None:
@@ -80,7 +82,7 @@ def main() -> None:
         b = r["best"]["plan"]
         print(f"  report + charts, {repeats} runs: search median {statistics.median(searches):.2f} s; wall median "
               f"{statistics.median(walls):.2f} s (min {min(walls):.2f}, max {max(walls):.2f}); best "
-              f"dp{b['dp']} tp{b['tp']} pp{b['pp']} {b['schedule']} -> {r['best']['tokens_per_s']:,.0f} tokens/s, "
+              f"{_layout(b)} -> {r['best']['tokens_per_s']:,.0f} tokens/s, "
               f"MFU {100 * r['best']['mfu']:.1f}%")
 
 
