@@ -57,6 +57,22 @@ def predict_run(run: dict):
     return model.evaluate(lay, framework_stages(model, lay))
 
 
+def predict_deepspeed_run(run: dict):
+    """A Megatron-DeepSpeed run (published_runs.yaml other_runs) as its stack ran it: DeepSpeed's pipeline engine
+    (1F1B, partitioned sends, the data-parallel reduce after the flush), ZeRO 1, 16-bit training; BLOOM on Jean
+    Zay's cluster, MT-NLG on DGX A100s (Selene)."""
+    gpus = run["tp"] * run["pp"] * run["dp"]
+    cluster = "jean-zay-a100" if run["name"].startswith("BLOOM") else "dgx-a100-80gb"
+    work = Workload.create(gpt(run["model"], run.get("vocab", 51200)), cluster, run["global_batch"],
+                           nodes=max(1, gpus // 8), framework="megatron-deepspeed")
+    model = CostModel(work)
+    lay = Layout(dp=run["dp"], tp=run["tp"], pp=run["pp"], micro_batch=run["micro_batch"],
+                 global_batch=run["global_batch"], recompute=run["recompute"], sequence_parallel=run["sp"],
+                 zero=1 if run["dp"] > 1 else 0, dtype="bf16")
+    validate_layout(model, lay)
+    return model.evaluate(lay, framework_stages(model, lay))
+
+
 def layer_times(table: dict) -> list[tuple[dict, float, float]]:
     """(row, predicted forward ms, predicted backward ms) per row of Korthikanti's Table 4."""
     spec = spec_from_mapping({"name": "gpt-22b", **table["model"]}, "published run")
@@ -207,9 +223,10 @@ def main() -> int:
         print(f"  --fused-softmax {rule}: {len(bloom)} rows, Spearman rank correlation of TFLOP/s: "
               f"{spearman([x[1] for x in bloom], [x[2] for x in bloom]):.3f}, mean |error| "
               f"{100 * statistics.mean(abs(x[1] / x[2] - 1) for x in bloom):.1f}%")
-    print("Other runs (DeepSpeed pipeline engine on Selene-like clusters; not asserted)")
+    print("Other runs (DeepSpeed's pipeline engine: --framework megatron-deepspeed, MT-NLG on DGX A100s, BLOOM on "
+          "Jean Zay; not asserted)")
     for run in data["other_runs"]:
-        pred = predict_run(run)
+        pred = predict_deepspeed_run(run)
         err = pred.iteration_time_s / run["iteration_s"] - 1
         print(f"  {run['name']:38s} {pred.iteration_time_s:7.2f} s vs {run['iteration_s']:7.2f} s  "
               f"({100 * err:+5.1f}%)")
