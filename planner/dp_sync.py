@@ -16,8 +16,9 @@ By framework (planner/framework.py):
     the gradients are reduced once, after the last backward (pipeline.py), exposed.
 - ``zero`` states (Megatron-LM, DeepSpeed): ZeRO 0 all-reduces, ZeRO 1-3 reduce-scatter, the gradients
   (``Framework.grad_bytes`` per element) once per step, overlapping the last backward when the stack
-  overlaps (bucketed, 25 MiB last bucket); ZeRO 1/2 all-gather the updated 16-bit weights after the step,
-  ZeRO 3 before each micro-batch's forward and backward.
+  overlaps (in buckets, the last of which cannot hide: :func:`bucket_bytes`); ZeRO 1/2 all-gather the updated
+  16-bit weights after the step (or bucket by bucket under the next forward), ZeRO 3 before each micro-batch's
+  forward and backward.
 - A tied embedding split over the first and last pipeline stage: its gradient (V·h/t elements)
   all-reduced between the two end ranks, exposed (Megatron's embedding group; executor/tied.py).
 - Parameter servers: push and pull through k servers and their optimizer updates (comm.parameter_server_sync),
@@ -32,6 +33,16 @@ from .layout import Layout
 from .placement import Placement, consecutive_group
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+
+
+def bucket_bytes(fw, lay: Layout, elem: float) -> float:
+    """Bytes of one bucket of a "zero"-states stack's data-parallel reduce (or overlapped weight gather) of
+    ``elem``-byte elements (Framework.dp_buckets): torch DDP's 25 MiB, or Megatron-Core's default bucket_size of
+    max(40,000,000, 1,000,000 x dp) parameters over the data-parallel ranks (context-parallel ones included:
+    megatron/core/distributed/distributed_data_parallel.py, core_r0.9.0 on)."""
+    if fw.dp_buckets == "megatron":
+        return max(40_000_000, 1_000_000 * lay.data_ranks) * elem
+    return DDP_BUCKET_BYTES
 # Optimizer step traffic per parameter of the shard a rank updates (Adam):
 # - "zero" states (Megatron): master weights, momentum and variance read and written (2 x 12 B in fp32,
 #   Framework.master_bytes + moment_bytes), the fp32 gradient read (4 B), the 16-bit weights written (2 B), the
@@ -145,7 +156,7 @@ def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: in
         window = Affine()  # reduced after the pipeline's last backward: nothing left to hide behind
     if lay.zero == 0 or (lay.zero == 1 and fw.zero1 == "allreduce+broadcast"):
         items = [Exposure(Sync("all_reduce", all_reduce, per_param=ge), hidden=window, floor="bucket",
-                          bucket_bytes=DDP_BUCKET_BYTES)]
+                          bucket_bytes=bucket_bytes(fw, lay, ge))]
         if lay.zero == 1:  # each owner broadcasts its updated 16-bit weights
             items.append(Exposure(Sync("all_gather", gather, per_param=wb)))
         return items
@@ -154,13 +165,13 @@ def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: in
                           floor="zero")]
     else:
         items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), hidden=window, floor="bucket",
-                          bucket_bytes=DDP_BUCKET_BYTES)]
+                          bucket_bytes=bucket_bytes(fw, lay, ge))]
     gathers = Sync("all_gather", gather, per_param=wb)
     if lay.zero == 3:  # weights gathered for every micro-batch's forward and backward
         items += [Exposure(gathers, count=m, hidden=Affine(fwd=1.0), floor="zero"),
                   Exposure(gathers, count=m, hidden=Affine(bwd=1.0), floor="zero")]
     elif fw.overlap_param_gather:  # bucket by bucket under the next step's first forward (Megatron-Core)
-        items.append(Exposure(gathers, hidden=Affine(fwd=1.0), floor="bucket", bucket_bytes=DDP_BUCKET_BYTES))
+        items.append(Exposure(gathers, hidden=Affine(fwd=1.0), floor="bucket", bucket_bytes=bucket_bytes(fw, lay, wb)))
     else:
         items.append(Exposure(gathers))  # updated weight shards gathered after the step
     return items

@@ -77,6 +77,11 @@ class Framework:
     # tensorwise); "delayed" = the scale comes from an amax history and the amax is computed inside the
     # cast kernel (TE's DelayedScaling): planner/fp8.py prices the difference
     fp8_scaling: str = "dynamic"
+    # the buckets a data-parallel gradient reduce (and the overlapped weight gather) runs in, whose last cannot hide
+    # (dp_sync.bucket_bytes): "ddp" = torch DDP's 25 MiB (bucket_cap_mb); "megatron" = Megatron-Core's default
+    # bucket_size, max(40M, 1M x data-parallel size) parameters (DistributedDataParallelConfig: "larger DP sizes
+    # need larger buckets to ensure collectives do not become latency-bound")
+    dp_buckets: str = "ddp"
     # the unfused attention's scale-mask-softmax (compute.softmax_falls_back): "always" = Megatron's fused kernel;
     # "bigscience-2021-10" = only where bigscience's Megatron-DeepSpeed of 2021-10-21..2022-03-06 found it
     # available (its check passed its arguments in the wrong order), elsewhere PyTorch's fp32 softmax
@@ -167,7 +172,7 @@ MEGATRON_CORE = Framework(
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
     fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
-    moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True, selective_extra="mla",
+    moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True, selective_extra="mla", dp_buckets="megatron",
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "
            "use_distributed_optimizer; overlap_p2p_comm with virtual pipelines; performance scripts' "

@@ -344,7 +344,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
     edp ranks holding the same experts (ranks ep·etp apart), in dp_sync.py's style (dp_sync._executor and
     _zero_accounting with the edp group and the rank's ``experts``). ``root_experts``: the experts of the
     unit synced last (one layer's), which cannot hide behind the backward."""
-    from .dp_sync import DDP_BUCKET_BYTES, executor_sharded, grad_bytes, weight_bytes
+    from .dp_sync import bucket_bytes, executor_sharded, grad_bytes, weight_bytes
 
     work = model.work
     fw, cluster, busy = work.framework, work.cluster, place.gpus_per_node_busy
@@ -368,20 +368,21 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
                 items.append(Exposure(Sync("all_gather", gather, per_expert=4)))
             return items
         return executor_sharded(lay, gather, ge, wb, m, "per_expert")
-    # Megatron-Core: the expert-data-parallel group's buffers, like the dense ones (dp_sync._zero_accounting)
+    # Megatron-Core: the expert-data-parallel group's buffers, like the dense ones (dp_sync._zero_accounting), in
+    # buckets of the size the dense data-parallel group sets (one DistributedDataParallelConfig.bucket_size)
     if lay.pp > 1 and fw.dp_sync_pipelined == "end":
         window = Affine()
     if lay.zero == 0:
         return [Exposure(Sync("all_reduce", all_reduce, per_expert=ge), hidden=window, floor="bucket",
-                         bucket_bytes=DDP_BUCKET_BYTES)]
+                         bucket_bytes=bucket_bytes(fw, lay, ge))]
     items = [Exposure(Sync("reduce_scatter", gather, per_expert=ge), hidden=window, floor="bucket",
-                      bucket_bytes=DDP_BUCKET_BYTES)]
+                      bucket_bytes=bucket_bytes(fw, lay, ge))]
     gathers = Sync("all_gather", gather, per_expert=wb)
     if lay.zero == 3:
         items += [Exposure(gathers, count=m, hidden=fwd, floor="zero"),
                   Exposure(gathers, count=m, hidden=bwd, floor="zero")]
     elif getattr(fw, "overlap_param_gather", False):
-        items.append(Exposure(gathers, hidden=fwd, floor="bucket", bucket_bytes=DDP_BUCKET_BYTES))
+        items.append(Exposure(gathers, hidden=fwd, floor="bucket", bucket_bytes=bucket_bytes(fw, lay, wb)))
     else:
         items.append(Exposure(gathers))
     return items

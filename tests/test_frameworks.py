@@ -146,8 +146,20 @@ def test_overlap_param_gather_hides_the_weight_all_gather_under_the_forward():
     lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
     on = _items(_model("megatron-core"), lay)[1]
     off = _items(_model("megatron-core", overlap_param_gather=False), lay)[1]
-    assert on.hidden.fwd == 1.0 and on.floor == "bucket" and on.bucket_bytes == DDP_BUCKET_BYTES
+    assert on.hidden.fwd == 1.0 and on.floor == "bucket" and on.bucket_bytes == 40_000_000 * 2  # bf16 weights
     assert off.hidden.fwd == 0.0 and off.floor == "none"
+
+
+def test_megatron_buckets_grow_with_the_data_parallel_size():
+    """Megatron-Core's DistributedDataParallelConfig.bucket_size defaults to max(40M, 1M x dp) parameters
+    (megatron/core/distributed/distributed_data_parallel.py: larger buckets keep the collectives of large
+    data-parallel groups bandwidth-bound): the last bucket of the gradient reduce-scatter, which no backward
+    hides, is that size; torch DDP's stacks keep 25 MiB."""
+    for dp, params in ((8, 40_000_000), (64, 64_000_000), (512, 512_000_000)):
+        lay = Layout(dp=dp, tp=1, pp=1, micro_batch=1, global_batch=1024, zero=1)
+        assert _items(_model("megatron-core"), lay)[0].bucket_bytes == params * 2  # bf16 gradients
+    lay = Layout(dp=64, tp=1, pp=1, micro_batch=1, global_batch=1024, zero=1)
+    assert _items(_model("deepspeed"), lay)[0].bucket_bytes == DDP_BUCKET_BYTES
 
 
 def test_overlap_p2p_leaves_only_the_latency_of_interleaved_sends():
