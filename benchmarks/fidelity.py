@@ -4,8 +4,9 @@
 - A100, Megatron-LM 2021-22 (``--framework megatron-2021``): Korthikanti et al. 2022 Tables 4-5
   (benchmarks/data/published_runs.yaml) and Narayanan et al. 2021 Table 1 with the micro-batch sizes and
   interleaving of the published run script (benchmarks/data/megatron_sc21_microbatch.yaml);
-- A100, BLOOM's layout sweep on Jean Zay (``--framework megatron-deepspeed``, benchmarks/data/bloom_sweep.yaml):
-  the Spearman rank correlation of predicted and published TFLOP/s;
+- A100, BLOOM's layout sweep on Jean Zay (``--framework megatron-deepspeed`` with the switches of the fork it ran,
+  BLOOM_SOFTMAX; benchmarks/data/bloom_sweep.yaml): the Spearman rank correlation of predicted and published
+  TFLOP/s; and the DeepSpeed pipeline-engine runs (MT-NLG, BLOOM-176B) with the same profile, not asserted;
 - H100 (``--framework megatron-core``): every expressible row of benchmarks/data/published_h100.yaml
   (benchmarks/published.py), split into the 12 rows the H100 efficiency was fitted to
   (benchmarks/fit_h100.py) and the held-out rest, with their errors reported separately.
