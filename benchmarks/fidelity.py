@@ -45,33 +45,31 @@ def gpt(dims: list[int], vocab: int = 51200) -> object:
                                   num_attention_heads=heads, vocab_size=vocab, seq_length=2048), "published run")
 
 
-def predict_run(run: dict):
+def _price_run(run: dict, cluster: str, stack: dict, **layout):
+    """A published run's prediction on ``cluster`` for the stack ``stack`` (Workload.create's framework and
+    switches), its layout from the run (and ``layout``), priced on the stack's own stage split."""
     gpus = run["tp"] * run["pp"] * run["dp"]
-    options = {**MEGATRON, "overlap_tp": run.get("overlap_tp", True)}
-    work = Workload.create(gpt(run["model"], run.get("vocab", 51200)), "dgx-a100-80gb", run["global_batch"],
-                           nodes=max(1, gpus // 8), **options)
+    work = Workload.create(gpt(run["model"], run.get("vocab", 51200)), cluster, run["global_batch"],
+                           nodes=max(1, gpus // 8), **stack)
     model = CostModel(work)
     lay = Layout(dp=run["dp"], tp=run["tp"], pp=run["pp"], micro_batch=run["micro_batch"],
                  global_batch=run["global_batch"], schedule="interleaved-1f1b" if run["v"] > 1 else "1f1b",
-                 virtual_stages=run["v"], recompute=run["recompute"], sequence_parallel=run["sp"])
+                 virtual_stages=run["v"], recompute=run["recompute"], sequence_parallel=run["sp"], **layout)
     validate_layout(model, lay)
     return model.evaluate(lay, framework_stages(model, lay))
+
+
+def predict_run(run: dict):
+    return _price_run(run, "dgx-a100-80gb", {**MEGATRON, "overlap_tp": run.get("overlap_tp", True)})
 
 
 def predict_deepspeed_run(run: dict):
     """A Megatron-DeepSpeed run (published_runs.yaml other_runs) as its stack ran it: DeepSpeed's pipeline engine
     (1F1B, partitioned sends, the data-parallel reduce after the flush), ZeRO 1, 16-bit training; BLOOM on Jean
     Zay's cluster, MT-NLG on DGX A100s (Selene)."""
-    gpus = run["tp"] * run["pp"] * run["dp"]
     cluster = "jean-zay-a100" if run["name"].startswith("BLOOM") else "dgx-a100-80gb"
-    work = Workload.create(gpt(run["model"], run.get("vocab", 51200)), cluster, run["global_batch"],
-                           nodes=max(1, gpus // 8), framework="megatron-deepspeed")
-    model = CostModel(work)
-    lay = Layout(dp=run["dp"], tp=run["tp"], pp=run["pp"], micro_batch=run["micro_batch"],
-                 global_batch=run["global_batch"], recompute=run["recompute"], sequence_parallel=run["sp"],
-                 zero=1 if run["dp"] > 1 else 0, dtype="bf16")
-    validate_layout(model, lay)
-    return model.evaluate(lay, framework_stages(model, lay))
+    return _price_run(run, cluster, {"framework": "megatron-deepspeed"}, zero=1 if run["dp"] > 1 else 0,
+                      dtype="bf16")
 
 
 def layer_times(table: dict) -> list[tuple[dict, float, float]]:

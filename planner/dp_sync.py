@@ -43,6 +43,8 @@ def bucket_bytes(fw, lay: Layout, elem: float) -> float:
     if fw.dp_buckets == "megatron":
         return max(40_000_000, 1_000_000 * lay.data_ranks) * elem
     return DDP_BUCKET_BYTES
+
+
 # Optimizer step traffic per parameter of the shard a rank updates (Adam):
 # - "zero" states (Megatron): master weights, momentum and variance read and written (2 x 12 B in fp32,
 #   Framework.master_bytes + moment_bytes), the fp32 gradient read (4 B), the 16-bit weights written (2 B), the

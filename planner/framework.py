@@ -256,10 +256,10 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
         changes["master_bytes"], changes["moment_bytes"] = OPTIMIZER_STATES[optimizer_states]
     if changes.get("attention", fw.attention) not in ATTENTION_KERNELS:
         raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
-    if changes.get("fused_softmax", fw.fused_softmax) not in FUSED_SOFTMAX:
+    softmax = changes.get("fused_softmax", fw.fused_softmax)
+    if softmax not in FUSED_SOFTMAX:
         raise PlanError(f"--fused-softmax must be one of {', '.join(FUSED_SOFTMAX)}")
-    if changes.get("fused_softmax", fw.fused_softmax) != "always" and \
-            changes.get("attention", fw.attention) != "unfused":
+    if softmax != "always" and changes.get("attention", fw.attention) != "unfused":
         raise PlanError("--fused-softmax: only the unfused attention (--attention unfused) has a softmax kernel of its "
                         "own; a flash kernel fuses it")
     if changes.get("moe_dispatcher", fw.moe_dispatcher) not in MOE_DISPATCHERS:
@@ -279,6 +279,7 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
 SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
             "fused_softmax")
+NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax")  # the rest are on/off
 
 
 def switches_of(fw: Framework) -> dict:

@@ -72,11 +72,11 @@ def block_bytes(spec, local_experts: int, dispatcher: str, fp8: bool = False) ->
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     f, up, f_s, up_s = expert_widths(spec)
     sorts = 2 * (4 * k * h) if dispatcher == "alltoall" and local_experts > 1 else 0.0
-    sorts += 8 * k * h if fp8 and dispatcher == "alltoall" else 0.0  # Fp8Padding and Fp8Unpadding
+    padding = 8 * k * h if fp8 and dispatcher == "alltoall" else 0.0  # Fp8Padding and Fp8Unpadding
     shared_add = 6 * h if f_s else 0
-    fwd = (8 * e + (2 * h + 2 * k * h) + sorts + k * (2 * up + 2 * f) + (2 * k * h + 2 * h) + shared_add
+    fwd = (8 * e + (2 * h + 2 * k * h) + sorts + padding + k * (2 * up + 2 * f) + (2 * k * h + 2 * h) + shared_add
            + (2 * up_s + 2 * f_s if f_s else 0))
-    bwd = ((2 * h + 2 * k * h) + sorts + k * (4 * up + 2 * f) + (2 * k * h + 2 * h) + 12 * e + shared_add
+    bwd = ((2 * h + 2 * k * h) + sorts + padding + k * (4 * up + 2 * f) + (2 * k * h + 2 * h) + 12 * e + shared_add
            + (4 * up_s + 2 * f_s if f_s else 0))
     return MoEBlockBytes(saved=saved_bytes(spec), fwd=fwd, bwd=bwd)
 

@@ -200,7 +200,7 @@ def _head_parallel(strategies: object, source: str) -> int:
 def _framework_switches(switches: Any, framework: str, source: str, attention: Any = None) -> dict[str, Any]:
     """A plan's 'framework_switches', checked as the CLI checks them (framework.framework), beside the plan's
     attention kernel (some switches need the unfused one)."""
-    from .framework import SWITCHES
+    from .framework import NAMED_SWITCHES, SWITCHES
     from .framework import framework as build
 
     if not isinstance(switches, dict):
@@ -208,8 +208,7 @@ def _framework_switches(switches: Any, framework: str, source: str, attention: A
     for key, value in switches.items():
         if key not in SWITCHES:
             raise PlanError(f"{source}: unknown framework switch '{key}' (known: {', '.join(SWITCHES)})")
-        if key in ("moe_dispatcher", "optimizer_states", "fused_softmax") and not isinstance(value, str) or \
-                key not in ("moe_dispatcher", "optimizer_states", "fused_softmax") and not isinstance(value, bool):
+        if not isinstance(value, str if key in NAMED_SWITCHES else bool):
             raise PlanError(f"{source}: framework switch '{key}' has the wrong type: {value!r}")
     try:
         build(framework, attention=attention if attention in ATTENTION_KERNELS else None, **switches)
