@@ -632,6 +632,42 @@ class CostModel:
             out.append({k: x / GiB for k, x in breakdown.items()})
         return out
 
+    def least_recompute(self, lay: Layout, stages: list[list[int]], modes: tuple[str, ...] | list[str]
+                        ) -> list[str] | None:
+        """Per stage, the least recomputation with which every pipeline rank fits its GPU on these stages (None:
+        some rank fits in no mode). ``modes``: fastest first. A rank's memory depends only on its own stages, so
+        each rank is fitted alone: where the fastest mode does not fit, its stages move to the next mode one at a
+        time, those holding the most micro-batches at the rank's peak first (each frees the most activations per
+        block recomputed), then on to the mode after. Stages of one rank may differ (the ILP's space too)."""
+        p, v = lay.pp, lay.virtual_stages
+        schedule = lay.schedule if p > 1 else "1f1b"
+        ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
+        flights = in_flight(schedule, p, v, lay.num_micro_batches)
+        by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
+        chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
+        cap = self.work.cluster.gpu.memory_GiB
+
+        def fits(r: int) -> bool:
+            return sum(self.rank_memory_breakdowns(lay, current, [ranks[r]], [flights[r]])[0].values()) <= cap
+
+        for r in range(p):
+            if fits(r):
+                continue
+            order = sorted(ranks[r], key=lambda s: (-flights[r].get(s, 0), s))
+            for u in modes[1:]:
+                if u not in by_mode:
+                    by_mode[u] = self.stage_costs(lay, stages, [u] * len(stages))
+                for s in order:
+                    chosen[s], current[s] = u, by_mode[u][s]
+                    if fits(r):
+                        break
+                else:
+                    continue
+                break
+            else:
+                return None
+        return chosen
+
     def ranks_fit(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
                   ) -> list[bool]:
         """Does each pipeline rank fit its GPU with these stages (closed-form in-flight counts)? The memory
@@ -838,6 +874,50 @@ def default_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     return [list(s) for s in _balanced_cached(weights, lay.num_stages)]
 
 
+def even_stages(model: CostModel, lay: Layout) -> list[list[int]] | None:
+    """The identical layers dealt evenly over the stages (what the ILP's chunk-balance rows accept), the embedding
+    riding with the first stage and the head with the last. With v > 1 the stages holding a layer more are, rank
+    after rank, the inner chunks that hold the fewest micro-batches at the rank's peak (the ILP's symmetry
+    order), then the end stages; with one stage per rank, the first. None: the model is not embedding + identical
+    layers + head (CostModel.repeated_blocks), or has fewer layers than inner stages."""
+    if not model.repeated_blocks(lay):
+        return None
+    n, k = len(model.work.profile(lay.dtype).layers), lay.num_stages
+    layers = n - 2
+    if lay.virtual_stages > 1:
+        orders = [inner_chunk_order(lay, r) for r in range(lay.pp)]
+        turns = [orders[r][j] for j in range(max(map(len, orders), default=0)) for r in range(lay.pp)
+                 if j < len(orders[r])]
+        plus = set((turns + [0, k - 1])[:layers % k])
+    else:
+        plus = set(range(layers % k))
+    counts = [layers // k + (1 if s in plus else 0) for s in range(k)]
+    if min(counts[1:-1] or [1]) < 1:
+        return None
+    return stages_from_counts(counts, n)
+
+
+def stages_from_counts(counts: list[int], n_blocks: int) -> list[list[int]]:
+    """Stages holding ``counts`` layers each, in order, the embedding (block 0) with the first and the head (the
+    last block) with the last."""
+    stages, nxt = [], 1
+    for c in counts:
+        stages.append(list(range(nxt, nxt + c)))
+        nxt += c
+    stages[0].insert(0, 0)
+    stages[-1].append(n_blocks - 1)
+    return stages
+
+
+def inner_chunk_order(lay: Layout, r: int) -> list[int]:
+    """Pipeline rank r's chunks other than the first and last stage (those carry the embedding and the head),
+    fewest micro-batches in flight at the rank's peak first, ties by index."""
+    schedule = lay.schedule if lay.pp > 1 else "1f1b"
+    flights = in_flight(schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches)[r]
+    inner = [s for s in rank_stages(schedule, r, lay.pp, lay.virtual_stages) if 0 < s < lay.num_stages - 1]
+    return sorted(inner, key=lambda s: (flights.get(s, 0), s))
+
+
 def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     """Stage boundaries as the priced stack cuts the model when told only pp and vp: Megatron (and Megatron-
     DeepSpeed's ``type:transformer`` partition) gives each of the pp·vp chunks the same number of transformer
@@ -850,11 +930,7 @@ def framework_stages(model: CostModel, lay: Layout) -> list[list[int]]:
     if model.work.framework.runs_on_executor or k == 1 or len(middle) % k or \
             any(x.kind != "transformer_layer" for x in middle):
         return default_stages(model, lay)
-    per = len(middle) // k
-    stages = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(k)]
-    stages[0].insert(0, 0)
-    stages[-1].append(n - 1)
-    return stages
+    return stages_from_counts([len(middle) // k] * k, n)
 
 
 @lru_cache(maxsize=8192)

@@ -15,7 +15,7 @@ Variables:
   binaries x[i,s,u], with the stage index of block i, sum_s s·x[i,s,u], rising by 0 or 1 from block to
   block (contiguous, non-empty stages) — plus q[i,s] >= x[i,s] + e[i] - 1 marking block i as the last of
   stage s (e[i] = 1 where the next block starts a new stage), which charges c for the boundary.
-- y[r,u] in {0,1}: the recomputation mode of pipeline rank r, shared by its stages (n[s,u] <= L·y[r(s),u]).
+- y[s,u] in {0,1}: the recomputation mode of stage s (n[s,u] <= L·y[s,u]); the chunks of one rank may differ.
 - T[r] the rank's time per micro-batch, Tmax >= T[r]; exposed[r] the data-parallel sync rank r waits
   for; z >= finish[r] + exposed[r]; o >= optimizer step of rank r.
 
@@ -47,7 +47,7 @@ import pulp
 
 from . import moe
 from .concerns import Exposure, RankLoad
-from .costmodel import CostModel, Prediction
+from .costmodel import CostModel, Prediction, even_stages, inner_chunk_order, stages_from_counts
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout
 from .layout import RECOMPUTE, Layout
@@ -191,13 +191,6 @@ class StageILP:
         self.repeated = model.repeated_blocks(lay)
 
     # ---- data helpers ----
-    def _inner_chunk_order(self, r: int) -> list[int]:
-        """Rank r's chunks other than the first and last stage (those carry the embedding and the head),
-        fewest micro-batches in flight at the rank's peak first, ties by index."""
-        flights = in_flight(self.schedule, self.p, self.v, self.m)[r]
-        inner = [s for s in self._rank_stages[r] if 0 < s < self.S - 1]
-        return sorted(inner, key=lambda s: (flights.get(s, 0), s))
-
     def boundary(self, s: int, last_block: int) -> float:
         """Point-to-point time of the boundary after stage s whose last block is ``last_block``."""
         a, b = stage_rank(self.schedule, s, self.p), stage_rank(self.schedule, s + 1, self.p)
@@ -213,14 +206,22 @@ class StageILP:
         faster than it, and reports "infeasible" when its bound proves there is none."""
         lay, work, S, p, v, m = self.lay, self.work, self.S, self.p, self.v, self.m
         prob = pulp.LpProblem(f"stages_{lay.short().replace(' ', '_')}", pulp.LpMinimize)
-        # One recomputation mode per pipeline rank (all its chunks): memory is a rank's budget, and stages
-        # of one rank sharing a mode keeps the search free of equivalent mode permutations.
-        rank_of = [stage_rank(self.schedule, s, p) for s in range(S)]
+        # One recomputation mode per stage: the chunks of one rank may differ (recomputing only the chunks that
+        # hold the most micro-batches at the rank's peak frees the most memory per recomputed layer).
         self._low = None
-        yr = {(r, u): pulp.LpVariable(f"mode_rank_{r}_{u}", cat="Binary") for r in range(p) for u in self.modes}
+        y = {(s, u): pulp.LpVariable(f"mode_stage_{s}_{u}", cat="Binary") for s in range(S) for u in self.modes}
+        for s in range(S):
+            prob += pulp.lpSum(y[s, u] for u in self.modes) == 1, f"one_mode_stage_{s}"
+        # Within a rank, a stage holding more micro-batches at the rank's peak recomputes at least as much (modes
+        # ordered fastest first, each keeping less): recomputing there frees more memory for the same time, so
+        # some best split has this staircase, and CBC need not branch over the others.
+        strength = {s: pulp.lpSum(k * y[s, u] for k, u in enumerate(self.modes)) for s in range(S)}
         for r in range(p):
-            prob += pulp.lpSum(yr[r, u] for u in self.modes) == 1, f"one_mode_rank_{r}"
-        y = {(s, u): yr[rank_of[s], u] for s in range(S) for u in self.modes}
+            flights = in_flight(self.schedule, p, v, m)[r]
+            held = sorted(self._rank_stages[r], key=lambda s: flights.get(s, 0))
+            for a, b in zip(held, held[1:], strict=False):
+                if flights.get(a, 0) < flights.get(b, 0):
+                    prob += strength[b] >= strength[a], f"mode_staircase_rank_{r}_{a}_{b}"
         # Per-stage linear expressions: F, B, W, compute-only fwd/bwd, activations, params, p2p.
         F, B, W, Fc, Bc, A, P, C, R = ({s: 0 for s in range(S)} for _ in range(9))
         X, M = ({s: 0 for s in range(S)} for _ in range(2))  # expert-parallel experts, MoE weights summed over tp
@@ -229,12 +230,22 @@ class StageILP:
         Root = {s: 0 for s in range(S)}  # parameters of each stage's root unit (memory.StateBytes)
         if self.repeated:
             L = self.n - 2
-            cnt = {(s, u): pulp.LpVariable(f"layers_{s}_{u}", lowBound=0, upBound=L, cat="Integer")
+            # the most layers a stage can hold: with v > 1 the chunk-balance rows below keep every chunk within a
+            # layer of the others (sum L, the end chunks one fewer at most), so (L + 2) // S + 1; a tight gate
+            # keeps the LP relaxation close to the integer problem
+            # and the fewest: every chunk at least low - 1 (inner) or low - 2 (ends), low >= ceil(L / S) - 1. With
+            # both gates a stage's layers in its mode lie in [least, most]·y: nearly the integer problem's own
+            most = min(L, (L + 2) // S + 1) if v > 1 else L - max(0, S - 3)  # (v = 1: the other inner stages >= 1)
+            fewest = max(0, -(-L // S) - 2) if v > 1 else 0
+            cnt = {(s, u): pulp.LpVariable(f"layers_{s}_{u}", lowBound=0, upBound=most, cat="Integer")
                    for s in range(S) for u in self.modes}
             prob += pulp.lpSum(cnt.values()) == L, "all_layers_placed"
             for s in range(S):
+                least = fewest + (1 if 0 < s < S - 1 and fewest else 0)
                 for u in self.modes:
-                    prob += cnt[s, u] <= L * y[s, u], f"mode_gate_{s}_{u}"
+                    prob += cnt[s, u] <= most * y[s, u], f"mode_gate_{s}_{u}"
+                    if least:
+                        prob += cnt[s, u] >= least * y[s, u], f"mode_floor_{s}_{u}"
                 if 0 < s < S - 1:
                     prob += pulp.lpSum(cnt[s, u] for u in self.modes) >= 1, f"non_empty_stage_{s}"
             ends: dict[int, list[int]] = {0: [0]}
@@ -327,7 +338,7 @@ class StageILP:
                 # micro-batches are in flight. Fixing that order (ties by index) removes the equivalent
                 # solutions CBC would otherwise branch over.
                 for r in range(p):
-                    for a, b in _pairs_by_flight(self._inner_chunk_order(r)):
+                    for a, b in _pairs_by_flight(inner_chunk_order(lay, r)):
                         prob += sizes[a] >= sizes[b], f"chunk_order_rank_{r}_{a}_{b}"
         # Point-to-point: stage s pays its send forward, stage s+1 the gradient back; every stage its
         # schedule actions and data-parallel root unit (the cost model's stage_host_overhead).
@@ -394,7 +405,7 @@ class StageILP:
         scale = 1.0 / max(self._rough_time(), 1e-12)
         prob += (z + o) * scale
         if start is not None:
-            self._warm_start(assign, yr, start)
+            self._warm_start(assign, y, start)
         options = [f"cutoff {cutoff_s * scale:.12g}"] if cutoff_s is not None else []
         if assign[0] == "counts":
             # A handful of integers with tight LP bounds: CBC's cut rounds and primal heuristics cost more
@@ -426,15 +437,15 @@ class StageILP:
         total = sum(c.fwd + c.bwd_input + c.bwd_weight for (i, u), c in self.cost.items() if u == "none")
         return total * self.m / self.p
 
-    def _warm_start(self, assign, yr, start: tuple[list[list[int]], list[str]]) -> None:
+    def _warm_start(self, assign, y, start: tuple[list[list[int]], list[str]]) -> None:
         """Give CBC a feasible split to start from (only the assignment; it derives the rest)."""
         stages, modes = start
         kind, var = assign
         if getattr(self, "_low", None) is not None:
             sizes = [sum(1 for i in b if kind != "counts" or 0 < i < self.n - 1) for b in stages]
             self._low.setInitialValue(min(sizes[1:-1]) if kind == "counts" and len(sizes) > 2 else min(sizes))
-        for (r, u), v in yr.items():
-            v.setInitialValue(1 if modes[self._rank_stages[r][0]] == u else 0)
+        for (s, u), v in y.items():
+            v.setInitialValue(1 if modes[s] == u else 0)
         if kind == "counts":
             for s, blocks in enumerate(stages):
                 layers = sum(1 for i in blocks if 0 < i < self.n - 1)
@@ -450,16 +461,7 @@ class StageILP:
         kind, var = assign
         if kind == "counts":
             counts = [round(sum(var[s, u].value() or 0 for u in self.modes)) for s in range(self.S)]
-            stages, nxt = [], 1
-            for s, c in enumerate(counts):
-                blocks = list(range(nxt, nxt + c))
-                nxt += c
-                if s == 0:
-                    blocks = [0, *blocks]
-                if s == self.S - 1:
-                    blocks = [*blocks, self.n - 1]
-                stages.append(blocks)
-            return stages, modes
+            return stages_from_counts(counts, self.n), modes
         stages = [[] for _ in range(self.S)]
         for i in range(self.n):
             s = max(range(self.S), key=lambda s: sum(var[i, s, u].value() or 0 for u in self.modes))
@@ -485,8 +487,10 @@ def chunks_balanced(stages: list[list[int]], n_blocks: int, ends_ride_along: boo
                for low in range(min(sizes), min(sizes) + 2))
 
 
-def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, ...], rank_of: list[int]):
-    """Partitions one boundary move or one pipeline rank's mode change away (the ILP's own space)."""
+def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, ...], rank_of: list[int],
+                with_modes: bool = True):
+    """Partitions one boundary move, or (``with_modes``) one stage's mode change or one pipeline rank's (all its
+    stages at once), away (the ILP's own space)."""
     S = len(stages)
     cuts = [sum(len(s) for s in stages[:k + 1]) for k in range(S - 1)]
     n = sum(len(s) for s in stages)
@@ -499,21 +503,29 @@ def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, .
             if lo < new[k] < hi:
                 bounds = [0, *new, n]
                 yield [list(range(bounds[j], bounds[j + 1])) for j in range(S)], modes
+    if not with_modes:
+        return
+    for s in range(S):
+        for u in allowed:
+            if modes[s] != u:
+                yield stages, [u if k == s else modes[k] for k in range(S)]
     for r in sorted(set(rank_of)):
         mine = [s for s in range(S) if rank_of[s] == r]
         for u in allowed:
-            if any(modes[s] != u for s in mine):
+            if len(mine) > 1 and sum(modes[s] != u for s in mine) > 1:
                 yield stages, [u if rank_of[s] == r else modes[s] for s in range(S)]
 
 
 def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...] | None = None,
                    local_search: bool = True, start: Prediction | None = None,
-                   cutoff_s: float | None = None) -> Partition | None:
+                   cutoff_s: float | None = None, refine_below_s: float | None = None) -> Partition | None:
     """The ILP's stage boundaries and per-stage recomputation for ``lay``, priced exactly and polished.
 
     ``cutoff_s``: only a split faster than this is of interest (the search's k-th best time, with a
     margin for what the exact model and the polish may gain over the ILP's linear pieces); returns
-    None when CBC proves there is none. Raises InvalidLayout("out of memory by X GiB") when no split fits.
+    None when CBC proves there is none. ``refine_below_s``: a first answer priced above this is kept as it
+    is — no bubble refinement, no local search (the search's heuristic mode: it cannot reach the top plans).
+    Raises InvalidLayout("out of memory by X GiB") when no split fits.
     """
     modes = modes_for(model, allowed_modes)
     if lay.num_stages == 1:  # one stage: no boundary to choose, only the recomputation mode
@@ -524,9 +536,11 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
                                                            and lay.num_micro_batches < lay.pp)
     best: Partition | None = None
     last_status, last_obj = "Not Solved", None
-    warm = _warm_split(model, lay, ilp, modes, start)
+    warm = _warm_split(model, lay, modes, start)
+    warm_s = float("inf")
     if needs_beta and warm is not None:  # start from the bubble of the split CBC starts from
-        beta = _bubble_beta(model, lay, model.evaluate(lay, warm[0], warm[1]))
+        warm_pred = model.evaluate(lay, warm[0], warm[1])
+        beta, warm_s = _bubble_beta(model, lay, warm_pred), warm_pred.iteration_time_s
     for _ in range(3 if needs_beta else 1):
         try:
             stages, st_modes, status, obj = ilp.solve(beta, warm, cutoff_s)
@@ -542,8 +556,11 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
         pred = model.evaluate(lay, stages, st_modes)
         if best is None or pred.iteration_time_s < best.prediction.iteration_time_s:
             best = Partition(stages, st_modes, pred, status, obj)
-        if not needs_beta:
-            break
+        if refine_below_s is not None and best.prediction.iteration_time_s > refine_below_s:
+            best.ilp_status, best.ilp_objective = status, obj
+            return best
+        if not needs_beta or (status != "optimal" and pred.iteration_time_s >= warm_s * (1 - 1e-9)):
+            break  # (time-limited without beating its start: another bubble estimate would not help it either)
         new_beta = _bubble_beta(model, lay, pred)
         if math.isclose(new_beta, beta, rel_tol=1e-3, abs_tol=1e-6):
             break
@@ -591,33 +608,19 @@ def _single_stage(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> Part
     return Partition(stages, [best.stages[0].recompute], best, "single stage: every mode priced", None)
 
 
-def _warm_split(model: CostModel, lay: Layout, ilp: StageILP, modes: tuple[str, ...],
-                start: Prediction | None) -> tuple[list[list[int]], list[str]] | None:
-    """A split that satisfies the ILP's constraints, for CBC to start from: the layers spread evenly
-    (what the chunk-balance rows accept) in the first mode that fits, else the given balanced split."""
-    if ilp.repeated:
-        layers, S = ilp.n - 2, ilp.S
-        if lay.virtual_stages > 1:
-            # the extra layers go to each rank's inner chunks in the ILP's symmetry order, ranks taking
-            # turns (so the start satisfies the chunk-order rows), then to the end chunks
-            orders = [ilp._inner_chunk_order(r) for r in range(lay.pp)]
-            turns = [orders[r][k] for k in range(max(map(len, orders), default=0)) for r in range(lay.pp)
-                     if k < len(orders[r])]
-            plus = set((turns + [0, S - 1])[:layers % S])
-        else:
-            plus = set(range(layers % S))
-        for u in modes:
-            sizes = [layers // S + (1 if s in plus else 0) for s in range(S)]
-            if min(sizes[1:-1] or [1]) < 1:
-                break
-            stages, nxt = [], 1
-            for s, c in enumerate(sizes):
-                blocks = list(range(nxt, nxt + c))
-                nxt += c
-                stages.append(([0] if s == 0 else []) + blocks + ([ilp.n - 1] if s == S - 1 else []))
-            if model.evaluate(lay, stages, [u] * S).fits:
-                return stages, [u] * S
-    if start is not None and len(start.stages) == lay.num_stages and lay.virtual_stages == 1:
+def _warm_split(model: CostModel, lay: Layout, modes: tuple[str, ...], start: Prediction | None
+                ) -> tuple[list[list[int]], list[str]] | None:
+    """A split that satisfies the ILP's constraints, for CBC to start from: the layers spread evenly (what the
+    chunk-balance rows accept) with the least recomputation per stage that fits, else the given split (the
+    search's quick price) where the ILP's rows accept it."""
+    stages = even_stages(model, lay)
+    if stages is not None:
+        chosen = model.least_recompute(lay, stages, modes)
+        if chosen is not None:
+            return stages, chosen
+    if start is not None and len(start.stages) == lay.num_stages and all(c.recompute in modes for c in start.stages) \
+            and (lay.virtual_stages == 1 or (not model.repeated_blocks(lay) and chunks_balanced(
+                [c.blocks for c in start.stages], sum(len(c.blocks) for c in start.stages), False))):
         return [c.blocks for c in start.stages], [c.recompute for c in start.stages]
     return None
 
@@ -643,7 +646,9 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
         improved = False
         rank_of = [stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in range(lay.num_stages)]
         n_blocks = sum(len(s) for s in best.stages)
-        for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of):
+        # modes too only for few stages: a deep pipeline's (64+ stages, 4-5 ms a price) would cost seconds a
+        # round, and the ILP chose them on the same costs
+        for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of, lay.num_stages <= 16):
             if lay.virtual_stages > 1 and not chunks_balanced(stages, n_blocks, model.repeated_blocks(lay)):
                 continue
             pred = model.evaluate(lay, stages, st_modes)

@@ -36,7 +36,7 @@ from .ilp import best_partition, modes_for
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
-from .schedules import in_flight, rank_stages, stage_rank
+from .schedules import in_flight, rank_stages
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -461,33 +461,27 @@ def _dominated_by(lay: Layout, valid: set[tuple], model: CostModel) -> str | Non
 
 def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
                 skip: frozenset[str] = frozenset()) -> Prediction | None:
-    """Exact price of the time-balanced split (for the fastest mode), each pipeline rank recomputing the least
-    that lets it fit on it — a rank's memory depends only on its own stages, so the ranks holding fewer
-    micro-batches (1F1B's later ones) need not recompute what the first must. ``modes``: fastest first; those in
-    ``skip`` are already known not to fit anywhere. None: some rank fits in no mode on this split."""
-    from .costmodel import default_stages
+    """Exact price of a simple split with the least recomputation per stage that fits (CostModel.least_recompute:
+    a rank's memory depends only on its own stages, so the ranks holding fewer micro-batches — 1F1B's later ones,
+    an interleaved rank's later chunks — need not recompute what the first must). The split: the layers dealt
+    evenly where the ILP requires it (chunks of an interleaved or V schedule within a layer of each other:
+    costmodel.even_stages), else balanced by time in the fastest mode. ``modes``: fastest first; those in ``skip``
+    are already known not to fit anywhere. None: some rank fits in no mode on this split."""
+    from .costmodel import default_stages, even_stages
 
-    tried = [u for u in modes if u not in skip]
+    tried = tuple(u for u in modes if u not in skip)
     if not tried:
         return None
-    stages = default_stages(model, lay.replace(recompute=tried[0]))
-    pred = model.evaluate(lay.replace(recompute=tried[0]), stages)
-    if pred.fits:
-        return pred
-    cap = pred.memory_capacity_gib
-    per_rank: list[str | None] = [tried[0] if gib <= cap else None for gib in pred.rank_memory_gib]
-    for u in tried[1:]:  # the slower modes, each on the ranks no faster one fits
-        for r, fits in enumerate(model.ranks_fit(lay.replace(recompute=u), stages)):
-            if fits and per_rank[r] is None:
-                per_rank[r] = u
-        if None not in per_rank:
-            break
-    else:
-        return None
-    heaviest = max(per_rank, key=tried.index)
-    mixed = [per_rank[stage_rank(lay.schedule, s, lay.pp)] for s in range(lay.num_stages)] \
-        if len(set(per_rank)) > 1 else None
-    return model.evaluate(lay.replace(recompute=heaviest), stages, mixed)
+    splits = [even_stages(model, lay)] if lay.virtual_stages > 1 else []
+    splits.append(default_stages(model, lay.replace(recompute=tried[0])))
+    for stages in splits:
+        if stages is None:
+            continue
+        chosen = model.least_recompute(lay, stages, tried)
+        if chosen is not None:
+            heaviest = max(chosen, key=tried.index)
+            return model.evaluate(lay.replace(recompute=heaviest), stages, chosen if len(set(chosen)) > 1 else None)
+    return None
 
 
 def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
@@ -596,8 +590,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
             # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
             cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
                 else None
+            hopeless = threshold * (1 + refine_slack) if refine_slack is not None else None
             futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
-                                   cutoff_s=cutoff) for c in batch]
+                                   cutoff_s=cutoff, refine_below_s=hopeless) for c in batch]
             for cand, fut in zip(batch, futures, strict=True):
                 solves += 1
                 try:

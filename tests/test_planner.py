@@ -39,18 +39,16 @@ def _partitions(n: int, k: int):
 
 
 def brute_force(model: CostModel, lay: Layout) -> float:
-    """Every contiguous split (with balanced chunks when v > 1) x every recomputation mode per pipeline
-    rank, priced exactly."""
+    """Every contiguous split (with balanced chunks when v > 1) x every recomputation mode per stage (the
+    chunks of one rank may differ), priced exactly."""
     n = len(model.work.profile(lay.dtype).layers)
     modes = modes_for(model)
-    schedule = lay.schedule if lay.pp > 1 else "1f1b"
-    rank_of = [stage_rank(schedule, s, lay.pp) for s in range(lay.num_stages)]
     best = float("inf")
     for stages in _partitions(n, lay.num_stages):
         if lay.virtual_stages > 1 and not chunks_balanced(stages, n, model.repeated_blocks(lay)):
             continue
-        for per_rank in itertools.product(modes, repeat=lay.pp):
-            pred = model.evaluate(lay, stages, [per_rank[r] for r in rank_of])
+        for per_stage in itertools.product(modes, repeat=lay.num_stages):
+            pred = model.evaluate(lay, stages, list(per_stage))
             if pred.fits:
                 best = min(best, pred.iteration_time_s)
     return best
@@ -96,6 +94,56 @@ def test_binary_formulation_equals_brute_force(write):
     spec = spec_from_mapping(dict(name="mlp", family="mlp", input_size=1024, hidden_sizes=[2048, 512, 4096, 256, 1024],
                                   num_classes=20000), "test")
     assert _ilp_against_brute_force(Workload.create(spec, write("tight.yaml", TIGHT), 32), 4) > 20
+
+
+@pytest.mark.parametrize("short", ["dp1 tp2 pp4 mb2 zb-vx2 sp", "dp1 tp2 pp4 mb2 interleaved-1f1bx2 sp"])
+def test_chunks_of_one_rank_recompute_apart(small, short):
+    """Where memory binds on a rank holding several chunks, recomputing only the chunks that hold the most
+    micro-batches at the rank's peak beats recomputing all of them: the ILP's split equals brute force over
+    every split and mode per stage, and is faster than the best with one mode per pipeline rank."""
+    model = CostModel(small)
+    lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == short)
+    n = len(small.profile("bf16").layers)
+    rank_of = [stage_rank(lay.schedule, s, lay.pp) for s in range(lay.num_stages)]
+    per_rank = float("inf")
+    for stages in _partitions(n, lay.num_stages):
+        if chunks_balanced(stages, n, model.repeated_blocks(lay)):
+            for modes in itertools.product(modes_for(model), repeat=lay.pp):
+                pred = model.evaluate(lay, stages, [modes[r] for r in rank_of])
+                per_rank = min(per_rank, pred.iteration_time_s if pred.fits else per_rank)
+    part = best_partition(model, lay)
+    assert part.prediction.iteration_time_s == pytest.approx(brute_force(model, lay), rel=1e-9)
+    assert part.prediction.iteration_time_s < 0.95 * per_rank
+    assert any(len({part.recompute[s] for s in range(lay.num_stages) if rank_of[s] == r}) > 1 for r in range(lay.pp))
+
+
+def test_least_recompute_fits_each_rank_recomputing_its_fullest_chunks_first(small):
+    """CostModel.least_recompute: every rank fits; a rank whose stages all fit unrecomputed keeps them so; on a
+    rank that recomputes, a stage holding more micro-batches at the peak recomputes at least as much as one
+    holding fewer, and undoing its last (strongest) step leaves it out of memory."""
+    from paraplan.planner.costmodel import even_stages
+    from paraplan.planner.schedules import in_flight, rank_stages
+
+    model = CostModel(small)
+    lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == "dp1 tp2 pp4 mb2 zb-vx2 sp")
+    modes = modes_for(model)
+    stages = even_stages(model, lay)
+    chosen = model.least_recompute(lay, stages, modes)
+    assert chosen is not None and all(model.ranks_fit(lay, stages, chosen))
+    uniform = model.ranks_fit(lay, stages, [modes[0]] * lay.num_stages)
+    flights = in_flight(lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches)
+    assert not all(uniform)
+    for r in range(lay.pp):
+        mine = rank_stages(lay.schedule, r, lay.pp, lay.virtual_stages)
+        if uniform[r]:
+            assert {chosen[s] for s in mine} == {modes[0]}
+            continue
+        strength = {s: modes.index(chosen[s]) for s in mine}
+        assert all(strength[a] >= strength[b] for a in mine for b in mine if flights[r][a] > flights[r][b])
+        top = max(mine, key=lambda s: (strength[s], -flights[r][s]))
+        undone = list(chosen)
+        undone[top] = modes[strength[top] - 1]
+        assert not model.ranks_fit(lay, stages, undone)[r]
 
 
 @pytest.mark.slow  # ~2 minutes: every layout and split priced
