@@ -37,7 +37,7 @@ from .fused_activations import fused_layer_bytes
 from .layout import Layout
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
-from .schedules import closed_form_makespan, in_flight, rank_stages, stage_rank
+from .schedules import closed_form_makespan, in_flight, peak_holdings, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
@@ -99,12 +99,46 @@ def _summed_row(cost: BlockCost) -> tuple[float, ...]:
 
 @dataclass
 class _BlockTable:
-    rows: list[list[float]]  # prefix sums of the SUMMED fields (in that order) at each block boundary: n + 1 rows
+    """A layout's blocks in one recomputation mode. The prefix sums and weights are computed when first read: the
+    search's lower bounds read only the whole-model sums (:meth:`sums`, from the few distinct blocks) of hundreds
+    of tables whose stages it never prices."""
+
     working: list[float]
-    costs: list[BlockCost]  # each block's own
-    weights: tuple[float, ...]  # each block's time (compute, recompute, TP communication): balances stages
+    costs: list[BlockCost]  # each block's own (identical layers share one object)
     whole: dict[str, float] | None = None  # CostModel.totals, computed once
     _fullest: dict[int, float] = field(default_factory=dict)  # fullest_rank per rank count
+
+    @cached_property
+    def rows(self) -> list[list[float]]:
+        """Prefix sums of the SUMMED fields (in that order) at each block boundary: n + 1 rows."""
+        own = [_summed_row(c) for c in self.costs]  # (n, len(SUMMED))
+        cum = np.zeros((len(own) + 1, len(SUMMED)))  # (n + 1, len(SUMMED)): row i sums blocks 0..i-1, in order
+        np.cumsum(own, axis=0, out=cum[1:])
+        return cum.tolist()
+
+    @cached_property
+    def weights(self) -> tuple[float, ...]:
+        """Each block's time (compute, recompute and TP communication): what balances stages."""
+        weight: dict[int, float] = {}
+        for c in self.costs:
+            if id(c) not in weight:
+                weight[id(c)] = sum(_summed_row(c)[:6]) + 1e-12
+        return tuple(weight[id(c)] for c in self.costs)
+
+    def sums(self) -> list[float]:
+        """Every SUMMED field over all blocks, in SUMMED order (span(0, n), from each distinct block x its count)."""
+        count: dict[int, list] = {}
+        for c in self.costs:
+            got = count.get(id(c))
+            if got is None:
+                count[id(c)] = [c, 1]
+            else:
+                got[1] += 1
+        out = [0.0] * len(SUMMED)
+        for c, k in count.values():
+            for j, x in enumerate(_summed_row(c)):
+                out[j] += k * x
+        return out
 
     @cached_property
     def largest_output(self) -> float:
@@ -483,12 +517,7 @@ class CostModel:
             for i in range(n):  # a middle layer like the one before it costs the same (block_cost's key)
                 same = 1 < i < n - 1 and layers[i].signature == layers[i - 1].signature
                 costs.append(costs[-1] if same else self.block_cost(i, lay, place, mode))
-            own = [_summed_row(c) for c in costs]  # (n, len(SUMMED)); repeated layers share one BlockCost
-            cum = np.zeros((n + 1, len(SUMMED)))  # (n + 1, len(SUMMED)): row i sums blocks 0..i-1, in order
-            np.cumsum(own, axis=0, out=cum[1:])
-            cum = cum.tolist()
-            weights = tuple(sum(row[:6]) + 1e-12 for row in own)  # compute, recompute and TP communication
-            table = _BlockTable(rows=cum, working=[c.act_working for c in costs], costs=costs, weights=weights)
+            table = _BlockTable(working=[c.act_working for c in costs], costs=costs)
             self._tables[key] = table
         return table
 
@@ -500,7 +529,7 @@ class CostModel:
         the caller has them (the search asks for every mode of thousands of layouts)."""
         table = self.block_table(lay, place or layout_placement(self.work.cluster, lay), mode, key)
         if table.whole is None:
-            out = dict(zip(SUMMED, table.span(0, len(table.rows) - 1), strict=True))
+            out = dict(zip(SUMMED, table.sums(), strict=True))
             out["working"] = max(table.working)
             out["head_params"] = table.costs[-1].params
             table.whole = out
@@ -538,13 +567,16 @@ class CostModel:
             st.tp_bwd += fixed / 2
             out.append(st)
         # Point-to-point: stage s sends its output forward and receives/sends gradients backward.
+        sends: dict[tuple[float, bool], float] = {}  # (bytes, across nodes) -> seconds: most boundaries are alike
         for s in range(len(out) - 1):
             a, b = out[s], out[s + 1]
             if a.rank == b.rank:
                 continue
             boundary = tables[s].costs[a.blocks[-1]].output_bytes
             cross = place.pp_cross_node if (b.rank - a.rank) % lay.pp in (1, lay.pp - 1) else True
-            t = self.p2p_seconds(lay, boundary, cross, place)
+            t = sends.get((boundary, cross))
+            if t is None:
+                t = sends[boundary, cross] = self.p2p_seconds(lay, boundary, cross, place)
             a.p2p_fwd += t
             b.p2p_bwd += t
             a.p2p_bytes += 2 * boundary  # sends the activation, receives its gradient
@@ -608,11 +640,12 @@ class CostModel:
         return items
 
     def rank_memory_breakdowns(self, lay: Layout, costs: list[StageCost], ranks: list[tuple[int, ...]],
-                               flights: list[dict[int, int]], sim: SimResult | None = None
-                               ) -> list[dict[str, float]]:
-        """GiB by kind on each pipeline rank (memory.rank_memory): its model states, its stages' activations
-        times their micro-batches in flight (or the simulated peak), the largest working set. A rank's memory
-        depends only on its own stages."""
+                               flights: list[dict[int, int]], sim: SimResult | None = None,
+                               holdings: list[tuple[dict[int, int], ...]] | None = None) -> list[dict[str, float]]:
+        """GiB by kind on each pipeline rank (memory.rank_memory): its model states, its stages' activations at
+        the rank's peak — the most over ``holdings`` (schedules.peak_holdings: the micro-batches each stage holds
+        at every moment that may be the peak; default: ``flights``' one), or the simulated peak — and the largest
+        working set. A rank's memory depends only on its own stages."""
         work = self.work
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
         out = []
@@ -620,7 +653,8 @@ class CostModel:
             if sim is not None and sim.peak_activation_bytes:
                 acts = sim.peak_activation_bytes[r]
             else:
-                acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in stages)
+                acts = max(sum(held.get(s, 0) * costs[s].act_bytes for s in stages)
+                           for held in (holdings[r] if holdings is not None else (flights[r],)))
             acts += max(costs[s].act_working for s in stages)
             unit = max(costs[s].largest_unit for s in stages)
             first_freed = None if self.grads_at_activation_peak(lay, stages, flights[r]) else \
@@ -633,22 +667,25 @@ class CostModel:
         return out
 
     def least_recompute(self, lay: Layout, stages: list[list[int]], modes: tuple[str, ...] | list[str]
-                        ) -> list[str] | None:
+                        ) -> tuple[list[str], list[StageCost]] | None:
         """Per stage, the least recomputation with which every pipeline rank fits its GPU on these stages (None:
         some rank fits in no mode). ``modes``: fastest first. A rank's memory depends only on its own stages, so
         each rank is fitted alone: where the fastest mode does not fit, its stages move to the next mode one at a
         time, those holding the most micro-batches at the rank's peak first (each frees the most activations per
-        block recomputed), then on to the mode after. Stages of one rank may differ (the ILP's space too)."""
+        block recomputed), then on to the mode after. Stages of one rank may differ (the ILP's space too).
+        Returns the modes and the stages' costs in them (for :meth:`evaluate`)."""
         p, v = lay.pp, lay.virtual_stages
         schedule = lay.schedule if p > 1 else "1f1b"
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
+        holdings = peak_holdings(schedule, p, v, lay.num_micro_batches)
         by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
         chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
         cap = self.work.cluster.gpu.memory_GiB
 
         def fits(r: int) -> bool:
-            return sum(self.rank_memory_breakdowns(lay, current, [ranks[r]], [flights[r]])[0].values()) <= cap
+            return sum(self.rank_memory_breakdowns(lay, current, [ranks[r]], [flights[r]],
+                                                   holdings=[holdings[r]])[0].values()) <= cap
 
         for r in range(p):
             if fits(r):
@@ -666,7 +703,7 @@ class CostModel:
                 break
             else:
                 return None
-        return chosen
+        return chosen, current
 
     def ranks_fit(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
                   ) -> list[bool]:
@@ -678,7 +715,8 @@ class CostModel:
         costs = self.stage_costs(lay, stages, stage_recompute)
         flights = list(in_flight(schedule, p, v, lay.num_micro_batches))
         cap = self.work.cluster.gpu.memory_GiB
-        return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(lay, costs, ranks, flights)]
+        held = list(peak_holdings(schedule, p, v, lay.num_micro_batches))
+        return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(lay, costs, ranks, flights, holdings=held)]
 
     @staticmethod
     def grads_at_activation_peak(lay: Layout, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
@@ -705,13 +743,16 @@ class CostModel:
 
     # ---- the whole iteration ----
     def evaluate(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None,
-                 simulate: bool = False, keep_timeline: bool = False) -> Prediction:
+                 simulate: bool = False, keep_timeline: bool = False, costs: list[StageCost] | None = None
+                 ) -> Prediction:
+        """Price ``lay`` with these stages (and per-stage recomputation). ``costs``: their stage_costs, where the
+        caller has them already (least_recompute)."""
         work = self.work
         cluster, gpu = work.cluster, work.cluster.gpu
         prof = work.profile(lay.dtype)
         _check_stages(stages, len(prof.layers), lay)
         place = layout_placement(cluster, lay)
-        costs = self.stage_costs(lay, stages, stage_recompute)
+        costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
         if v == 1:  # one stage per rank: its own times
@@ -773,7 +814,8 @@ class CostModel:
                   "ep_comm": ep_comm}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
-        breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim)
+        breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim,
+                                                 holdings=list(peak_holdings(schedule, p, v, m)))
         rank_mem = [sum(b.values()) for b in breakdowns]
         worst = max(range(p), key=lambda r: rank_mem[r])
         peak = rank_mem[worst]

@@ -53,7 +53,7 @@ from .errors import InvalidLayout
 from .layout import RECOMPUTE, Layout
 from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
-from .schedules import closed_form_makespan, in_flight, linear_makespan, rank_stages, stage_rank
+from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_holdings, rank_stages, stage_rank
 
 # The recomputation modes the search tries by default: MLP recomputation (Megatron-Core's recompute_modules
 # mlp/moe) for mixtures of experts, whose MoE blocks hold most of a layer's activations; for dense models it
@@ -386,7 +386,16 @@ class StageILP:
             prob += o >= step.at(load) + expert_step.at(load), f"optimizer_{r}"
             # memory of rank r (memory.rank_memory, linear)
             flights = in_flight(self.schedule, p, v, m)[r]
-            acts = pulp.lpSum(flights.get(s, 0) * A[s] for s in ranks[r])
+            # activations at the rank's peak: the most over every moment that may be it (schedules.peak_holdings)
+            held = peak_holdings(self.schedule, p, v, m)[r]
+            if len(held) == 1:
+                acts = pulp.lpSum(held[0].get(s, 0) * A[s] for s in ranks[r])
+            else:  # in GiB, as the memory rows (bytes beside the other rows' units leave the solvers badly scaled)
+                peak_gib = pulp.LpVariable(f"activations_at_peak_rank_{r}_GiB", lowBound=0)
+                for k, h in enumerate(held):
+                    prob += peak_gib >= pulp.lpSum(h.get(s, 0) * A[s] for s in ranks[r]) * (1 / 2**30), \
+                        f"activations_rank_{r}_moment_{k}"
+                acts = peak_gib * 2**30
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:
                 prob += working >= work_vars[s], f"working_rank_{r}_stage_{s}"
@@ -554,6 +563,17 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
                 return None  # nothing beats the cutoff, or nothing found in time: either way, not a top plan
             break
         pred = model.evaluate(lay, stages, st_modes)
+        if not pred.fits:  # the ILP's linear memory rows passed what the exact model does not: refit the modes
+            refit = model.least_recompute(lay, stages, modes)
+            if refit is None:
+                if best is None and warm is not None:
+                    stages, st_modes = warm
+                    pred = model.evaluate(lay, stages, st_modes)
+                else:
+                    break
+            else:
+                st_modes = refit[0]
+                pred = model.evaluate(lay, stages, st_modes, costs=refit[1])
         if best is None or pred.iteration_time_s < best.prediction.iteration_time_s:
             best = Partition(stages, st_modes, pred, status, obj)
         if refine_below_s is not None and best.prediction.iteration_time_s > refine_below_s:
@@ -615,9 +635,9 @@ def _warm_split(model: CostModel, lay: Layout, modes: tuple[str, ...], start: Pr
     search's quick price) where the ILP's rows accept it."""
     stages = even_stages(model, lay)
     if stages is not None:
-        chosen = model.least_recompute(lay, stages, modes)
-        if chosen is not None:
-            return stages, chosen
+        got = model.least_recompute(lay, stages, modes)
+        if got is not None:
+            return stages, got[0]
     if start is not None and len(start.stages) == lay.num_stages and all(c.recompute in modes for c in start.stages) \
             and (lay.virtual_stages == 1 or (not model.repeated_blocks(lay) and chunks_balanced(
                 [c.blocks for c in start.stages], sum(len(c.blocks) for c in start.stages), False))):

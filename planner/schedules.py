@@ -27,7 +27,6 @@ def stage_rank(schedule: str, stage: int, pp: int) -> int:
 
 
 @lru_cache(maxsize=65536)
-@lru_cache(maxsize=65536)
 def rank_stages(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]:
     return tuple(s for s in range(pp * v) if stage_rank(schedule, s, pp) == rank)
 
@@ -147,7 +146,78 @@ def in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[dict[int, int], .
         m = 2 * pp
     elif schedule == "interleaved-1f1b" and m % pp == 0 and m >= 2 * pp:
         m = 2 * pp
-    return _in_flight(schedule, pp, v, m)
+    if schedule == "zb-v":
+        return _in_flight(schedule, pp, v, m)
+    return _in_flight_at_warm_up(schedule, pp, v, m)
+
+
+def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
+    """Per rank, the micro-batches of each stage holding activations at every moment that could be its
+    activation peak: the holdings that no other moment of the rank's order matches or exceeds stage by stage.
+    Where a rank's stages keep different bytes per micro-batch (uneven chunks, or a chunk recomputed and another
+    not) the peak in bytes may come after the most micro-batches are held (:func:`in_flight`'s moment): in an
+    interleaved steady state each step trades one chunk's micro-batch for another's. The rank's peak is the
+    largest of these, whatever each stage keeps — what the event simulation finds (tests). One stage per rank:
+    in_flight's. As in_flight, the walk stops where more micro-batches change nothing (interleaved with m a
+    multiple of p: 3p; zb-v: 2p; checked against the full walk in the tests)."""
+    if schedule != "zb-v" and v == 1:
+        return tuple((d,) for d in in_flight(schedule, pp, v, m))
+    if schedule == "interleaved-1f1b" and m % pp == 0 and m >= 3 * pp:
+        m = 3 * pp
+    elif schedule == "zb-v" and m >= 2 * pp:
+        m = 2 * pp
+    return _peak_holdings(schedule, pp, v, m)
+
+
+@lru_cache(maxsize=1024)
+def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
+    frees = "W" if schedule == "zb-v" else "B"
+    out = []
+    for order in rank_orders(schedule, pp, v, m):
+        held: dict[int, int] = defaultdict(int)
+        tops: set[tuple[tuple[int, int], ...]] = set()
+        rising = False  # a forward since the last free: a moment that may be a peak ends at the next free
+        for kind, stage, _ in order:
+            if kind == "F":
+                held[stage] += 1
+                rising = True
+            elif kind == frees:
+                if rising:
+                    tops.add(tuple(sorted((s, k) for s, k in held.items() if k)))
+                rising = False
+                held[stage] -= 1
+        if rising:
+            tops.add(tuple(sorted((s, k) for s, k in held.items() if k)))
+        as_dicts = [dict(t) for t in tops]
+        peaks = [a for a in as_dicts if not any(b is not a and all(a[s] <= b.get(s, 0) for s in a) and b != a
+                                                for b in as_dicts)]
+        peaks.sort(key=lambda d: (-sum(d.values()), sorted(d.items())))
+        out.append(tuple(peaks))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _in_flight_at_warm_up(schedule: str, pp: int, v: int, m: int) -> tuple[dict[int, int], ...]:
+    """:func:`_in_flight` without walking the orders, for the schedules whose peak is the end of the warm-up: a
+    rank runs its warm-up forwards, then each steady step a forward before a backward (one more held, then one
+    fewer), then only backwards — so it holds the most right after the first steady forward (or after every
+    forward, when the warm-up is all of them). GPipe holds all m; 1F1B's rank r min(p - r, m); interleaved
+    rank r counts the first k forwards by chunk, chunk c taking steps c·g..c·g+g-1 of every round of v·g
+    (g micro-batches per round, as _interleaved orders them). The tests compare it with the walk."""
+    if schedule == "gpipe":
+        return tuple({r: m} for r in range(pp))
+    if schedule == "1f1b":
+        return tuple({r: min(pp - r, m)} for r in range(pp))
+    assert schedule == "interleaved-1f1b", schedule
+    per_round = m // max(1, m // pp)
+    out = []
+    for r in range(pp):
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - r), v * m)
+        k = min(warmup + 1, v * m)  # forwards run before the first backward
+        cycles, rest = divmod(k, per_round * v)
+        held = {c * pp + r: cycles * per_round + min(max(rest - c * per_round, 0), per_round) for c in range(v)}
+        out.append({s: n for s, n in held.items() if n})
+    return tuple(out)
 
 
 @lru_cache(maxsize=1024)

@@ -477,10 +477,12 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     for stages in splits:
         if stages is None:
             continue
-        chosen = model.least_recompute(lay, stages, tried)
-        if chosen is not None:
+        got = model.least_recompute(lay, stages, tried)
+        if got is not None:
+            chosen, costs = got
             heaviest = max(chosen, key=tried.index)
-            return model.evaluate(lay.replace(recompute=heaviest), stages, chosen if len(set(chosen)) > 1 else None)
+            return model.evaluate(lay.replace(recompute=heaviest), stages, chosen if len(set(chosen)) > 1 else None,
+                                  costs=costs)
     return None
 
 

@@ -294,15 +294,47 @@ def test_uneven_stages_event_simulation_beats_nothing_closed_form_on_uniform():
     assert b > a  # four layers on one stage are slower than two and two
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2)])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                                        ("interleaved-1f1b", 8), ("zb-v", 2)])
 def test_in_flight_shortcut_matches_the_full_walk(schedule, v):
-    from paraplan.planner.schedules import _in_flight
+    """The truncated m and the closed forms (schedules._in_flight_at_warm_up) give what walking every order does;
+    peak_holdings' truncated walk the same moments as the whole one."""
+    from paraplan.planner.schedules import _in_flight, _peak_holdings, peak_holdings
 
-    for p in (2, 3, 4, 8):
+    for p in (1, 2, 3, 4, 8):
         for m in range(1, 6 * p + 1):
             if schedule == "interleaved-1f1b" and m % max(1, m // p):
                 continue
             assert in_flight(schedule, p, v, m) == _in_flight(schedule, p, v, m)
+            if v > 1:
+                assert peak_holdings(schedule, p, v, m) == _peak_holdings(schedule, p, v, m)
+
+
+@pytest.mark.parametrize("schedule,v", [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("interleaved-1f1b", 6),
+                                        ("zb-v", 2), ("1f1b", 1)])
+def test_peak_holdings_give_the_simulated_activation_peak(schedule, v):
+    """Whatever each stage keeps per micro-batch (a chunk recomputed beside one that is not), a rank's activation
+    peak is the most over schedules.peak_holdings — what the event simulation's memory curve reaches — though
+    in_flight's single moment (the most micro-batches held) can fall short of it."""
+    import random
+
+    from paraplan.planner.schedules import peak_holdings, rank_stages
+    from paraplan.planner.simulator import simulate_pipeline
+
+    rng = random.Random(7)
+    short_of_it = 0
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p, 4 * p + (0 if schedule == "interleaved-1f1b" else 1)):
+            n = p * v
+            acts = [rng.choice((1.0, 0.2, 5.0)) * rng.uniform(0.5, 1.5) for _ in range(n)]
+            sim = simulate_pipeline(schedule, p, v, m, [1.0] * n, [2.0] * n, [1.0] * n, act_bytes=acts)
+            holdings, flights = peak_holdings(schedule, p, v, m), in_flight(schedule, p, v, m)
+            for r in range(p):
+                stages = rank_stages(schedule, r, p, v)
+                peak = max(sum(h.get(s, 0) * acts[s] for s in stages) for h in holdings[r])
+                assert peak == pytest.approx(sim.peak_activation_bytes[r], rel=1e-9), (p, m, r)
+                short_of_it += sum(flights[r].get(s, 0) * acts[s] for s in stages) < peak * (1 - 1e-9)
+    assert short_of_it > 0 or v == 1
 
 
 def _block(model: str, framework: str, mode: str, **layout):

@@ -128,8 +128,11 @@ def test_least_recompute_fits_each_rank_recomputing_its_fullest_chunks_first(sma
     lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == "dp1 tp2 pp4 mb2 zb-vx2 sp")
     modes = modes_for(model)
     stages = even_stages(model, lay)
-    chosen = model.least_recompute(lay, stages, modes)
-    assert chosen is not None and all(model.ranks_fit(lay, stages, chosen))
+    got = model.least_recompute(lay, stages, modes)
+    assert got is not None
+    chosen, costs = got
+    assert all(model.ranks_fit(lay, stages, chosen))
+    assert costs == model.stage_costs(lay, stages, chosen)
     uniform = model.ranks_fit(lay, stages, [modes[0]] * lay.num_stages)
     flights = in_flight(lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches)
     assert not all(uniform)

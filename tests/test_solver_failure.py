@@ -72,3 +72,24 @@ def test_highs_prints_nothing_beside_the_json(tmp_path):
 
     r = run_cli_json("plan", "--solver", "highs", "--no-charts", "--out", str(tmp_path / "report"))  # the demo
     assert r["ilp_solves"] > 0 and r["best"]["plan"]["pp"] > 1
+
+
+def test_a_split_the_solver_passes_over_memory_is_refitted(monkeypatch):
+    """A solver's answer that the exact model finds over the GPU's memory (HiGHS through PuLP returned one: its
+    linear rows said it fit) is never the plan: its stages keep the least recomputation that fits them."""
+    from paraplan.planner.costmodel import even_stages
+
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    model = CostModel(work)
+    lay = Layout(dp=16, tp=2, pp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b", virtual_stages=6,
+                 zero=3, sequence_parallel=True)
+    stages = even_stages(model, lay)
+    assert not model.evaluate(lay, stages, ["none"] * lay.num_stages).fits  # what the injected solver answers
+
+    def over_memory(self, beta=0.0, start=None, cutoff_s=None):
+        return stages, ["none"] * lay.num_stages, "optimal", 1.0
+
+    monkeypatch.setattr(ilp.StageILP, "solve", over_memory)
+    part = ilp.best_partition(model, lay, local_search=False)
+    assert part.stages == stages and part.prediction.fits
+    assert part.recompute == model.least_recompute(lay, stages, ilp.modes_for(model))[0]
