@@ -8,8 +8,9 @@ Composition (each piece is its own module, each formula tested against its sourc
 - the pipeline: closed forms for the search, or the event simulator (:mod:`simulator`);
 - data parallelism, ZeRO's gathers, the tied embedding, parameter servers and the optimizer step:
   one definition each (dp_sync.py over concerns.py), shared with the ILP;
-- memory per rank: the framework's model states (memory.state_bytes), activations x the schedule's
-  in-flight micro-batches, the framework allowance;
+- memory per rank: the framework's model states (memory.state_bytes), its stages' activations x the
+  micro-batches each holds, at the most of every moment of the schedule that may be the peak
+  (schedules.peak_holdings), the framework allowance;
 - per rank the bytes each kind of collective and the pipeline's sends carry per iteration, which the
   executor's dry run traces (executor/dry_run.py).
 """
@@ -37,7 +38,7 @@ from .fused_activations import fused_layer_bytes
 from .layout import Layout
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
-from .schedules import closed_form_makespan, in_flight, peak_holdings, rank_stages, stage_rank
+from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
@@ -641,20 +642,22 @@ class CostModel:
 
     def rank_memory_breakdowns(self, lay: Layout, costs: list[StageCost], ranks: list[tuple[int, ...]],
                                flights: list[dict[int, int]], sim: SimResult | None = None,
-                               holdings: list[tuple[dict[int, int], ...]] | None = None) -> list[dict[str, float]]:
+                               holdings: list[tuple[tuple[int, ...], Any]] | None = None) -> list[dict[str, float]]:
         """GiB by kind on each pipeline rank (memory.rank_memory): its model states, its stages' activations at
-        the rank's peak — the most over ``holdings`` (schedules.peak_holdings: the micro-batches each stage holds
-        at every moment that may be the peak; default: ``flights``' one), or the simulated peak — and the largest
-        working set. A rank's memory depends only on its own stages."""
+        the rank's peak — the most over ``holdings`` (schedules.peak_matrices, per rank its stages and the
+        micro-batches each holds at every moment that may be the peak; default: ``flights``' one moment), or the
+        simulated peak — and the largest working set. A rank's memory depends only on its own stages."""
         work = self.work
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
         out = []
         for r, stages in enumerate(ranks):
             if sim is not None and sim.peak_activation_bytes:
                 acts = sim.peak_activation_bytes[r]
+            elif holdings is not None and len(holdings[r][1]) > 1:
+                order, held = holdings[r]
+                acts = float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
             else:
-                acts = max(sum(held.get(s, 0) * costs[s].act_bytes for s in stages)
-                           for held in (holdings[r] if holdings is not None else (flights[r],)))
+                acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in stages)
             acts += max(costs[s].act_working for s in stages)
             unit = max(costs[s].largest_unit for s in stages)
             first_freed = None if self.grads_at_activation_peak(lay, stages, flights[r]) else \
@@ -678,7 +681,7 @@ class CostModel:
         schedule = lay.schedule if p > 1 else "1f1b"
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
-        holdings = peak_holdings(schedule, p, v, lay.num_micro_batches)
+        holdings = peak_matrices(schedule, p, v, lay.num_micro_batches)
         by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
         chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
         cap = self.work.cluster.gpu.memory_GiB
@@ -687,8 +690,9 @@ class CostModel:
             return sum(self.rank_memory_breakdowns(lay, current, [ranks[r]], [flights[r]],
                                                    holdings=[holdings[r]])[0].values()) <= cap
 
+        first = self.rank_memory_breakdowns(lay, current, ranks, list(flights), holdings=list(holdings))
         for r in range(p):
-            if fits(r):
+            if sum(first[r].values()) <= cap:
                 continue
             order = sorted(ranks[r], key=lambda s: (-flights[r].get(s, 0), s))
             for u in modes[1:]:
@@ -715,7 +719,7 @@ class CostModel:
         costs = self.stage_costs(lay, stages, stage_recompute)
         flights = list(in_flight(schedule, p, v, lay.num_micro_batches))
         cap = self.work.cluster.gpu.memory_GiB
-        held = list(peak_holdings(schedule, p, v, lay.num_micro_batches))
+        held = list(peak_matrices(schedule, p, v, lay.num_micro_batches))
         return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(lay, costs, ranks, flights, holdings=held)]
 
     @staticmethod
@@ -815,7 +819,7 @@ class CostModel:
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
         breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim,
-                                                 holdings=list(peak_holdings(schedule, p, v, m)))
+                                                 holdings=list(peak_matrices(schedule, p, v, m)))
         rank_mem = [sum(b.values()) for b in breakdowns]
         worst = max(range(p), key=lambda r: rank_mem[r])
         peak = rank_mem[worst]

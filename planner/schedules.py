@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from functools import lru_cache
+from typing import Any
 
 Op = tuple[str, int, int]
 
@@ -170,6 +171,19 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[in
 
 
 @lru_cache(maxsize=1024)
+def peak_matrices(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], Any], ...]:
+    """:func:`peak_holdings` as arrays: per rank its stages and a (moments, stages) matrix of the micro-batches each
+    holds, so that a rank's activation peak is one matrix-vector product (the cost model asks thousands of times)."""
+    import numpy as np
+
+    out = []
+    for r, held in enumerate(peak_holdings(schedule, pp, v, m)):
+        stages = rank_stages(schedule, r, pp, v)
+        out.append((stages, np.array([[h.get(s, 0) for s in stages] for h in held], dtype=float)))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
 def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
     frees = "W" if schedule == "zb-v" else "B"
     out = []
@@ -188,12 +202,27 @@ def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[i
                 held[stage] -= 1
         if rising:
             tops.add(tuple(sorted((s, k) for s, k in held.items() if k)))
-        as_dicts = [dict(t) for t in tops]
-        peaks = [a for a in as_dicts if not any(b is not a and all(a[s] <= b.get(s, 0) for s in a) and b != a
-                                                for b in as_dicts)]
-        peaks.sort(key=lambda d: (-sum(d.values()), sorted(d.items())))
-        out.append(tuple(peaks))
+        out.append(_not_dominated(tops))
     return tuple(out)
+
+
+def _not_dominated(tops: set[tuple[tuple[int, int], ...]]) -> tuple[dict[int, int], ...]:
+    """The holdings (distinct, zero counts left out) that no other holds at least as much of, stage by stage; most
+    micro-batches first."""
+    import numpy as np
+
+    listed = sorted(tops)
+    stages = sorted({s for t in listed for s, _ in t})
+    col = {s: j for j, s in enumerate(stages)}
+    held = np.zeros((len(listed), len(stages)))  # (N, K): each moment's micro-batches per stage
+    for i, t in enumerate(listed):
+        for s, k in t:
+            held[i, col[s]] = k
+    covers = (held[:, None, :] >= held[None, :, :]).all(axis=2)  # (N, N): [b, a] = b holds at least a's
+    np.fill_diagonal(covers, False)  # distinct holdings: covering another means holding more somewhere
+    peaks = [dict(listed[i]) for i in np.flatnonzero(~covers.any(axis=0))]
+    peaks.sort(key=lambda d: (-sum(d.values()), sorted(d.items())))
+    return tuple(peaks)
 
 
 @lru_cache(maxsize=4096)

@@ -32,7 +32,7 @@ from .context_parallel import search_degrees as cp_degrees
 from .costmodel import CostModel, Prediction, grads_meet_peak
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
-from .ilp import best_partition, modes_for
+from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, modes_for
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
@@ -594,7 +594,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 else None
             hopeless = threshold * (1 + refine_slack) if refine_slack is not None else None
             futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
-                                   cutoff_s=cutoff, refine_below_s=hopeless) for c in batch]
+                                   cutoff_s=cutoff, refine_below_s=hopeless,
+                                   time_limit_s=SOLVER_TIME_LIMIT_S if refine_slack is not None
+                                   else EXHAUSTIVE_TIME_LIMIT_S) for c in batch]
             for cand, fut in zip(batch, futures, strict=True):
                 solves += 1
                 try:
@@ -621,6 +623,11 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     notes = [f"{len(failed)} layout{'s' if len(failed) > 1 else ''} priced without an ILP solver (it failed to "
              f"run: {failed[0].solver.split('(', 1)[1].rsplit(')', 1)[0]}); each keeps its balanced split, "
              "polished by local search"] if failed else []
+    limited = sum(c.solver.startswith("time limit") for c in candidates)
+    if limited:
+        limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S
+        notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({limit:g} s of CPU each): those "
+                     "layouts' splits are the best found, not proven the best")
     return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
                         search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model,
                         notes=notes)
