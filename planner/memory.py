@@ -173,6 +173,13 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     unit = root = 0.0
     if zero == 3 and dp > 1:
         unit, root = 2 * copy, copy
+        if pp > 1 and schedule == "interleaved-1f1b":
+            # torch's multi-stage pipeline runtime unshards each chunk itself (UNSHARD/RESHARD actions, up to three
+            # chunks active: torch/distributed/pipelining/schedules.py, _add_unshard_reshard), so gathered copies
+            # outlive the forward. The dry run of llama2-70b dp16 tp2 pp2 traced 22-29 GiB more than one gathered
+            # unit on stage 0 (v = 2 full recomputation, v = 6 selective and full; ZeRO-1 within 1-6%): priced
+            # as ZeRO-2's copy kept for the step, which those traces bound from above by 1-10 GiB.
+            weights += copy
     elif sharded or mixed:
         weights += copy
     grads = 4 / dp if sharded else 4.0

@@ -385,3 +385,21 @@ def test_mlp_recomputation_of_an_moe_block_repeats_its_all_to_alls():
     assert mlp.a2a_bytes == pytest.approx(full.a2a_bytes) and mlp.a2a_bytes > none.a2a_bytes
     assert mlp.ep_time == pytest.approx(full.ep_time) and mlp.ep_time > none.ep_time
     assert full.act_bytes < mlp.act_bytes < none.act_bytes and mlp.recompute < full.recompute
+
+
+def test_executor_interleaved_zero3_keeps_its_gathered_copy():
+    """Under this executor's interleaved schedule (torch's multi-stage runtime, which unshards each chunk itself)
+    ZeRO-3's 16-bit copy outlives the forward: priced as ZeRO-2 keeps it, 2 B per parameter beside the sharded fp32
+    weights (4/dp B); 1F1B's ZeRO-3 gathers a unit at a time (none kept), and other stacks keep ZeRO's accounting."""
+    from paraplan.planner.framework import framework
+    from paraplan.planner.memory import state_bytes
+
+    fw = framework("paraplan")
+    lay = Layout(dp=16, tp=2, pp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b", virtual_stages=6,
+                 zero=3)
+    interleaved, one_f_one_b = state_bytes(fw, lay), state_bytes(fw, lay.replace(schedule="1f1b", virtual_stages=1))
+    assert interleaved.weights == pytest.approx(4 / 16 + 2) and one_f_one_b.weights == pytest.approx(4 / 16)
+    assert interleaved.unit_weights == one_f_one_b.unit_weights == 4.0
+    megatron = framework("megatron-core")
+    assert state_bytes(megatron, lay).weights == state_bytes(megatron, lay.replace(schedule="1f1b",
+                                                                                   virtual_stages=1)).weights
