@@ -219,7 +219,8 @@ class StageILP:
             prob += pulp.lpSum(y[s, u] for u in self.modes) == 1, f"one_mode_stage_{s}"
         # Within a rank, a stage holding more micro-batches at the rank's peak recomputes at least as much (modes
         # ordered fastest first, each keeping less): recomputing there frees more memory for the same time, so
-        # some best split has this staircase, and CBC need not branch over the others.
+        # with chunks of equal size some best split has this staircase (an exchange; chunks differ by a layer at
+        # most, and the brute-force tests check small models), and CBC need not branch over the others.
         strength = {s: pulp.lpSum(k * y[s, u] for k, u in enumerate(self.modes)) for s in range(S)}
         for r in range(p):
             flights = in_flight(self.schedule, p, v, m)[r]

@@ -176,9 +176,10 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
         if pp > 1 and schedule == "interleaved-1f1b":
             # torch's multi-stage pipeline runtime unshards each chunk itself (UNSHARD/RESHARD actions, up to three
             # chunks active: torch/distributed/pipelining/schedules.py, _add_unshard_reshard), so gathered copies
-            # outlive the forward. The dry run of llama2-70b dp16 tp2 pp2 traced 22-29 GiB more than one gathered
-            # unit on stage 0 (v = 2 full recomputation, v = 6 selective and full; ZeRO-1 within 1-6%): priced
-            # as ZeRO-2's copy kept for the step, which those traces bound from above by 1-10 GiB.
+            # can outlive the forward. The dry run of llama2-70b dp16 tp2 pp2 traced 22-29 GiB more than priced
+            # without this on stage 0 (v = 2 full recomputation, v = 6 selective and full; ZeRO-1 within 1-6%).
+            # A stopgap on the safe side, not a model: priced as ZeRO-2's copy kept for the step, 9-13 GiB over
+            # those traces, and 30 GiB (25%) over v = 2-3 selective, which traced within 2-4% without it.
             weights += copy
     elif sharded or mixed:
         weights += copy
