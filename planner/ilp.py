@@ -224,8 +224,8 @@ class StageILP:
         strength = {s: pulp.lpSum(k * y[s, u] for k, u in enumerate(self.modes)) for s in range(S)}
         for r in range(p):
             flights = in_flight(self.schedule, p, v, m)[r]
-            held = sorted(self._rank_stages[r], key=lambda s: flights.get(s, 0))
-            for a, b in zip(held, held[1:], strict=False):
+            by_flights = sorted(self._rank_stages[r], key=lambda s: flights.get(s, 0))
+            for a, b in zip(by_flights, by_flights[1:], strict=False):
                 if flights.get(a, 0) < flights.get(b, 0):
                     prob += strength[b] >= strength[a], f"mode_staircase_rank_{r}_{a}_{b}"
         # Per-stage linear expressions: F, B, W, compute-only fwd/bwd, activations, params, p2p.

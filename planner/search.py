@@ -570,6 +570,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     pending = [alive[idx] for _, idx in quick]
     qtime = {id(alive[idx]): q for q, idx in quick}
     workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
+    time_limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S  # per ILP
     done = 0
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending:
@@ -594,9 +595,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 else None
             hopeless = threshold * (1 + refine_slack) if refine_slack is not None else None
             futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
-                                   cutoff_s=cutoff, refine_below_s=hopeless,
-                                   time_limit_s=SOLVER_TIME_LIMIT_S if refine_slack is not None
-                                   else EXHAUSTIVE_TIME_LIMIT_S) for c in batch]
+                                   cutoff_s=cutoff, refine_below_s=hopeless, time_limit_s=time_limit) for c in batch]
             for cand, fut in zip(batch, futures, strict=True):
                 solves += 1
                 try:
@@ -625,8 +624,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
              "polished by local search"] if failed else []
     limited = sum(c.solver.startswith("time limit") for c in candidates)
     if limited:
-        limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S
-        notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({limit:g} s of CPU each): those "
+        notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s of CPU each): those "
                      "layouts' splits are the best found, not proven the best")
     return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
                         search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model,
