@@ -7,7 +7,9 @@
 2. Bound each layout from below in O(1): the pipeline with perfectly divided work and the least-work
    recomputation, plus the optimizer step; and from memory: model states alone over pp ranks.
 3. Visit layouts in order of their lower bound; stop when the bound reaches the k-th best time found.
-   Each visited layout gets the ILP's stage split (see :mod:`ilp`), priced exactly by the cost model.
+   Each visited layout gets the ILP's stage split (see :mod:`ilp`), priced exactly by the cost model — except,
+   in the default (heuristic) mode, interleaved and V layouts of identical layers, whose chunk rule leaves
+   little to choose: their quick split, polished on the exact model (ilp.polished_quick_split).
 Every layout the search considered is returned with its status for the report.
 """
 
@@ -32,7 +34,7 @@ from .context_parallel import search_degrees as cp_degrees
 from .costmodel import CostModel, Prediction, grads_meet_peak
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
-from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, modes_for
+from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, modes_for, polished_quick_split
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
@@ -467,23 +469,16 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     evenly where the ILP requires it (chunks of an interleaved or V schedule within a layer of each other:
     costmodel.even_stages), else balanced by time in the fastest mode. ``modes``: fastest first; those in ``skip``
     are already known not to fit anywhere. None: some rank fits in no mode on this split."""
-    from .costmodel import default_stages, even_stages
+    from .costmodel import default_stages, even_stages, least_recompute_prediction
 
     tried = tuple(u for u in modes if u not in skip)
     if not tried:
         return None
-    splits = [even_stages(model, lay)] if lay.virtual_stages > 1 else []
-    splits.append(default_stages(model, lay.replace(recompute=tried[0])))
-    for stages in splits:
-        if stages is None:
-            continue
-        got = model.least_recompute(lay, stages, tried)
+    if lay.virtual_stages > 1:
+        got = least_recompute_prediction(model, lay, even_stages(model, lay), tried)
         if got is not None:
-            chosen, costs = got
-            heaviest = max(chosen, key=tried.index)
-            return model.evaluate(lay.replace(recompute=heaviest), stages, chosen if len(set(chosen)) > 1 else None,
-                                  costs=costs)
-    return None
+            return got
+    return least_recompute_prediction(model, lay, default_stages(model, lay.replace(recompute=tried[0])), tried)
 
 
 def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
@@ -495,7 +490,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     Pruning: a layout is dropped without an ILP when its lower bound cannot beat the k-th best time
     found (proven), or — unless ``refine_slack`` is None (exhaustive) — when even its balanced split,
     priced exactly, is more than ``refine_slack`` slower than that k-th best, or when the ILP, given that
-    time (plus ``CUTOFF_MARGIN``) as a cutoff, proves no split beats it. ``model``: a cost model of
+    time (plus ``CUTOFF_MARGIN``) as a cutoff, proves no split beats it. In that heuristic mode, interleaved and V
+    layouts of identical layers take their quick split polished, without an ILP (ilp.polished_quick_split). ``model``: a cost model of
     ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs are reused.
     """
     from .costmodel import validate_layout
@@ -571,7 +567,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     qtime = {id(alive[idx]): q for q, idx in quick}
     workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
     time_limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S  # per ILP
-    done = 0
+    done = unsolved = 0
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending:
             # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
@@ -585,6 +581,13 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                     continue
                 if refine_slack is not None and qtime[id(cand)] > threshold * (1 + refine_slack):
                     cand.status = "priced"
+                    continue
+                if refine_slack is not None and cand.prediction is not None and cand.layout.virtual_stages > 1 \
+                        and model.repeated_blocks(cand.layout):
+                    _accept(cand, polished_quick_split(model, cand.layout, cand.prediction, allowed_modes),
+                            best_times, top_k)
+                    unsolved += 1
+                    threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
                     continue
                 batch.append(cand)
             if progress is not None:
@@ -606,13 +609,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 if part is None:
                     cand.status, cand.reason = "priced", "bound"
                     continue
-                cand.status, cand.prediction = "ok", part.prediction
-                cand.stages, cand.stage_recompute = part.stages, part.recompute
-                cand.solver = part.ilp_status
-                cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
-                heapq.heappush(best_times, -part.prediction.iteration_time_s)
-                if len(best_times) > top_k:
-                    heapq.heappop(best_times)
+                _accept(cand, part, best_times, top_k)
     final = -best_times[0] if len(best_times) >= top_k else None
     for cand in alive:
         if cand.status == "pruned":
@@ -626,9 +623,24 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     if limited:
         notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s of CPU each): those "
                      "layouts' splits are the best found, not proven the best")
+    if unsolved:
+        notes.append(f"{unsolved} layout{'s' if unsolved > 1 else ''} with interleaved or V chunks of identical layers "
+                     "kept the quick split, polished, without an ILP (the best found, not proven; plan --exhaustive "
+                     "runs one for each)")
     return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
                         search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model,
                         notes=notes)
+
+
+def _accept(cand: Candidate, part, best_times: list[float], top_k: int) -> None:
+    """``cand`` priced at ``part``'s split (an ilp.Partition), its time pushed on the k best (a max-heap of -t)."""
+    cand.status, cand.prediction = "ok", part.prediction
+    cand.stages, cand.stage_recompute = part.stages, part.recompute
+    cand.solver = part.ilp_status
+    cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
+    heapq.heappush(best_times, -part.prediction.iteration_time_s)
+    if len(best_times) > top_k:
+        heapq.heappop(best_times)
 
 
 def _summary_mode(modes: list[str]) -> str:

@@ -496,3 +496,41 @@ def test_memory_bound_sums_by_numpy_equal_the_plain_sums():
         acts = [rng.uniform(1e8, 5e9) for _ in range(4)]
         expected = [1.0 / sum(c / (s + f * a) for s, f, c in zip(states, least, counts, strict=True)) for a in acts]
         assert _equalised_bytes(states, least, counts, acts) == pytest.approx(expected, rel=1e-12)
+
+
+def test_heuristic_search_splits_chunked_layouts_without_an_ilp_and_loses_nothing(small):
+    """The default search prices interleaved and V layouts of identical layers by the quick split, polished
+    (ilp.polished_quick_split), not by an ILP: on 4 GPUs, where such layouts lead, its top plans equal the proof
+    mode's (every layout's ILP, shown equal to brute force above)."""
+    fast = search(small, 4, top_k=3)
+    proof = search(small, 4, top_k=3, refine_slack=None)
+    assert fast.best.layout.virtual_stages > 1 and "no ILP" in fast.best.solver
+    assert [c.time_s for c in fast.ranked] == pytest.approx([c.time_s for c in proof.ranked], rel=1e-9)
+    assert any("without an ILP" in note for note in fast.notes)
+    assert not any("no ILP" in c.solver for c in proof.candidates)
+
+
+def test_a_layer_off_the_first_chunk_spares_its_rank_the_recomputation():
+    """llama2-70b on 64 H100s, dp2 tp2 pp8 cp2 interleaved x4: the even split makes rank 0 (15 micro-batches of its
+    first chunk held at its peak) recompute; with one layer moved off that chunk (the planner's rule lets an end
+    chunk hold one fewer) nothing is recomputed. Each such split keeps the chunk rule and the ILP's symmetry
+    rows, and the search's answer for the layout is never slower than the split it started from."""
+    from paraplan.planner import ilp
+    from paraplan.planner.costmodel import even_stages, least_recompute_prediction, lighter_end_stages
+
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    model = CostModel(work)
+    lay = Layout(dp=2, tp=2, pp=8, cp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b",
+                 virtual_stages=4, zero=2, sequence_parallel=True)
+    modes = modes_for(model)
+    even = least_recompute_prediction(model, lay, even_stages(model, lay), modes)
+    assert any(c.recompute != "none" for c in even.stages)
+    lighter = [least_recompute_prediction(model, lay, stages, modes) for stages in lighter_end_stages(model, lay)]
+    n_blocks = len(work.profile(lay.dtype).layers)
+    assert all(chunks_balanced([c.blocks for c in p.stages], n_blocks, True) for p in lighter if p is not None)
+    assert all(ilp._start_accepted(model, lay, modes, p) for p in lighter if p is not None)
+    best = min((p for p in lighter if p is not None), key=lambda p: p.iteration_time_s)
+    assert all(c.recompute == "none" for c in best.stages)
+    assert best.iteration_time_s < even.iteration_time_s
+    assert ilp.polished_quick_split(model, lay, even).prediction.iteration_time_s <= best.iteration_time_s
+    assert best_partition(model, lay, start=best).prediction.iteration_time_s <= best.iteration_time_s * (1 + 1e-12)
