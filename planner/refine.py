@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from .api import EVENT_SIM_MAX_TASKS  # beyond it (as in `simulate`) the closed form stands
 from .costmodel import CostModel
+from .gc_pause import without_gc_pauses
 from .search import SearchResult
 
 
+@without_gc_pauses
 def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> None:
     """Re-price ``result.ranked`` with the event simulation, in place, and re-rank; a plan whose simulated
     memory no longer fits leaves the ranking (status ``oom``, reason given)."""

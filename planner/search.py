@@ -34,6 +34,7 @@ from .context_parallel import search_degrees as cp_degrees
 from .costmodel import CostModel, Prediction, grads_meet_peak
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
+from .gc_pause import without_gc_pauses
 from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, modes_for, polished_quick_split
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
@@ -481,6 +482,7 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     return least_recompute_prediction(model, lay, default_stages(model, lay.replace(recompute=tried[0])), tried)
 
 
+@without_gc_pauses
 def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
            progress: Callable[[int, int], None] | None = None, layouts: list[Layout] | None = None,
            allowed_modes: tuple[str, ...] | None = None, refine_slack: float | None = 0.05,
@@ -491,8 +493,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     found (proven), or — unless ``refine_slack`` is None (exhaustive) — when even its balanced split,
     priced exactly, is more than ``refine_slack`` slower than that k-th best, or when the ILP, given that
     time (plus ``CUTOFF_MARGIN``) as a cutoff, proves no split beats it. In that heuristic mode, interleaved and V
-    layouts of identical layers take their quick split polished, without an ILP (ilp.polished_quick_split). ``model``: a cost model of
-    ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs are reused.
+    layouts of identical layers take their quick split polished, without an ILP (ilp.polished_quick_split).
+    ``model``: a cost model of ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs
+    are reused.
     """
     from .costmodel import validate_layout
 

@@ -534,3 +534,33 @@ def test_a_layer_off_the_first_chunk_spares_its_rank_the_recomputation():
     assert best.iteration_time_s < even.iteration_time_s
     assert ilp.polished_quick_split(model, lay, even).prediction.iteration_time_s <= best.iteration_time_s
     assert best_partition(model, lay, start=best).prediction.iteration_time_s <= best.iteration_time_s * (1 + 1e-12)
+
+
+def test_search_pauses_the_garbage_collector_and_restores_its_state(small, monkeypatch):
+    """The search runs with the cyclic collector off (planner/gc_pause.py) and leaves it as it found it, on or off,
+    also when it fails."""
+    import gc
+
+    import paraplan.planner.search as search_module
+
+    seen = []
+    real = search_module.quick_price
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "quick_price", spy)
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            search(small, 4, top_k=1)
+            assert gc.isenabled() is state
+        gc.enable()
+        with pytest.raises(Exception, match="--gpus"):
+            search(small, 0)
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen and not any(seen)
