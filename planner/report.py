@@ -16,6 +16,7 @@ from .api import plan_for
 from .costmodel import CostModel, Prediction
 from .exports import report_lines
 from .framework import describe as describe_framework
+from .gc_pause import without_gc_pauses
 from .scaling import ScalingPoint
 from .search import Candidate, SearchResult
 
@@ -65,6 +66,7 @@ CANDIDATE_COLUMNS = ["rank", "dp", "tp", "pp", "cp", "ep", "etp", "micro_batch",
                      "tokens_per_s", "mfu", "peak_memory_gib", "lower_bound_s"]
 
 
+@without_gc_pauses
 def write_candidates_csv(result: SearchResult, path: str) -> None:
     """Every candidate, fastest first (then by lower bound), with its status. A 1T-parameter search writes
     ~90,000 rows, most of them invalid: each row is one tuple, the prices formatted only where there are some."""
