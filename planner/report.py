@@ -220,7 +220,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
            f"{len(result.candidates):,} candidate layouts in {result.search_time_s:.2f} s "
            f"({result.ilp_solves} stage-split ILPs solved through PuLP):", "",
            *(f"- note: {n}" for n in result.notes), *([""] if result.notes else [])]
-    labels = {"ok": "priced exactly with their ILP stage split", "priced": "priced at a balanced split only "
+    labels = {"ok": "priced exactly with their ILP stage split (or, in the default mode, interleaved and V layouts "
+              "of identical layers, their quick split polished)", "priced": "priced at a balanced split only "
               "(over 5% behind the top plans, or the ILP's bound showed no split beats them)",
               "pruned": "pruned by a lower bound that cannot beat the top plans",
               "dominated": "dominated by an equally fast, leaner variant", "oom": "rejected: out of memory",
