@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -953,9 +954,10 @@ def _even_counts(model: CostModel, lay: Layout) -> tuple[list[int], list[int]] |
 def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
     """For an interleaved schedule: even_stages with the first stage, the last, or both holding a layer fewer (the
     planner's rule lets the end chunks, which carry the embedding and the head, hold one layer less), each layer
-    given to the next inner chunk in even_stages' turn order. The first stage holds the most micro-batches of its
-    rank at the peak: a layer off it can spare its rank the recomputation the even split needs (the demo's dp2 tp2
-    pp8 cp2 interleaved x4: 35.38 s with the even split, 33.77 s with one layer moved off stage 0 and none recomputed).
+    given to the next inner chunk in even_stages' turn order (on the donor's rank, a chunk holding fewer
+    micro-batches), or to the next on another rank. The first stage holds the most micro-batches of its rank at the
+    peak: a layer off it can spare its rank the recomputation the even split needs (the demo's dp2 tp2 pp8 cp2
+    interleaved x4: 35.38 s with the even split, 33.77 s with one layer moved off stage 0 and none recomputed).
     Not for ZB-V, whose first rank holds both end chunks beside its other work: on the 1T GPT's V layouts it
     never helped, and where chunks hold one layer each it doubles one."""
     got = _even_counts(model, lay) if lay.virtual_stages > 1 and lay.schedule == "interleaved-1f1b" else None
@@ -965,18 +967,20 @@ def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
     n, k = len(model.work.profile(lay.dtype).layers), lay.num_stages
     low = min(counts[1:-1])
     out = []
-    for ends in ((0,), (k - 1,), (0, k - 1)):
+    seen = set()
+    for ends, elsewhere in itertools.product(((0,), (k - 1,), (0, k - 1)), (False, True)):
         moved = list(counts)
-        receivers = iter(s for s in turns if 0 < s < k - 1 and moved[s] == low)
         ok = True
-        for e in ends:
-            r = next(receivers, None)
+        for e in ends:  # the next in turn, or the next on another rank than the donor's
+            r = next((s for s in turns if 0 < s < k - 1 and moved[s] == low and not (
+                elsewhere and stage_rank(lay.schedule, s, lay.pp) == stage_rank(lay.schedule, e, lay.pp))), None)
             if r is None or moved[e] < low:
                 ok = False
                 break
             moved[e] -= 1
             moved[r] += 1
-        if ok and all(low - 1 <= c for c in (moved[0], moved[-1])):
+        if ok and all(low - 1 <= c for c in (moved[0], moved[-1])) and tuple(moved) not in seen:
+            seen.add(tuple(moved))
             out.append(stages_from_counts(moved, n))
     return out
 
