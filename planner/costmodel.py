@@ -979,7 +979,7 @@ def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
                 break
             moved[e] -= 1
             moved[r] += 1
-        if ok and all(low - 1 <= c for c in (moved[0], moved[-1])) and tuple(moved) not in seen:
+        if ok and tuple(moved) not in seen:  # (a donor held low or more: it keeps low - 1, as the rule allows)
             seen.add(tuple(moved))
             out.append(stages_from_counts(moved, n))
     return out

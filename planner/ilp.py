@@ -604,14 +604,14 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
         beta = new_beta
     if best is None:
         raise InvalidLayout(_oom_message(model, lay, modes, last_status), "out of memory")
-    if start is not None and start.fits and start.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
-        return _from_start(model, lay, modes, start, last_status.lower(), local_search)  # (a time-limited ILP)
     exact = best.ilp_objective is not None and math.isclose(best.ilp_objective, best.prediction.iteration_time_s,
                                                              rel_tol=1e-6)
     if local_search and (lay.num_stages <= 16 or not (exact and best.ilp_status == "optimal")):
         # Linear pieces (ring vs tree collectives, the secant of a collective's time) or the time limit may
         # leave a gap between the ILP and the exact model: climb on the exact model (cheap for few stages).
         best = _polish(model, lay, best, modes, max_rounds=50 if lay.num_stages <= 16 else 3)
+    if start is not None and start.fits and start.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
+        return _from_start(model, lay, modes, start, last_status.lower(), local_search)  # (a time-limited ILP)
     best.ilp_status, best.ilp_objective = last_status, last_obj
     return best
 
@@ -707,7 +707,8 @@ def polished_quick_split(model: CostModel, lay: Layout, start: Prediction, allow
 
 def _from_start(model: CostModel, lay: Layout, modes: tuple[str, ...], start: Prediction, status: str,
                 local_search: bool) -> Partition:
-    """The search's quick split where the ILP found nothing better in its time (polished like the ILP's answer)."""
+    """``start`` (the search's quick split) as the answer, polished like an ILP's: where no ILP ran, or where the
+    ILP found nothing faster in its time."""
     best = Partition([c.blocks for c in start.stages], [c.recompute for c in start.stages], start,
                      f"{status}: the quick split kept", None)
     if local_search:
