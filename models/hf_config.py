@@ -4,8 +4,12 @@ Dense: GPT-2, LLaMA, BERT, Qwen3. Mixtures of experts: Mixtral (``num_local_expe
 ``intermediate_size`` wide), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, per-head q/k norms,
 ``decoder_sparse_step`` / ``mlp_only_layers``), DeepSeek-V2/V3 (multi-head latent attention,
 ``n_routed_experts`` + ``n_shared_experts``, ``first_k_dense_replace``, sigmoid scores,
-``num_nextn_predict_layers``). Only the fields that determine the architecture are read (other keys
-are HF's and are ignored); the transformers package is not needed.
+``num_nextn_predict_layers``), Llama 4 (its ``text_config``: ``num_local_experts`` experts and one shared
+expert ``intermediate_size`` wide, dense layers ``intermediate_size_mlp`` wide between the MoE ones every
+``interleave_moe_layer_step`` layers, or as ``moe_layers`` lists them; top-1 sigmoid routing). Only the
+fields that determine the architecture are read (other keys are HF's and are ignored); the transformers
+package is not needed. Dense layers among MoE ones map to ``dense_layers`` (the first k) and
+``moe_layer_step`` (every n-th has experts); any other pattern is refused naming its fields.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
                     "mtp_layers": ("num_nextn_predict_layers",), "moe_score_function": ("scoring_func",),
                     "moe_norm_topk": ("norm_topk_prob",), "moe_routed_scaling_factor": ("routed_scaling_factor",),
                     "moe_aux_loss_coeff": ("aux_loss_alpha",)},
+    # Llama 4's text model (HF Llama4TextConfig): MoE blocks of routed experts plus one shared expert, both
+    # intermediate_size wide; its dense layers' MLP is intermediate_size_mlp wide. Llama4 L2-normalises q and k
+    # without weights (use_qk_norm): no parameters, so not our (RMSNorm) qk_norm.
+    "llama4_text": {**_QWEN3, "ffn_hidden_size": ("intermediate_size_mlp", "intermediate_size"),
+                    "moe_ffn_hidden_size": ("intermediate_size",), "num_experts": ("num_local_experts",),
+                    "experts_per_token": ("num_experts_per_tok",), "moe_aux_loss_coeff": ("router_aux_loss_coef",)},
 }
 _FIELDS["deepseek_v2"] = _FIELDS["deepseek_v3"]
 _FAMILY = {"gpt2": "gpt", "bert": "bert"}  # every other type is a llama-style decoder
@@ -58,6 +68,10 @@ def is_hf_config(data: Any) -> bool:
 
 
 def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
+    if data.get("model_type") == "llama4":  # the multimodal wrapper: its language model is what trains here
+        if not isinstance(data.get("text_config"), dict):
+            raise ModelSpecError(f"{source}: a llama4 config needs its text_config (the language model's fields)")
+        data = {"model_type": "llama4_text", **data["text_config"]}
     model_type = data.get("model_type")
     if model_type not in _FIELDS:
         raise ModelSpecError(f"{source}: HF model_type {model_type!r} is not supported "
@@ -76,8 +90,21 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
                              f"got {data.get('type_vocab_size')}")
     if model_type in _QK_NORM:
         out["qk_norm"] = True
-    if model_type == "qwen3_moe":
-        out["dense_layers"] = _qwen3_dense_layers(data, out, source)
+    if model_type == "qwen3_moe" and out.get("num_experts"):
+        layers = out.get("num_layers", 0)
+        step = _whole(data.get("decoder_sparse_step", 1) or 1, "decoder_sparse_step", source)
+        dense_ids = set(data.get("mlp_only_layers") or [])
+        out.update(_moe_layer_pattern([i not in dense_ids and (i + 1) % step == 0 for i in range(layers)],
+                                      "mlp_only_layers / decoder_sparse_step", source))
+    if model_type == "llama4_text" and out.get("num_experts"):
+        layers = out.get("num_layers", 0)
+        step = _whole(data.get("interleave_moe_layer_step", 1) or 1, "interleave_moe_layer_step", source)
+        listed = data.get("moe_layers")
+        moe_ids = set(listed) if isinstance(listed, list) else set(range(step - 1, layers, step))
+        out.update(_moe_layer_pattern([i in moe_ids for i in range(layers)],
+                                      "moe_layers" if isinstance(listed, list) else "interleave_moe_layer_step",
+                                      source))
+        out.update(num_shared_experts=1, moe_score_function="sigmoid", moe_norm_topk=False)
     if model_type.startswith("deepseek"):
         if data.get("moe_layer_freq", 1) != 1:
             raise ModelSpecError(f"{source}: moe_layer_freq {data.get('moe_layer_freq')} is not supported "
@@ -90,17 +117,25 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _qwen3_dense_layers(data: dict[str, Any], out: dict[str, Any], source: str) -> int:
-    """Qwen3-MoE's sparse layers (HF Qwen3MoeDecoderLayer): layer i has experts when i is not in
-    mlp_only_layers and (i + 1) % decoder_sparse_step == 0. Only "the first k are dense" maps to a spec."""
-    layers = out.get("num_layers", 0)
-    dense_ids = set(data.get("mlp_only_layers") or [])
-    step = data.get("decoder_sparse_step", 1) or 1
-    if not isinstance(step, int) or step < 1:
-        raise ModelSpecError(f"{source}: decoder_sparse_step must be a positive whole number, got {step!r}")
-    dense = sorted(i for i in range(layers) if i in dense_ids or (i + 1) % step)
-    if dense != list(range(len(dense))):
-        raise ModelSpecError(f"{source}: dense layers {dense[:8]}{'...' if len(dense) > 8 else ''} (from "
-                             "mlp_only_layers / decoder_sparse_step) are not the first k layers, the only "
-                             "dense-layer layout supported")
-    return len(dense)
+def _whole(value: Any, field: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelSpecError(f"{source}: {field} must be a positive whole number, got {value!r}")
+    return value
+
+
+def _moe_layer_pattern(has_experts: list[bool], origin: str, source: str) -> dict[str, int]:
+    """The spec's dense_layers and moe_layer_step for a config's per-layer choice of experts (layer i has them
+    when i >= dense_layers and (i + 1) % moe_layer_step == 0): "the first k are dense", "every n-th layer", or
+    both. Any other pattern is refused, naming the fields it came from."""
+    moe = [i for i, e in enumerate(has_experts) if e]
+    if not moe:
+        raise ModelSpecError(f"{source}: {origin} leave no layer with experts")
+    steps = ([moe[1] - moe[0]] if len(moe) > 1 else []) + [1]
+    for step in steps:
+        first = moe[0] - step + 1  # the least dense_layers that keeps layer moe[0] - step dense
+        for dense in sorted({max(0, first), moe[0]}):
+            if [i >= dense and (i + 1) % step == 0 for i in range(len(has_experts))] == has_experts:
+                return {"dense_layers": dense, "moe_layer_step": step}
+    dense_ids = [i for i, e in enumerate(has_experts) if not e]
+    raise ModelSpecError(f"{source}: dense layers {dense_ids[:8]}{'...' if len(dense_ids) > 8 else ''} (from {origin}) "
+                         "are neither the first k layers nor all but every n-th one (the layouts supported)")

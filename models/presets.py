@@ -15,6 +15,10 @@ Sources, per family:
 - DeepSeek-V3: arXiv 2412.19437 (Sec. 4.2: MLA ranks, 1 shared + 256 routed experts, top-8, first 3 layers
   dense, sigmoid routing with scaling 2.5, balance factor alpha = 0.0001, one MTP module) and HF
   deepseek-ai/DeepSeek-V3 config.json.
+- Llama 4 Scout / Maverick: Meta's model card (17B active; 109B / 400B total, the vision encoder included) and
+  HF meta-llama/Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E config.json text_config (48 layers, 5120 hidden,
+  40 heads of 128, 8 K/V heads, 202,048 ids; 16 / 128 experts of 8192 plus one shared, top-1 sigmoid routing;
+  Maverick's MoE layers every other one (interleave_moe_layer_step 2), its dense ones 16384 wide).
 Sequence lengths are pre-training lengths (4096 for the MoE models: Qwen3's general stage, DeepSeek-V3's
 4K pre-training, and the length NVIDIA's NeMo/Megatron Mixtral recipes train at), not the context windows
 the HF configs list as max_position_embeddings.
@@ -83,6 +87,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                         num_shared_experts=1, dense_layers=3, moe_score_function="sigmoid",
                         moe_routed_scaling_factor=2.5, moe_aux_loss_coeff=0.0001, mtp_layers=1, vocab_size=129280,
                         seq_length=4096),
+    "llama4-scout": dict(family="llama", num_layers=48, hidden_size=5120, num_attention_heads=40, num_kv_heads=8,
+                         head_dim=128, ffn_hidden_size=16384, moe_ffn_hidden_size=8192, num_experts=16,
+                         experts_per_token=1, num_shared_experts=1, moe_score_function="sigmoid", moe_norm_topk=False,
+                         moe_aux_loss_coeff=0.001, vocab_size=202048, seq_length=8192),
+    "llama4-maverick": dict(family="llama", num_layers=48, hidden_size=5120, num_attention_heads=40, num_kv_heads=8,
+                            head_dim=128, ffn_hidden_size=16384, moe_ffn_hidden_size=8192, num_experts=128,
+                            experts_per_token=1, num_shared_experts=1, moe_layer_step=2, moe_score_function="sigmoid",
+                            moe_norm_topk=False, moe_aux_loss_coeff=0.001, vocab_size=202048, seq_length=8192),
     "bert-large": dict(family="bert", num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=30522,
                        seq_length=512),
     "resnet50": dict(family="resnet", depth=50, num_classes=1000, image_size=224),

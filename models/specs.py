@@ -38,6 +38,7 @@ _LIMITS = {
     "moe_ffn_hidden_size": 1 << 23,
     "num_shared_experts": 1 << 10,
     "dense_layers": 4096,
+    "moe_layer_step": 4096,
     "mtp_layers": 64,
     "q_lora_rank": 1 << 20,
     "kv_lora_rank": 1 << 20,
@@ -50,7 +51,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _OPTIONAL_FIELDS = frozenset({
     "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
-    "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff"})
+    "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff"})
 _BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
@@ -102,6 +103,9 @@ class TransformerSpec(ModelSpec):
     moe_ffn_hidden_size: int | None = None  # one routed expert's FFN size (default: ffn_hidden_size)
     num_shared_experts: int = 0  # experts every token goes through (DeepSeek), each moe_ffn_hidden_size wide
     dense_layers: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3's first_k_dense_replace)
+    # past them, every moe_layer_step-th layer has experts, the others a dense MLP: layer i (0-based) when
+    # (i + 1) % moe_layer_step == 0 (Llama 4's interleave_moe_layer_step, Qwen's decoder_sparse_step)
+    moe_layer_step: int = 1
     moe_score_function: str = "softmax"  # router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
     moe_norm_topk: bool = True  # renormalise the k selected scores to sum to 1
     moe_routed_scaling_factor: float = 1.0  # DeepSeek-V3 multiplies the routed output by 2.5
@@ -159,7 +163,11 @@ class TransformerSpec(ModelSpec):
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has routed experts instead of a dense MLP."""
-        return self.is_moe and index >= self.dense_layers
+        return self.is_moe and index >= self.dense_layers and (index + 1) % self.moe_layer_step == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def causal(self) -> bool:
@@ -207,7 +215,7 @@ class TransformerSpec(ModelSpec):
 
     def _validate_moe(self, source: str) -> None:
         moe_only = {"experts_per_token": None, "moe_ffn_hidden_size": None, "num_shared_experts": 0,
-                    "dense_layers": 0}
+                    "dense_layers": 0, "moe_layer_step": 1}
         if not self.is_moe:
             given = [k for k, default in moe_only.items() if getattr(self, k) != default]
             if given:
@@ -221,6 +229,9 @@ class TransformerSpec(ModelSpec):
         if self.dense_layers >= self.num_layers:
             raise ModelSpecError(f"{source}: field 'dense_layers' ({self.dense_layers}) must be less than "
                                  f"num_layers ({self.num_layers}): at least one layer has experts")
+        if not self.num_moe_layers:
+            raise ModelSpecError(f"{source}: field 'moe_layer_step' ({self.moe_layer_step}) leaves no layer with "
+                                 f"experts among the {self.num_layers} (past the {self.dense_layers} dense ones)")
         if self.moe_score_function not in SCORE_FUNCTIONS:
             raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
                                  f"{', '.join(SCORE_FUNCTIONS)}, got {self.moe_score_function!r}")

@@ -26,8 +26,9 @@ def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int
 
     A transformer's layers are identical, so a two-layer copy of the model is traced (and timed) and
     its second layer's record stands for every layer: a 126-layer model costs what a 2-layer one does.
-    A mixture of experts with dense first layers is traced as one dense and two MoE layers, the dense
-    layer's record standing for the dense layers and the last for the MoE layers.
+    A mixture of experts with dense layers (the first k, or all but every moe_layer_step-th) is traced as
+    one dense and two MoE layers, the dense layer's record standing for the dense layers and the last for
+    the MoE layers.
     """
     spec = load_model_spec(model) if isinstance(model, str) else model
     key = None
@@ -37,16 +38,17 @@ def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int
         hit = cache.load(key)
         if hit is not None:
             return hit
-    dense = getattr(spec, "dense_layers", 0) if getattr(spec, "is_moe", False) else 0
+    moe_layers = isinstance(spec, TransformerSpec) and spec.is_moe
+    dense = spec.num_layers - spec.num_moe_layers if moe_layers else 0
     if isinstance(spec, TransformerSpec) and spec.num_layers > 2 + min(dense, 1):
-        changes = {"num_layers": 3, "dense_layers": 1} if dense else {"num_layers": 2}
+        changes = {"num_layers": 3, "dense_layers": 1, "moe_layer_step": 1} if dense else {"num_layers": 2}
         short = profile_model(spec.replace(**changes), device, micro_batch, seq_length, dtype, tp_degrees,
                               warmup, repeats)
         embed, *traced, head = short.layers
         first, layer = traced[0], traced[-1]  # a dense first layer (when there are dense layers), an MoE/any layer
         layers = [embed]
         for i in range(spec.num_layers):
-            copy_ = copy.deepcopy(first if i < dense else layer)
+            copy_ = copy.deepcopy(first if moe_layers and not spec.is_moe_layer(i) else layer)
             copy_.name = f"layers.{i}"
             layers.append(copy_)
         layers.append(head)

@@ -643,6 +643,31 @@ def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, tor
                 export_plan(piped, "torchtitan", spec=spec)
 
 
+def test_moe_every_other_layer_exports_to_torchtitan_llama4_and_megatron(plans, tmp_path, torchtitan_config,
+                                                                        torchtitan_models):
+    """Llama 4 Maverick's pattern (experts in every other layer, dense layers twice the experts' width, one shared
+    expert): torchtitan's llama4 with interleave_moe_layer_step 2 and the expert width derived from the dense one
+    builds the plan's count with experts where the spec has them; Megatron gets a 0/1 per layer; an expert width
+    torchtitan cannot derive is refused."""
+    fields = {"family": "llama", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "num_kv_heads": 2,
+              "ffn_hidden_size": 352, "moe_ffn_hidden_size": 192, "num_experts": 4, "experts_per_token": 1,
+              "num_shared_experts": 1, "moe_layer_step": 2, "moe_score_function": "sigmoid", "moe_norm_topk": False,
+              "vocab_size": 1024, "seq_length": 128}
+    (tmp_path / "l4.yaml").write_text(json.dumps(fields))
+    spec = load_model_spec(str(tmp_path / "l4.yaml"))
+    plan = _tiny_plan(tmp_path / "l4.json", str(tmp_path / "l4.yaml"), "--dp", "2", "--tp", "1", "--pp", "2",
+                      "--ep", "2")
+    _, cfg = export_torchtitan(tmp_path, plan, "l4", torchtitan_config)
+    assert cfg.model.name == "paraplan_llama4"
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "l4_model.py", cfg, spec)
+    assert [layer.moe_enabled for layer in model.layers.values()] == [False, True, False, True]
+    f, _ = megatron_export(plan, tmp_path, spec)
+    assert f["--moe-layer-freq"] == "[0,1,0,1]"
+    odd = load_model_spec(str(tmp_path / "l4.yaml")).replace(moe_ffn_hidden_size=96)
+    with pytest.raises(ExportRefused, match=r"experts 96 wide beside dense layers 352 wide.*= 192 here"):
+        export_plan(plan, "torchtitan", spec=odd)
+
+
 def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
     """gpt and bert: no torchtitan model has their architecture (training a LLaMA instead would void the plan);
     dense first layers without latent attention; fp16; a sequence torchtitan cannot split."""

@@ -55,6 +55,8 @@ PUBLISHED = [
     ("Qwen3-30B-A3B", 30.5 * B, 3.3 * B, 0.1 * B),  # Qwen/Qwen3-30B-A3B model card
     ("Qwen3-235B-A22B", 235 * B, 22 * B, 1 * B),  # Qwen/Qwen3-235B-A22B model card
     ("DeepSeek-V3", 671 * B, 37 * B, 1 * B),  # arXiv 2412.19437 abstract: 671B total, 37B activated per token
+    # Meta's Llama 4 model card: 17B active, 400B total (its vision encoder included; the language model is 400.7B)
+    ("Llama-4-Maverick-17B-128E", 400 * B, 17 * B, 1 * B),
 ]
 
 
@@ -67,7 +69,8 @@ def test_parameter_counts_match_published(name, total, active, unit):
 
 @pytest.mark.parametrize("preset,hf_name", [
     ("mixtral-8x7b", "Mixtral-8x7B-v0.1"), ("mixtral-8x22b", "Mixtral-8x22B-v0.1"), ("qwen3-30b-a3b", "Qwen3-30B-A3B"),
-    ("qwen3-235b-a22b", "Qwen3-235B-A22B"), ("deepseek-v3", "DeepSeek-V3")])
+    ("qwen3-235b-a22b", "Qwen3-235B-A22B"), ("deepseek-v3", "DeepSeek-V3"),
+    ("llama4-maverick", "Llama-4-Maverick-17B-128E")])
 def test_presets_are_the_hf_configs_at_pretraining_length(preset, hf_name):
     """The presets are the config.json files, except the sequence length (pre-training's, not the window)."""
     mine = load_model_spec(preset)
@@ -198,12 +201,44 @@ QWEN_SMALL = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 
 
 def test_hf_qwen3_dense_layer_layouts(write):
     """HF Qwen3MoeDecoderLayer: layer i is sparse iff i not in mlp_only_layers and (i+1) % decoder_sparse_step
-    == 0. Dense first layers map to dense_layers; any other layout is refused in one line."""
-    assert _hf(write, {**QWEN_SMALL, "mlp_only_layers": [0, 1], "decoder_sparse_step": 1}).dense_layers == 2
-    for bad in ({"mlp_only_layers": [2]}, {"decoder_sparse_step": 2}):
-        with pytest.raises(ModelSpecError, match="first k layers") as e:
+    == 0. Dense first layers map to dense_layers, every n-th sparse layer to moe_layer_step; any other layout
+    is refused in one line."""
+    spec = _hf(write, {**QWEN_SMALL, "mlp_only_layers": [0, 1], "decoder_sparse_step": 1})
+    assert (spec.dense_layers, spec.moe_layer_step) == (2, 1)
+    spec = _hf(write, {**QWEN_SMALL, "decoder_sparse_step": 2})
+    assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    spec = _hf(write, {**QWEN_SMALL, "num_hidden_layers": 6, "mlp_only_layers": [1], "decoder_sparse_step": 2})
+    assert [spec.is_moe_layer(i) for i in range(6)] == [False, False, False, True, False, True]
+    for bad in ({"mlp_only_layers": [2]}, {"mlp_only_layers": [0, 1, 2, 3]}):
+        with pytest.raises(ModelSpecError, match="mlp_only_layers") as e:
             _hf(write, {**QWEN_SMALL, **bad})
         assert "\n" not in str(e.value)
+
+
+def test_hf_llama4_fields():
+    """Llama 4 Maverick's text_config (HF Llama4TextDecoderLayer: layer i has experts when it is in moe_layers,
+    by default every interleave_moe_layer_step-th from step - 1): 128 routed experts and one shared, each
+    intermediate_size (8192) wide, top-1 with sigmoid scores not renormalised; the dense layers' MLP
+    intermediate_size_mlp (16384) wide; no weights in its q/k norm."""
+    spec = hf_spec("Llama-4-Maverick-17B-128E")
+    assert [spec.is_moe_layer(i) for i in range(6)] == [False, True, False, True, False, True]
+    assert spec.num_moe_layers == 24 and (spec.dense_layers, spec.moe_layer_step) == (0, 2)
+    assert (spec.num_experts, spec.num_shared_experts, spec.experts_per_token) == (128, 1, 1)
+    assert (spec.moe_ffn_size, spec.ffn_size, spec.head_dim, spec.kv_heads) == (8192, 16384, 128, 8)
+    assert (spec.moe_score_function, spec.moe_norm_topk, spec.moe_aux_loss_coeff) == ("sigmoid", False, 0.001)
+    assert not spec.tied and not spec.qk_norm
+
+
+def test_hf_llama4_moe_layers_list(write):
+    """An explicit moe_layers list wins over the step; one that is no supported pattern is refused."""
+    text = json.loads((HF / "Llama-4-Maverick-17B-128E" / "config.json").read_text())["text_config"]
+    small = {**text, "num_hidden_layers": 6}
+    spec = _hf(write, {"model_type": "llama4", "text_config": {**small, "moe_layers": [3, 4, 5]}})
+    assert [spec.is_moe_layer(i) for i in range(6)] == [False, False, False, True, True, True]
+    with pytest.raises(ModelSpecError, match="moe_layers"):
+        _hf(write, {"model_type": "llama4", "text_config": {**small, "moe_layers": [1, 2, 5]}})
+    with pytest.raises(ModelSpecError, match="text_config"):
+        _hf(write, {"model_type": "llama4"})
 
 
 def test_hf_deepseek_moe_layer_freq_refused(write):
@@ -223,6 +258,8 @@ MOE = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, 
     ({"experts_per_token": None}, "needs field 'experts_per_token'"),
     ({"num_experts": 0}, "field 'experts_per_token' needs num_experts > 0"),
     ({"dense_layers": 2}, "'dense_layers' (2) must be less than num_layers (2)"),
+    ({"moe_layer_step": 3}, "'moe_layer_step' (3) leaves no layer with experts"),
+    ({"moe_layer_step": 0}, "'moe_layer_step' must be positive"),
     ({"num_experts": -1}, "'num_experts' must be positive"),
     ({"moe_score_function": "relu"}, "'moe_score_function' must be one of softmax, sigmoid"),
     ({"moe_aux_loss_coeff": -0.1}, "'moe_aux_loss_coeff' must be non-negative"),
@@ -261,9 +298,9 @@ def test_bad_moe_preset_file_is_one_line_cli_error(write):
 
 # ---- the MoE block on CPU ----
 
-@pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny"])
+@pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny", "llama4-tiny"])
 def test_tiny_moe_models_train_on_cpu(name):
-    spec = load_model_spec(name)
+    spec = _tiny(name)
     model = build_model(spec, "cpu")
     initialize(model, spec, seed=0)
     x, y = sample_batch(spec, 2, torch.Generator().manual_seed(0))
@@ -274,8 +311,18 @@ def test_tiny_moe_models_train_on_cpu(name):
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     moe = [m for m in model.modules() if hasattr(m, "last_aux_loss")]
-    assert len(moe) == spec.num_layers - spec.dense_layers
+    assert len(moe) == spec.num_moe_layers == sum(hasattr(layer, "moe") for layer in model.layers.values())
     assert all(m.last_aux_loss is not None and m.last_aux_loss > 0 for m in moe)
+
+
+def _tiny(name: str):
+    """A preset, or llama4-tiny: mixtral-tiny with Llama 4's pattern (MoE every other layer, one shared expert,
+    top-1 sigmoid routing)."""
+    if name != "llama4-tiny":
+        return load_model_spec(name)
+    return load_model_spec("mixtral-tiny").replace(
+        name="llama4-tiny", moe_layer_step=2, num_shared_experts=1, experts_per_token=1, moe_ffn_hidden_size=96,
+        moe_score_function="sigmoid", moe_norm_topk=False)
 
 
 def test_latent_attention_without_query_rank_and_gpt_experts_run():
@@ -521,6 +568,25 @@ def test_short_trace_of_dense_first_layers_matches_the_full_trace():
         assert (a.params, a.fwd_flops, a.bwd_flops, a.activation_bytes, a.signature) == \
             (b.params, b.fwd_flops, b.bwd_flops, b.activation_bytes, b.signature), a.name
     assert (short.num_parameters, short.num_active_parameters) == (full.num_parameters, full.num_active_parameters)
+
+
+def test_short_trace_of_interleaved_moe_layers_matches_the_full_trace():
+    """MoE every other layer (Llama 4 Maverick): the short trace's dense and MoE records land where the spec
+    puts them, as tracing every layer does."""
+    from paraplan.profiler.profile import _profile_model
+
+    spec = _tiny("llama4-tiny").replace(num_layers=6)
+    short = profile_model(spec, "meta")
+    full = _profile_model(spec, "meta", 1, None, None, None, 0, 0)
+    assert [x.name for x in short.layers] == [x.name for x in full.layers]
+    for a, b in zip(short.layers, full.layers, strict=True):
+        assert (a.params, a.fwd_flops, a.bwd_flops, a.activation_bytes, a.signature) == \
+            (b.params, b.fwd_flops, b.bwd_flops, b.activation_bytes, b.signature), a.name
+    assert (short.num_parameters, short.num_active_parameters) == (full.num_parameters, full.num_active_parameters)
+    assert (short.num_parameters, short.num_active_parameters) == (count_parameters(spec),
+                                                                   count_active_parameters(spec))
+    experts = [x.expert_params > 0 for x in short.layers[1:-1]]
+    assert experts == [spec.is_moe_layer(i) for i in range(6)] == [False, True] * 3
 
 
 def test_profile_json_has_active_parameters():

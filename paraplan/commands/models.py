@@ -11,7 +11,9 @@ def _describe(spec) -> str:
     if spec.is_transformer:
         kv = f", kv {spec.kv_heads}" if spec.kv_heads != spec.num_attention_heads else ""
         moe = (f" experts={spec.num_experts}x{spec.moe_ffn_size} top-{spec.top_k}"
-               + (f" +{spec.num_shared_experts} shared" if spec.num_shared_experts else "")) if spec.is_moe else ""
+               + (f" +{spec.num_shared_experts} shared" if spec.num_shared_experts else "")
+               + (f" in {spec.num_moe_layers} layers" if spec.num_moe_layers < spec.num_layers else "")) \
+        if spec.is_moe else ""
         return (f"L={spec.num_layers} h={spec.hidden_size} a={spec.num_attention_heads}{kv} "
                 f"ffn={spec.ffn_size}{moe} V={spec.vocab_size} s={spec.seq_length}")
     if spec.family == "mlp":

@@ -137,7 +137,10 @@ def _moe_args(spec) -> Args:
     if shared:
         a.append(("--moe-shared-expert-intermediate-size", shared * ffn))
     dense = getattr(spec, "dense_layers", 0) or 0
-    if dense:
+    if getattr(spec, "moe_layer_step", 1) > 1:  # a 0/1 per layer (Megatron-Core parses the list expression)
+        a.append(("--moe-layer-freq", "[" + ",".join(str(int(spec.is_moe_layer(i))) for i in range(spec.num_layers))
+                  + "]"))
+    elif dense:
         a.append(("--moe-layer-freq", f"([0]*{dense}+[1]*{spec.num_layers - dense})"))
     if getattr(spec, "moe_score_function", "softmax") != "softmax":
         a.append(("--moe-router-score-function", spec.moe_score_function))

@@ -9,7 +9,9 @@ the torchtitan model that expresses the plan's model exactly, holding one flavor
 - llama3: dense LLaMA (RMSNorm, SwiGLU, RoPE, GQA), untied, head size hidden / heads; the SwiGLU width through
   ``multiple_of`` / ``ffn_dim_multiplier`` (torchtitan derives it from the hidden size), RoPE scaling off.
 - llama4: a mixture of experts in every layer, same attention as llama3 (``interleave_moe_layer_step`` 1,
-  ``auto_scale_hidden_dim`` off, the expert width through ``multiple_of`` / ``ffn_dim_multiplier``).
+  ``auto_scale_hidden_dim`` off, the expert width through ``multiple_of`` / ``ffn_dim_multiplier``); or in every
+  n-th layer (the plan's moe_layer_step, Llama 4 Maverick), the dense width through those two and the experts'
+  derived from it (``auto_scale_hidden_dim``: divided by top-k + shared experts), where that gives the plan's.
 - qwen3: what llama3 and llama4 lack: tied embeddings, q/k RMSNorm, a head size other than hidden / heads
   (dense, or experts in every layer). torchtitan 0.2.2's qwen3 has no pipeline parallelism.
 - deepseek_v3: multi-head latent attention, dense or with dense first layers and (shared) experts.
@@ -177,14 +179,30 @@ def _llama3(plan: Plan, spec: TransformerSpec) -> TitanModel:
 
 def _llama4(plan: Plan, spec: TransformerSpec) -> TitanModel:
     m = _custom(plan, spec, "llama4", "TransformerModelArgs")
-    mult, multiple_of = ffn_settings(spec.hidden_size, spec.moe_ffn_size)
+    step = spec.moe_layer_step
+    # experts in every layer: their width is the one FFN setting; else the dense layers' is, and the experts' follows
+    mult, multiple_of = ffn_settings(spec.hidden_size, spec.moe_ffn_size if step == 1 else spec.ffn_size)
+    if step == 1:
+        width = [("ffn_dim_multiplier", repr(mult), _ffn_comment(spec.hidden_size, mult, multiple_of, "expert width")),
+                 ("auto_scale_hidden_dim", "False", "the expert width as given")]
+    else:
+        share = spec.top_k + spec.num_shared_experts
+        experts = ffn_width(spec.hidden_size, mult, 1) // share
+        experts += -experts % multiple_of
+        if experts != spec.moe_ffn_size:
+            raise ExportRefused(TARGET, f"experts {spec.moe_ffn_size} wide beside dense layers {spec.ffn_size} wide "
+                                f"(moe_layer_step {step})", f"{TORCHTITAN_SOURCE}'s llama4 derives the experts' width "
+                                f"from the dense one (/ top-k + shared experts = {experts} here)")
+        width = [("ffn_dim_multiplier", repr(mult), _ffn_comment(spec.hidden_size, mult, multiple_of, "dense width")),
+                 ("auto_scale_hidden_dim", "True", f"expert width {experts}: the dense one / (top-k + shared experts), "
+                                                   f"rounded up to a multiple of {multiple_of}")]
     m.args = _shape_args(spec) + [
         ("n_kv_heads", repr(spec.kv_heads), ""), ("vocab_size", repr(spec.vocab_size), ""),
-        ("multiple_of", repr(multiple_of), ""),
-        ("ffn_dim_multiplier", repr(mult), _ffn_comment(spec.hidden_size, mult, multiple_of, "expert width")),
+        ("multiple_of", repr(multiple_of), ""), width[0],
         *_norm_rope(m, numerics(plan), "None", "plain RoPE"), ("max_seq_len", repr(_seq(plan, spec)), ""),
-        ("moe_args", _moe_args(spec), ""), ("auto_scale_hidden_dim", "False", "the expert width as given"),
-        ("interleave_moe_layer_step", "1", "experts in every layer")]
+        ("moe_args", _moe_args(spec), ""), width[1],
+        ("interleave_moe_layer_step", repr(step), "experts in every layer" if step == 1 else
+         f"experts in layers i with (i + 1) % {step} == 0, a dense MLP in the others")]
     m.imports = ["from torchtitan.models.llama4.model.args import RoPEScalingArgs",
                  "from torchtitan.models.moe import MoEArgs"]
     m.differences.append(_INTERLEAVED_ROPE)
