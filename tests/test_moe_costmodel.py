@@ -493,3 +493,31 @@ def test_fp8_experts_behind_the_all_to_all_dispatcher_pad_their_tokens():
     padded = fused_moe.block_bytes(spec, 8, "alltoall", fp8=True)
     assert (padded.fwd - plain.fwd, padded.bwd - plain.bwd, padded.saved) == (8 * k * h, 8 * k * h, plain.saved)
     assert fused_moe.block_bytes(spec, 8, "hybridep", fp8=True) == fused_moe.block_bytes(spec, 8, "hybridep")
+
+
+def test_fidelity_rows_take_their_own_published_switches():
+    """benchmarks/fidelity_moe.py prices a row with the settings it publishes where it does (the model zoo's
+    dispatcher per row, its "+1f1b overlap" note, Megatron FSDP as ZeRO-3, its full recomputation), and its
+    release's recipe (RECIPES) only where it publishes none; a Llama 4 Maverick row is priced with the 48-layer
+    preset (experts in every other layer)."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    found = importlib.util.spec_from_file_location("fidelity_moe", ROOT / "benchmarks" / "fidelity_moe.py")
+    fid = importlib.util.module_from_spec(found)
+    found.loader.exec_module(fid)
+    rows = {r["id"]: r for r in fid.rows()}
+    zoo = "mcore-moe-modelzoo-h100-bf16-qwen3-235b-a22b-256gpu-"
+    assert fid.recipe(rows[zoo + "deepep-tp2pp8ep32"]) == dict(moe_dispatcher="hybridep", moe_a2a_overlap=False)
+    assert fid.recipe(rows[zoo + "deepep-tp2pp8ep32-1f1b-overlap"]) == dict(moe_dispatcher="hybridep",
+                                                                            moe_a2a_overlap=True)
+    assert fid.recipe(rows[zoo + "a2a-tp2pp32ep8"])["moe_dispatcher"] == "alltoall"
+    fsdp = rows[zoo + "deepep-tp2pp1ep8-fsdp"]
+    assert fid.layout_of(fsdp).zero == 3 and fid.layout_of(rows[zoo + "deepep-tp2pp8ep32"]).zero == 1
+    (lay, _), why = fid.predict(fsdp)
+    assert why == "" and lay.recompute == "full"  # as published ("full"), not the lightest that fits
+    assert fid.recipe(rows["mbridge-26.04-h100-qwen3_235b_a22b-fp8-256gpu"]) == fid.RECIPES[
+        ("qwen3-235b-a22b", 2, 8, 32)]
+    spec, _ = fid.model_of(rows["dgxc-v25.05-llama4-maverick-400b-bf16-512gpu"])
+    assert spec.num_layers == 48 and spec.num_moe_layers == 24 and spec.seq_length == 8192
