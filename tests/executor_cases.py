@@ -33,6 +33,11 @@ EXTRA_MODELS = {
     "qwen3-moe-tiny": dict(family="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                            head_dim=48, qk_norm=True, ffn_hidden_size=256, moe_ffn_hidden_size=64, num_experts=8,
                            experts_per_token=2, vocab_size=1024, seq_length=128),
+    # Llama 4 Maverick's pattern: experts in every other layer (a dense MLP between), one shared expert, top-1 sigmoid
+    "llama4-tiny": dict(family="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=352, moe_ffn_hidden_size=192, num_experts=4, experts_per_token=1,
+                        num_shared_experts=1, moe_layer_step=2, moe_score_function="sigmoid", moe_norm_topk=False,
+                        vocab_size=1024, seq_length=128),
     "bert-small": dict(family="bert", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024,
                        seq_length=128),
     "mlp-small": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=10),

@@ -5,7 +5,8 @@ Each layout trains 3 steps under torchrun and its losses must equal the single p
 and its first step's gradients must too (tests/executor_grads.py: AdamW's per-tensor normalisation would
 hide an expert gradient off by a constant factor from the losses). Models: ``mixtral-tiny`` (softmax top-2
 of 4 experts), ``deepseek-tiny`` (MLA, sigmoid top-2 of 8, a shared expert, a dense first layer) and
-``qwen3-moe-tiny`` (per-head q/k norms).
+``qwen3-moe-tiny`` (per-head q/k norms), ``llama4-tiny`` (Llama 4 Maverick's pattern: experts in every other
+layer, a shared expert, top-1 sigmoid routing).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ LOSS_CASES = {
         Case("mixtral-dp2-ep2-mlp", "mixtral-tiny", dp=2, ep=2, recompute="mlp", micro_batch=2),  # a2a rerun
         # selective recomputation repeats MLA's latent norms and up-projection (models.in_attention_prologue)
         Case("deepseek-tp2-ep2-selective", "deepseek-tiny", tp=2, ep=2, recompute="selective", micro_batch=4),
+        Case("llama4-dp2-ep2", "llama4-tiny", dp=2, ep=2, micro_batch=2),  # experts in every other layer
     ],
     4: [
         Case("mixtral-dp2-pp2-ep2", "mixtral-tiny", dp=2, pp=2, ep=2, micro_batch=2),
