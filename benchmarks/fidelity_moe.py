@@ -44,6 +44,9 @@ LATE lists them and they are summarised apart as well. One choice was made after
 experts' linear weight-gradient traffic as it stands (planner/moe.py rank_view says what and why), which they
 priced at 18.3% mean error scaled as physics says and 14.7% as kept.
 
+Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
+padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).
+
 Rows left out, and why (printed too): B200 rows (no B200 spec), hybrid Mamba models (Nemotron 3: not a
 transformer family here), rows without a layout (DeepSeek-V3 report, MoE Parallel Folding abstract, Megatron-Core
 README), NeMo Automodel's (a PyTorch FSDP2 + DeepEP stack no framework profile here describes).
@@ -74,8 +77,10 @@ RECOMPUTE_ORDER = ("none", "selective", "mlp", "full")  # the CLI's --recompute 
 # Rows the MoE choices were checked on before the others were looked at (see the module docstring).
 FIT = ("dgxc-v24.11.1-grok1-314b-bf16-32gpu", "mbridge-26.04-h100-qwen3_30b_a3b-fp8-16gpu")
 # Rows first priced in round 2, after the model above was written (Llama 4 Maverick once the specs had
-# moe_layer_step; the model zoo's and dgxc v25.08's rows once found): summarised apart too.
-LATE = ("dgxc-v25.05-llama4-maverick", "dgxc-v25.08-", "mcore-moe-modelzoo-")
+# moe_layer_step; the model zoo's and dgxc v25.08's rows once found; the 25.09 token-drop rows once
+# --moe-capacity-factor priced token dropping): summarised apart too.
+LATE = ("dgxc-v25.05-llama4-maverick", "dgxc-v25.08-", "mcore-moe-modelzoo-",
+        "mbridge-25.09-h100-qwen3_30b_a3b-tokendrop", "mbridge-25.09-h100-qwen3_235b_a22b-tokendrop")
 # MoE settings of Megatron-Bridge's H100 performance recipes (scripts/performance/configs/qwen/
 # qwen3_workload_base_configs.py and qwen3_llm_pretrain.py, deepseek/deepseek_workload_base_configs.py, at the
 # commits the code search stores), applied to the rows whose layout is the recipe's: the token dispatcher
@@ -138,12 +143,11 @@ def model_of(row: dict):
         return None, "NeMo Automodel (PyTorch FSDP2 + DeepEP): no framework profile of it here"
     if "llama4-maverick" in name:  # the 48-layer model (the README's FLOPs per sample are the 48-layer model's)
         return load_model_spec("llama4-maverick").replace(seq_length=row["seq_len"]), ""
-    if "token-drop" in name:
-        return None, "token dropping: we price dropless routing"
     if name.startswith("grok"):
         return grok(row), ""
     if name == "gpt-oss-120b":
         return gpt_oss_120b(row), ""
+    name = name.replace(" (token-drop)", "")  # priced with the recipe's token dropping (recipe())
     if "seq_len" not in row:
         return None, "no layout published (sequence length, parallel degrees)"
     if name in PRESETS or name in MODEL_PRESETS:
@@ -194,6 +198,9 @@ def recipe(row: dict) -> dict:
     flex dispatcher priced as --moe-dispatcher hybridep, else alltoall; ``ep_a2a_overlap``), else RECIPES' where
     its layout is the recipe's."""
     row = as_run(row)
+    if "token-drop" in str(row.get("model")):  # Megatron-Bridge's apply_moe_token_drop defaults: c = 1.0, padded
+        base = RECIPES.get((row["model"].replace(" (token-drop)", ""), row.get("tp"), row.get("pp"), row.get("ep")), {})
+        return {**base, "moe_capacity_factor": 1.0, "moe_pad_to_capacity": True}
     if "token_dispatcher" in row:
         flex = any(x in str(row["token_dispatcher"]) for x in ("DeepEP", "flex", "HybridEP"))
         return dict(moe_dispatcher="hybridep" if flex else "alltoall", moe_a2a_overlap=bool(row.get("ep_a2a_overlap")))

@@ -94,6 +94,12 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
                         "remote node, forwarded over NVLink) (overrides the framework)")
     p.add_argument("--moe-a2a-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="hide each MoE all-to-all behind another micro-batch's compute (overrides the framework)")
+    p.add_argument("--moe-capacity-factor", type=float,
+                   help="MoE token dropping: each expert takes at most this many times its mean share of a rank's "
+                        "routed tokens, the rest are dropped (default: dropless) (overrides the framework)")
+    p.add_argument("--moe-pad-to-capacity", action=argparse.BooleanOptionalAction, default=None,
+                   help="pad every expert's tokens to its capacity (fixed shapes; needs --moe-capacity-factor) "
+                        "(overrides the framework)")
     p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="keep and reduce gradients in fp32 (--no-...: in the 16-bit training dtype) (overrides "
                         "the framework)")

@@ -13,6 +13,7 @@ come from. A field a profile leaves at its default behaves as this executor does
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .compute import ATTENTION_KERNELS
@@ -103,6 +104,11 @@ class Framework:
     # (Megatron-Core's overlap_moe_expert_parallel_comm)
     moe_dispatcher: str = "alltoall"
     moe_a2a_overlap: bool = False
+    # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
+    # of a rank's routed tokens, the rest are dropped (None: dropless); moe_pad_to_capacity fills every expert up
+    # to that capacity (moe_pad_expert_input_to_capacity: fixed shapes, c times the mean work and traffic)
+    moe_capacity_factor: float | None = None
+    moe_pad_to_capacity: bool = False
     # the MoE block's non-GEMM kernels: "traced" = the profiler's trace of this executor's eager block (scaled by
     # ``elementwise_traffic`` like the rest of the layer); "fused" = Megatron-Core's fused router, permute,
     # activation and unpermute kernels, whose traffic planner/fused_moe.py counts (not scaled)
@@ -231,12 +237,14 @@ FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATR
 def framework(profile: str | Framework, attention: str | None = None, overlap_dp: bool | None = None,
               overlap_tp: bool | None = None, moe_dispatcher: str | None = None, moe_a2a_overlap: bool | None = None,
               grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None,
-              fused_softmax: str | None = None) -> Framework:
+              fused_softmax: str | None = None, moe_capacity_factor: float | None = None,
+              moe_pad_to_capacity: bool | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
     ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``,
-    ``--optimizer-states``, ``--fused-softmax``: the settings of a recipe, Megatron-Bridge's names where it has
-    them). Switches a stack cannot run are refused, not priced: this executor (and torchtitan) dispatch tokens with
-    one all-to-all each way, exposed, reduce fp32 gradients and keep torch's Adam state in fp32."""
+    ``--optimizer-states``, ``--fused-softmax``, ``--moe-capacity-factor``, ``--moe-pad-to-capacity``: the settings
+    of a recipe, Megatron-Bridge's names where it has them). Switches a stack cannot run are refused, not priced:
+    this executor (and torchtitan) dispatch every token (dropless) with one all-to-all each way, exposed, reduce
+    fp32 gradients and keep torch's Adam state in fp32."""
     if isinstance(profile, Framework):
         fw = profile
     elif profile in FRAMEWORKS:
@@ -245,7 +253,8 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
         raise PlanError(f"unknown framework {profile!r} (one of {', '.join(FRAMEWORKS)})")
     changes = {k: v for k, v in (("attention", attention), ("overlap_dp", overlap_dp), ("overlap_tp", overlap_tp),
                                  ("moe_dispatcher", moe_dispatcher), ("moe_a2a_overlap", moe_a2a_overlap),
-                                 ("fused_softmax", fused_softmax))
+                                 ("fused_softmax", fused_softmax), ("moe_capacity_factor", moe_capacity_factor),
+                                 ("moe_pad_to_capacity", moe_pad_to_capacity))
                if v is not None}
     if grad_reduce_in_fp32 is not None:
         changes["grad_bytes"] = 4 if grad_reduce_in_fp32 else 2
@@ -264,22 +273,32 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                         "own; a flash kernel fuses it")
     if changes.get("moe_dispatcher", fw.moe_dispatcher) not in MOE_DISPATCHERS:
         raise PlanError(f"MoE token dispatcher must be one of {', '.join(MOE_DISPATCHERS)}")
+    capacity = changes.get("moe_capacity_factor", fw.moe_capacity_factor)
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
+                                 or not math.isfinite(capacity) or capacity <= 0):
+        raise PlanError(f"--moe-capacity-factor must be a positive number, got {capacity!r}")
+    if changes.get("moe_pad_to_capacity", fw.moe_pad_to_capacity) and capacity is None:
+        raise PlanError("--moe-pad-to-capacity pads each expert to its capacity: give --moe-capacity-factor too")
     if fw.states == "executor":
         for flag, key, runs in (("--moe-dispatcher hybridep", "moe_dispatcher", "alltoall"),
                                 ("--moe-a2a-overlap", "moe_a2a_overlap", False),
+                                ("--moe-capacity-factor", "moe_capacity_factor", None),
+                                ("--moe-pad-to-capacity", "moe_pad_to_capacity", False),
                                 ("--no-grad-reduce-in-fp32", "grad_bytes", fw.grad_bytes),
                                 (f"--optimizer-states {optimizer_states}", "moment_bytes", fw.moment_bytes)):
             if changes.get(key, runs) != runs:
                 raise PlanError(f"{flag}: the {fw.name} stack does not run it (it reduces fp32 gradients, keeps "
-                                "Adam's state in fp32 and dispatches tokens with one exposed all-to-all each way); "
+                                "Adam's state in fp32 and dispatches every token, dropless, with one exposed "
+                                "all-to-all each way); "
                                 "price a stack that does, e.g. --framework megatron-core")
     return fw.replace(**changes) if changes else fw
 
 
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
 SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
-            "fused_softmax")
-NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax")  # the rest are on/off
+            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity")
+NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax")
+NUMBER_SWITCHES = ("moe_capacity_factor",)  # the rest are on/off
 
 
 def switches_of(fw: Framework) -> dict:
@@ -287,7 +306,7 @@ def switches_of(fw: Framework) -> dict:
     validating it or exporting it sees the stack the planner priced. Empty for a profile as it stands."""
     base = FRAMEWORKS[fw.name]
     out: dict = {k: getattr(fw, k) for k in ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap",
-                                             "fused_softmax")
+                                             "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity")
                  if getattr(fw, k) != getattr(base, k)}
     if fw.grad_bytes != base.grad_bytes:
         out["grad_reduce_in_fp32"] = fw.grad_bytes == 4

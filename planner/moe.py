@@ -25,7 +25,10 @@ parallelism and Megatron-Core does with the sequence parallelism it requires for
   factor Switch Transformers train with (Fedus et al. 2022, JMLR, Sec. 2.2 and Table 1: the headroom over
   the mean load that routing with an auxiliary loss is given, which a dropless layer's most loaded expert
   then uses). Megatron-Bridge's published MoE benchmarks force-balance the tokens (their table's footnote,
-  benchmarks/data/published_moe.yaml): 1.0 there.
+  benchmarks/data/published_moe.yaml): 1.0 there. With token dropping (``Framework.moe_capacity_factor`` c,
+  Megatron-Core's moe_expert_capacity_factor) no expert takes more than c times its mean share: the load is
+  min(imbalance, c); padded to capacity (``moe_pad_to_capacity``) every expert computes and receives c times
+  the mean (:func:`routed_load`), its all-to-all bytes too.
 - the token all-to-all (:func:`all_to_all`): dispatch and combine in forward, their transposes in backward,
   each moving the rank's T·k token copies of h elements (16-bit: 2 bytes), of which (ep-1)/ep leave the rank
   (pairwise exchange, Thakur, Rabenseifner and Gropp 2005: (p-1)/p·M·β plus latency); within a node over
@@ -73,6 +76,15 @@ def overlapped_exposure(a2a: float, compute: float, sm_count: int) -> float:
     Without an SM count, r = 1 (the exchange free beside compute)."""
     r = 1.0 - COMM_SMS / sm_count if sm_count > COMM_SMS else 1.0
     return a2a - compute if a2a * r >= compute else a2a * (1.0 - r)
+
+
+def routed_load(fw) -> float:
+    """The most loaded rank's routed token copies over the mean (see the module docstring): the imbalance when
+    dropless; with a capacity factor c, at most c (the rest dropped); padded to capacity, c."""
+    c = fw.moe_capacity_factor
+    if c is None:
+        return fw.moe_imbalance
+    return c if fw.moe_pad_to_capacity else min(fw.moe_imbalance, c)
 
 
 def is_moe(layer: LayerProfile) -> bool:
@@ -144,7 +156,7 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     weights for the rank's experts (:func:`stacked_grad_traffic`)."""
     if not is_moe(layer):
         return layer
-    ep, imbalance, num_experts = lay.ep, framework.moe_imbalance, spec.num_experts
+    ep, imbalance, num_experts = lay.ep, routed_load(framework), spec.num_experts
     fwd, bwd = layer.fwd_ops, layer.bwd_ops
     experts = [i for i, x in enumerate(fwd.gemm_moe) if x == 2]
     keep = experts[:len(experts) // ep]  # the rank's E/ep experts (balanced: all alike)
@@ -207,10 +219,10 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
 
 def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float) -> tuple[float, float]:
     """(forward, backward) seconds of the fused MoE kernels' memory traffic (planner/fused_moe.py) on a rank
-    routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (``moe_imbalance``)."""
+    routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (:func:`routed_load`)."""
     local = spec.num_experts // lay.ep
     per = fused_moe.block_bytes(spec, local, framework.moe_dispatcher, lay.dtype == "fp8" and framework.fp8_experts)
-    routed = tokens / lay.tp * framework.moe_imbalance
+    routed = tokens / lay.tp * routed_load(framework)
     return per.fwd * routed / hbm_Bps, per.bwd * routed / hbm_Bps
 
 
@@ -308,7 +320,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
             one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy)
         else:
             one = all_to_all(sent, span, cluster, busy)
-        one *= fw.moe_imbalance
+        one *= routed_load(fw)
         counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
         a2a_fwd = a2a_bwd = 2 * one
         if a2a_overlap_applies(fw, lay, mode):  # each pass's exchanges under another micro-batch's opposite pass
@@ -317,13 +329,15 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
                                 overlapped_exposure(a2a_bwd, compute[0], sms))
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
-        traffic["all_to_all"] = (4 + 2 * repeat) * sent + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
+        padded = fw.moe_capacity_factor if fw.moe_pad_to_capacity else 1.0  # padded copies travel too
+        traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
     if lay.etp > 1:  # received tokens gathered over the etp group, the results reduce-scattered; both passes
         full = lay.etp * tokens * k * h * elem
         group = consecutive_group(cluster, lay.etp)
-        one = comm.gather(full, group, cluster, busy) * fw.moe_imbalance
+        one = comm.gather(full, group, cluster, busy) * routed_load(fw)
         fwd += 2 * one
         bwd += 2 * one
+        full *= fw.moe_capacity_factor if fw.moe_pad_to_capacity else 1.0  # the padding gathered too
         traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + repeat) * full
         traffic["reduce_scatter"] = traffic.get("reduce_scatter", 0.0) + (2 + repeat) * full
     if fw.states == "executor" and lay.tp > 1:

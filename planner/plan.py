@@ -200,7 +200,7 @@ def _head_parallel(strategies: object, source: str) -> int:
 def _framework_switches(switches: Any, framework: str, source: str, attention: Any = None) -> dict[str, Any]:
     """A plan's 'framework_switches', checked as the CLI checks them (framework.framework), beside the plan's
     attention kernel (some switches need the unfused one)."""
-    from .framework import NAMED_SWITCHES, SWITCHES
+    from .framework import NAMED_SWITCHES, NUMBER_SWITCHES, SWITCHES
     from .framework import framework as build
 
     if not isinstance(switches, dict):
@@ -208,7 +208,8 @@ def _framework_switches(switches: Any, framework: str, source: str, attention: A
     for key, value in switches.items():
         if key not in SWITCHES:
             raise PlanError(f"{source}: unknown framework switch '{key}' (known: {', '.join(SWITCHES)})")
-        if not isinstance(value, str if key in NAMED_SWITCHES else bool):
+        kind = str if key in NAMED_SWITCHES else (int, float) if key in NUMBER_SWITCHES else bool
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise PlanError(f"{source}: framework switch '{key}' has the wrong type: {value!r}")
     try:
         build(framework, attention=attention if attention in ATTENTION_KERNELS else None, **switches)

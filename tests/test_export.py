@@ -58,6 +58,7 @@ MEGATRON_FLAGS = {
     "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-grad-reduce", "--overlap-param-gather",
     "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-param-gather",
+    "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity",
 }
 
 
@@ -271,6 +272,10 @@ def test_megatron_moe_model_flags(plans, tmp_path):
     f, _ = megatron_export(core, tmp_path, spec)
     assert (f["--moe-token-dispatcher-type"], f["--moe-flex-dispatcher-backend"]) == ("flex", "hybridep")
     assert {"--moe-grouped-gemm", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"} <= set(f)
+    assert "--moe-expert-capacity-factor" not in f  # dropless
+    dropping = core.replace(framework_switches={"moe_capacity_factor": 1.25, "moe_pad_to_capacity": True})
+    f, _ = megatron_export(dropping, tmp_path, spec)
+    assert f["--moe-expert-capacity-factor"] == "1.25" and "--moe-pad-expert-input-to-capacity" in f
 
 
 def test_megatron_runs_the_stack_the_plan_was_priced_for(plans, tmp_path):
@@ -319,7 +324,10 @@ def test_plan_records_the_framework_switches_it_was_priced_with(tmp_path):
     data = json.loads(path.read_text())
     for switches, words in (({"optimizer_states": "fp4"}, "--optimizer-states must be one of"),
                             ({"overlap_everything": True}, "unknown framework switch 'overlap_everything'"),
-                            ({"moe_a2a_overlap": "yes"}, "wrong type")):
+                            ({"moe_a2a_overlap": "yes"}, "wrong type"),
+                            ({"moe_capacity_factor": True}, "wrong type"),
+                            ({"moe_capacity_factor": 0}, "--moe-capacity-factor must be a positive number"),
+                            ({"moe_pad_to_capacity": True}, "give --moe-capacity-factor too")):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({**data, "framework_switches": switches}))
         assert_one_line_error(cli("export", "--plan", str(bad), "--to", "megatron"), str(bad), words)

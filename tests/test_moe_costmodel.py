@@ -521,3 +521,28 @@ def test_fidelity_rows_take_their_own_published_switches():
         ("qwen3-235b-a22b", 2, 8, 32)]
     spec, _ = fid.model_of(rows["dgxc-v25.05-llama4-maverick-400b-bf16-512gpu"])
     assert spec.num_layers == 48 and spec.num_moe_layers == 24 and spec.seq_length == 8192
+
+
+def test_token_dropping_caps_the_most_loaded_rank_at_the_capacity():
+    """--moe-capacity-factor c (Megatron-Core's moe_expert_capacity_factor): no expert takes more than c times
+    its mean share, so the most loaded rank's routed work is min(imbalance, c) times the mean; padded to
+    capacity (--moe-pad-to-capacity) it is c exactly, and its all-to-alls carry the padding. Under forced
+    balancing (megatron-core's imbalance 1.0) c = 1 prices as dropless; this executor routes dropless only."""
+    from paraplan.planner.framework import framework
+
+    core = framework("megatron-core")
+    assert moe.routed_load(core) == 1.0
+    assert moe.routed_load(core.replace(moe_imbalance=1.25, moe_capacity_factor=1.1)) == 1.1
+    assert moe.routed_load(core.replace(moe_imbalance=1.25, moe_capacity_factor=1.5)) == 1.25
+    assert moe.routed_load(core.replace(moe_imbalance=1.25, moe_capacity_factor=1.5, moe_pad_to_capacity=True)) == 1.5
+    args = ["simulate", "--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "64",
+            "--seq-len", "1024", "--dp", "16", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1",
+            "--zero", "1", "--framework", "megatron-core"]
+    plain = run_cli_json(*args)
+    same = run_cli_json(*args, "--moe-capacity-factor", "1.0", "--moe-pad-to-capacity")
+    assert same["iteration_time_s"] == pytest.approx(plain["iteration_time_s"], rel=1e-12)
+    padded = run_cli_json(*args, "--moe-capacity-factor", "1.5", "--moe-pad-to-capacity")
+    assert padded["time_s"]["ep_comm"] == pytest.approx(1.5 * plain["time_s"]["ep_comm"], rel=1e-9)
+    assert padded["iteration_time_s"] > plain["iteration_time_s"]
+    p = run_cli(*args[:-2], "--moe-capacity-factor", "1.0")  # --framework paraplan: this executor
+    assert p.returncode == 2 and "--moe-capacity-factor" in p.stderr and "dropless" in p.stderr

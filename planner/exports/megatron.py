@@ -229,6 +229,10 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
             a.append(("--moe-token-dispatcher-type", "alltoall"))
         if fw.moe_grouped_gemm:
             a.append(("--moe-grouped-gemm", None))
+        if fw.moe_capacity_factor is not None:  # token dropping (Megatron drops the lowest-probability copies)
+            a.append(("--moe-expert-capacity-factor", fw.moe_capacity_factor))
+            if fw.moe_pad_to_capacity:
+                a.append(("--moe-pad-expert-input-to-capacity", None))
         if a2a_overlap_applies(fw, lay):
             a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
         elif fw.moe_a2a_overlap:
