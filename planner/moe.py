@@ -195,7 +195,7 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
                                   kernels_mlp=max(0, round(fwd.kernels_mlp - kernels_left)))
     # the executor's per-expert weight gradients, profiled with all E experts on one rank: E/ep of them here,
     # none with a grouped GEMM (it writes each expert's gradient once, as the GEMM's own output).
-    # Known and kept (issue 16's closing note): the trace's weight-sized traffic beyond that formula, about 4
+    # Known and kept (issue 16's notes): the trace's weight-sized traffic beyond that formula, about 4
     # elements per parameter of all E experts in every MoE preset (a part linear in the experts), stays whole on
     # every rank, whatever ep, etp or a grouped GEMM. Scaled as physics says (the rank's E/ep experts; a grouped
     # GEMM's fp32 main-gradient accumulation, 8 bytes per local expert parameter) every Megatron-Core MoE row
