@@ -114,13 +114,21 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     (softmax_falls_back; SOFTMAX_TORCH_TRAFFIC).
     """
     mix, b = layer.fwd_ops, micro_batch_scale
+    memo: dict[tuple[float, str], float] = {}  # an MoE layer's E/ep experts repeat one GEMM shape: price it once
+
+    def gemm(done: float, dt: str) -> float:
+        t = memo.get((done, dt))
+        if t is None:
+            t = memo[(done, dt)] = _gemm(done, gpu, dt)
+        return t
+
     gemm_all = gemm_core = gemm_mlp = last_mlp = 0.0
     marks = mix.gemm_moe or [0] * len(mix.gemm_flops)
     in_mlp = mix.gemm_mlp or [False] * len(mix.gemm_flops)
     for flops, sharded, core, mark, mlp in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, marks, in_mlp,
                                                strict=True):
         done = flops * b / (tp if sharded else 1) * (causal_fraction if core else 1.0)
-        t = _gemm(done, gpu, gemm_dtype(dtype, layer.kind, core, bf16_expert=mark == 2 and not fp8_experts))
+        t = gemm(done, gemm_dtype(dtype, layer.kind, core, bf16_expert=mark == 2 and not fp8_experts))
         gemm_all += t
         gemm_core += t if core else 0.0
         gemm_mlp += t if mlp else 0.0
@@ -161,7 +169,7 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
                  + elementwise * layer.bwd_ops.kernels * overhead)
     mlp_traffic = fwd_traffic * mix.other_bytes_mlp / mix.other_bytes if mix.other_bytes else 0.0
     mlp_fwd = gemm_mlp + mlp_traffic + elementwise * mix.kernels_mlp * overhead
-    prologue_gemms = sum(_gemm(flops * b / (tp if sharded else 1), gpu, gemm_dtype(dtype, layer.kind, False))
+    prologue_gemms = sum(gemm(flops * b / (tp if sharded else 1), gemm_dtype(dtype, layer.kind, False))
                          for flops, sharded in zip(mix.prologue_gemm_flops, mix.prologue_gemm_sharded, strict=True))
     prologue_traffic = fwd_traffic * mix.other_bytes_prologue / mix.other_bytes if mix.other_bytes else 0.0
     prologue_fwd = prologue_gemms + prologue_traffic + elementwise * mix.kernels_prologue * overhead

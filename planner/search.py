@@ -437,7 +437,8 @@ def slowest_rank_bound(times: dict[str, float], acts: dict[str, float], states: 
 
 
 def _layout_key(x: Layout) -> tuple:
-    """What tells enumerated layouts apart (recomputation is the ILP's choice, not the layout's)."""
+    """What tells enumerated layouts apart (recomputation is the ILP's choice, not the layout's). _dominated_by
+    edits its fields by position: schedule 4, zero 6, sequence parallelism 7."""
     return (x.dp, x.tp, x.pp, x.micro_batch, x.schedule, x.virtual_stages, x.zero, x.sequence_parallel,
             x.head_parallel, x.cp, x.ep, x.etp)
 
@@ -452,12 +453,13 @@ def _dominated_by(lay: Layout, valid: set[tuple], model: CostModel) -> str | Non
       TP keeps whole and its ZeRO-2 reduce-scatters every micro-batch, and a calibrated machine charges each
       SP module call and FSDP unit: then both variants are priced, never pruned."""
     free = model.work.framework.states == "zero"
+    key = _layout_key(lay)  # the other layout's key differs in one field (no Layout built: thousands of these)
     if lay.tp > 1 and not lay.sequence_parallel and free and not model.host_cost("tp_module") \
-            and _layout_key(lay.replace(sequence_parallel=True)) in valid:
+            and key[:7] + (True,) + key[8:] in valid:
         return "sequence parallelism on"
-    if lay.zero == 1 and free and not model.host_cost("fsdp_unit") and _layout_key(lay.replace(zero=2)) in valid:
+    if lay.zero == 1 and free and not model.host_cost("fsdp_unit") and key[:6] + (2,) + key[7:] in valid:
         return "ZeRO-2"
-    if lay.schedule == "gpipe" and _layout_key(lay.replace(schedule="1f1b")) in valid:
+    if lay.schedule == "gpipe" and key[:4] + ("1f1b",) + key[5:] in valid:
         return "1f1b"
     return None
 
