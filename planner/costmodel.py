@@ -810,6 +810,7 @@ class CostModel:
         cp_comm = m * sum(costs[s].cp_time for s in rs)
         ep_comm = m * sum(costs[s].ep_time for s in rs)
         tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs) - cp_comm - ep_comm
+        tp_comm = tp_comm if tp_comm > 1e-12 * makespan else 0.0  # float residue where only cp/ep communicate
         pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
         bubble = max(0.0, makespan - m * rank_time[rb])
         dp_comm = iteration - makespan - max(opt_time)

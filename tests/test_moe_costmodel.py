@@ -546,3 +546,13 @@ def test_token_dropping_caps_the_most_loaded_rank_at_the_capacity():
     assert padded["iteration_time_s"] > plain["iteration_time_s"]
     p = run_cli(*args[:-2], "--moe-capacity-factor", "1.0")  # --framework paraplan: this executor
     assert p.returncode == 2 and "--moe-capacity-factor" in p.stderr and "dropless" in p.stderr
+
+
+def test_breakdown_has_no_negative_float_residue_where_only_experts_communicate():
+    """tp comm is what the blocks' communication leaves after cp and ep: with tp 1 and ep 8 that is nothing, and
+    the breakdown says 0, not -2e-16 (compare printed "tp -2.22e-16")."""
+    out = run_cli_json("simulate", "--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "2",
+                       "--global-batch", "64", "--seq-len", "1024", "--dp", "16", "--tp", "1", "--pp", "1", "--ep", "8",
+                       "--micro-batch", "1", "--zero", "3")
+    assert out["time_s"]["ep_comm"] > 0 and all(v >= 0 for v in out["time_s"].values()), out["time_s"]
+    assert out["time_s"]["tp_comm"] == 0.0
