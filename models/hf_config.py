@@ -92,13 +92,13 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
         out["qk_norm"] = True
     if model_type == "qwen3_moe" and out.get("num_experts"):
         layers = out.get("num_layers", 0)
-        step = _whole(data.get("decoder_sparse_step", 1) or 1, "decoder_sparse_step", source)
+        step = _whole(_given(data, "decoder_sparse_step", 1), "decoder_sparse_step", source)
         dense_ids = set(data.get("mlp_only_layers") or [])
         out.update(_moe_layer_pattern([i not in dense_ids and (i + 1) % step == 0 for i in range(layers)],
                                       "mlp_only_layers / decoder_sparse_step", source))
     if model_type == "llama4_text" and out.get("num_experts"):
         layers = out.get("num_layers", 0)
-        step = _whole(data.get("interleave_moe_layer_step", 1) or 1, "interleave_moe_layer_step", source)
+        step = _whole(_given(data, "interleave_moe_layer_step", 1), "interleave_moe_layer_step", source)
         listed = data.get("moe_layers")
         moe_ids = set(listed) if isinstance(listed, list) else set(range(step - 1, layers, step))
         out.update(_moe_layer_pattern([i in moe_ids for i in range(layers)],
@@ -115,6 +115,12 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
             for k in ("experts_per_token", "num_shared_experts", "moe_ffn_hidden_size", "dense_layers"):
                 out.pop(k, None)
     return out
+
+
+def _given(data: dict[str, Any], key: str, default: Any) -> Any:
+    """``data[key]``, or ``default`` where it is missing or null (a 0 stays 0, to be refused)."""
+    value = data.get(key)
+    return default if value is None else value
 
 
 def _whole(value: Any, field: str, source: str) -> int:

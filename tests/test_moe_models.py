@@ -239,6 +239,11 @@ def test_hf_llama4_moe_layers_list(write):
         _hf(write, {"model_type": "llama4", "text_config": {**small, "moe_layers": [1, 2, 5]}})
     with pytest.raises(ModelSpecError, match="text_config"):
         _hf(write, {"model_type": "llama4"})
+    for bad in (0, 1.5, "2"):  # never read as "every layer"
+        with pytest.raises(ModelSpecError, match="interleave_moe_layer_step must be a positive whole number"):
+            _hf(write, {"model_type": "llama4", "text_config": {**small, "interleave_moe_layer_step": bad}})
+    with pytest.raises(ModelSpecError, match="decoder_sparse_step must be a positive whole number"):
+        _hf(write, {**QWEN_SMALL, "decoder_sparse_step": 0})
 
 
 def test_hf_deepseek_moe_layer_freq_refused(write):
