@@ -147,7 +147,7 @@ def model_of(row: dict):
         return grok(row), ""
     if name == "gpt-oss-120b":
         return gpt_oss_120b(row), ""
-    name = name.replace(" (token-drop)", "")  # priced with the recipe's token dropping (recipe())
+    name = base_model(row)  # a token-drop row is priced with its recipe's token dropping (recipe())
     if "seq_len" not in row:
         return None, "no layout published (sequence length, parallel degrees)"
     if name in PRESETS or name in MODEL_PRESETS:
@@ -193,18 +193,23 @@ def published_step(row: dict) -> float | None:
     return None
 
 
+def base_model(row: dict) -> str:
+    """The row's model without its " (token-drop)" qualifier (Megatron-Bridge's 25.09 token-drop rows)."""
+    return str(row.get("model", "")).replace(" (token-drop)", "")
+
+
 def recipe(row: dict) -> dict:
     """The framework switches of the row's recipe: those the row itself publishes (``token_dispatcher``: DeepEP's
     flex dispatcher priced as --moe-dispatcher hybridep, else alltoall; ``ep_a2a_overlap``), else RECIPES' where
     its layout is the recipe's."""
     row = as_run(row)
-    if "token-drop" in str(row.get("model")):  # Megatron-Bridge's apply_moe_token_drop defaults: c = 1.0, padded
-        base = RECIPES.get((row["model"].replace(" (token-drop)", ""), row.get("tp"), row.get("pp"), row.get("ep")), {})
-        return {**base, "moe_capacity_factor": 1.0, "moe_pad_to_capacity": True}
     if "token_dispatcher" in row:
         flex = any(x in str(row["token_dispatcher"]) for x in ("DeepEP", "flex", "HybridEP"))
         return dict(moe_dispatcher="hybridep" if flex else "alltoall", moe_a2a_overlap=bool(row.get("ep_a2a_overlap")))
-    return RECIPES.get((row.get("model"), row.get("tp"), row.get("pp"), row.get("ep")), {})
+    switches = dict(RECIPES.get((base_model(row), row.get("tp"), row.get("pp"), row.get("ep")), {}))
+    if base_model(row) != row.get("model"):  # Megatron-Bridge's apply_moe_token_drop defaults: c = 1.0, padded
+        switches.update(moe_capacity_factor=1.0, moe_pad_to_capacity=True)
+    return switches
 
 
 def predict(row: dict, framework: str = FRAMEWORK):

@@ -311,6 +311,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     tokens = b * work.tokens_per_sample / lay.tp  # this rank's tokens of the micro-batch (b already over cp)
     repeat = 1 if mode in ("full", "mlp") else 0  # both recompute the MoE block, its all-to-alls included
+    padded = fw.moe_capacity_factor if fw.moe_pad_to_capacity else 1.0  # padding to capacity is sent too
     traffic: dict[str, float] = {}
     fwd = bwd = 0.0
     if lay.ep > 1:
@@ -329,7 +330,6 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
                                 overlapped_exposure(a2a_bwd, compute[0], sms))
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
-        padded = fw.moe_capacity_factor if fw.moe_pad_to_capacity else 1.0  # padded copies travel too
         traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
     if lay.etp > 1:  # received tokens gathered over the etp group, the results reduce-scattered; both passes
         full = lay.etp * tokens * k * h * elem
@@ -337,9 +337,8 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         one = comm.gather(full, group, cluster, busy) * routed_load(fw)
         fwd += 2 * one
         bwd += 2 * one
-        full *= fw.moe_capacity_factor if fw.moe_pad_to_capacity else 1.0  # the padding gathered too
-        traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + repeat) * full
-        traffic["reduce_scatter"] = traffic.get("reduce_scatter", 0.0) + (2 + repeat) * full
+        traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + repeat) * full * padded
+        traffic["reduce_scatter"] = traffic.get("reduce_scatter", 0.0) + (2 + repeat) * full * padded
     if fw.states == "executor" and lay.tp > 1:
         if not lay.sequence_parallel:  # the block's output all-gathered (forward), its input gradient (backward)
             whole = b * work.tokens_per_sample * h * elem
