@@ -710,18 +710,22 @@ class CostModel:
                 return None
         return chosen, current
 
-    def ranks_fit(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
-                  ) -> list[bool]:
+    def ranks_fit(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None,
+                  costs: list[StageCost] | None = None, only: list[int] | None = None) -> list[bool]:
         """Does each pipeline rank fit its GPU with these stages (closed-form in-flight counts)? The memory
-        part of :meth:`evaluate` alone, for trying recomputation modes without pricing time."""
+        part of :meth:`evaluate` alone, for trying recomputation modes without pricing time. ``costs``: the
+        stages' costs where the caller has them; ``only``: these ranks' answers alone (a rank's memory depends only
+        on its own stages)."""
         p, v = lay.pp, lay.virtual_stages
         schedule = lay.schedule if p > 1 else "1f1b"
-        ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
-        costs = self.stage_costs(lay, stages, stage_recompute)
-        flights = list(in_flight(schedule, p, v, lay.num_micro_batches))
+        asked = list(range(p)) if only is None else only
+        ranks = [rank_stages(lay.schedule, r, p, v) for r in asked]
+        costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
+        flights = in_flight(schedule, p, v, lay.num_micro_batches)
         cap = self.work.cluster.gpu.memory_GiB
-        held = list(peak_matrices(schedule, p, v, lay.num_micro_batches))
-        return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(lay, costs, ranks, flights, holdings=held)]
+        held = peak_matrices(schedule, p, v, lay.num_micro_batches)
+        return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(
+            lay, costs, ranks, [flights[r] for r in asked], holdings=[held[r] for r in asked])]
 
     @staticmethod
     def grads_at_activation_peak(lay: Layout, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
@@ -760,12 +764,7 @@ class CostModel:
         costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
-        if v == 1:  # one stage per rank: its own times
-            rank_fwd, rank_b, rank_w = [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs]
-        else:
-            rank_fwd = [sum(costs[s].t_f for s in rs) for rs in ranks]
-            rank_w = [sum(costs[s].t_w for s in rs) for rs in ranks]
-            rank_b = [sum(costs[s].t_b for s in rs) for rs in ranks]
+        rank_fwd, rank_b, rank_w = _rank_phase_times(costs, ranks, v)
         rank_time = [f + b + w for f, b, w in zip(rank_fwd, rank_b, rank_w, strict=True)]
         sim = None
         schedule = lay.schedule if p > 1 else "1f1b"
@@ -849,6 +848,27 @@ class CostModel:
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
             in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,
             traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)])
+
+
+def _rank_phase_times(costs: list[StageCost], ranks: list[tuple[int, ...]], v: int
+                      ) -> tuple[list[float], list[float], list[float]]:
+    """Each pipeline rank's forward, input-gradient and weight-gradient time per micro-batch (its stages summed)."""
+    if v == 1:  # one stage per rank: its own times
+        return [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs]
+    return ([sum(costs[s].t_f for s in rs) for rs in ranks], [sum(costs[s].t_b for s in rs) for rs in ranks],
+            [sum(costs[s].t_w for s in rs) for rs in ranks])
+
+
+def pipeline_makespan(lay: Layout, costs: list[StageCost]) -> float:
+    """The closed-form pipeline makespan of these stage costs: what :meth:`CostModel.evaluate` (closed form) adds
+    the exposed data-parallel waits and the optimizer step to, so a lower bound on its iteration time (rank 0
+    finishes at the makespan). Cheap: the polish skips neighbours it shows cannot improve."""
+    p, v = lay.pp, lay.virtual_stages
+    ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
+    rank_fwd, rank_b, rank_w = _rank_phase_times(costs, ranks, v)
+    rank_time = [f + b + w for f, b, w in zip(rank_fwd, rank_b, rank_w, strict=True)]
+    return closed_form_makespan(lay.schedule if p > 1 else "1f1b", p, v, lay.num_micro_batches, rank_time, rank_fwd,
+                                rank_w)
 
 
 def grads_meet_peak(schedule: str, pp: int, v: int, m: int, stages: tuple[int, ...], flights: dict[int, int]) -> bool:

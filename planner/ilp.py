@@ -54,6 +54,7 @@ from .costmodel import (
     inner_chunk_order,
     least_recompute_prediction,
     lighter_end_stages,
+    pipeline_makespan,
     stages_from_counts,
 )
 from .dp_sync import optimizer_step
@@ -742,7 +743,14 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
         for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of, lay.num_stages <= 16):
             if lay.virtual_stages > 1 and not chunks_balanced(stages, n_blocks, model.repeated_blocks(lay)):
                 continue
-            pred = model.evaluate(lay, stages, st_modes)
+            costs = model.stage_costs(lay, stages, st_modes)
+            if pipeline_makespan(lay, costs) >= best.prediction.iteration_time_s * (1 - 1e-9):
+                continue  # its pipeline alone is as slow: the exact price (makespan + waits + step) cannot improve
+            changed = {rank_of[s] for s in range(lay.num_stages)
+                       if stages[s] != best.stages[s] or st_modes[s] != best.recompute[s]}
+            if not all(model.ranks_fit(lay, stages, costs=costs, only=sorted(changed))):
+                continue  # the other ranks fit already (the current split does): evaluate would find it too big
+            pred = model.evaluate(lay, stages, st_modes, costs=costs)
             if pred.fits and pred.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
                 best = Partition(stages, st_modes, pred, best.ilp_status, best.ilp_objective)
                 improved = True

@@ -149,6 +149,28 @@ def test_least_recompute_fits_each_rank_recomputing_its_fullest_chunks_first(sma
         assert not model.ranks_fit(lay, stages, undone)[r]
 
 
+def test_polish_filters_are_what_evaluate_says(small):
+    """The polish skips a neighbour split by two cheap checks; each must agree with the full price it skips:
+    pipeline_makespan is the closed-form price less the exposed data-parallel wait and the optimizer step (so a
+    lower bound on it), and ranks_fit(only=...) answers for those ranks what the whole-layout call does."""
+    from paraplan.planner.costmodel import even_stages, pipeline_makespan
+
+    model = CostModel(small)
+    for short in ("dp1 tp2 pp4 mb2 zb-vx2 sp", "dp2 tp1 pp4 mb1 interleaved-1f1bx2 z1", "dp4 tp1 pp2 mb1 1f1b z3"):
+        lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == short)
+        stages = even_stages(model, lay)
+        for modes in (["none"] * lay.num_stages, ["full"] * lay.num_stages):
+            pred = model.evaluate(lay, stages, modes)
+            makespan = pipeline_makespan(lay, pred.stages)
+            assert makespan == pytest.approx(pred.iteration_time_s - pred.time_s["dp_comm"] - pred.time_s["optimizer"],
+                                             rel=1e-12)
+            assert makespan <= pred.iteration_time_s
+            whole = model.ranks_fit(lay, stages, modes)
+            assert whole == [m <= pred.memory_capacity_gib for m in pred.rank_memory_gib]
+            for r in range(lay.pp):
+                assert model.ranks_fit(lay, stages, costs=pred.stages, only=[r]) == [whole[r]]
+
+
 @pytest.mark.slow  # ~2 minutes: every layout and split priced
 def test_search_equals_exhaustive_enumeration(small):
     """The planner's best layout on 8 GPUs equals brute force over every layout and every split."""
