@@ -297,6 +297,7 @@ class CostModel:
         self.work = work
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
+        self._block_bases: dict[tuple, tuple] = {}  # block_cost's parts every recomputation mode shares
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
@@ -317,49 +318,25 @@ class CostModel:
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
-        if moe.is_moe(layer):  # the MoE block as one rank of the layout runs it (planner/moe.py)
-            layer = moe.rank_view(layer, lay, work.framework, work.spec)
         if i == n - 1 and lay.head_parallel > 1:
+            if moe.is_moe(layer):  # the MoE block as one rank of the layout runs it (planner/moe.py)
+                layer = moe.rank_view(layer, lay, work.framework, work.spec)
             cost = self._sharded_head_cost(layer, lay, place)
             self._blocks[key] = cost
             return cost
-        # context parallelism: each rank computes and keeps what b/cp whole sequences would (context_parallel.py)
-        cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
+        # what every recomputation mode of the block shares (its pass times, its collectives): once per block
+        base_key = key[:7] + key[8:]
+        shared = self._block_bases.get(base_key)
+        if shared is None:
+            shared = self._block_bases[base_key] = self._block_base(i, lay, place)
+        layer, times, colls, tp_fwd, tp_bwd, softmax_fallback = shared
+        cluster, b, t, sp = work.cluster, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
         fw = work.framework
-        causal = context_parallel.attention_work_fraction(work, lay)
-
-        def falls_back(tp: int) -> bool:  # the unfused attention's softmax on PyTorch's path (compute.py)
-            return work.attention == "unfused" and layer.kind == "transformer_layer" and softmax_falls_back(
-                fw.fused_softmax, work.spec.num_attention_heads // tp, lay.micro_batch,
-                work.tokens_per_sample // lay.cp, lay.dtype)
-
-        softmax_fallback = falls_back(t)
-        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
-                                    fw.fp8_experts, softmax_fallback)
-        measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
-        if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
-            m = measured["layers"][i]
-            base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
-                                       causal, fw.fp8_experts, falls_back(1))
-            times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
-        colls = [c for style, ib, ob, tok in layer.region_io
-                 for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
         busy = place.gpus_per_node_busy
-        tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "fwd")
-        tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "bwd")
         sharded_ratio = (layer.param_bytes_sharded / t + layer.param_bytes - layer.param_bytes_sharded) / \
             layer.param_bytes if layer.param_bytes else 1.0
         tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
         moe_layer = moe.is_moe(layer)
-        hbm_Bps = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
-        if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # quantising the FP8 GEMMs' operands (fp8.py)
-            cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp, hbm_Bps,
-                                              gpu.efficiency.op_overhead_us * 1e-6, moe_layer)
-            times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
-        if moe_layer and fw.moe_kernels == "fused":  # the fused MoE kernels' traffic (fused_moe.py via moe.py)
-            moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
-            times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
-                                        mlp_fwd=times.mlp_fwd + moe_f)
         # what selective recomputation reruns of the attention's prologue (Framework.selective_extra)
         prologue = (fw.selective_extra == "prologue" and lay.cp == 1) or (
             fw.selective_extra == "mla" and bool(getattr(work.spec, "mla", False)))
@@ -449,6 +426,51 @@ class CostModel:
             ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0))
         self._blocks[key] = cost
         return cost
+
+    def _block_base(self, i: int, lay: Layout, place: Placement) -> tuple:
+        """What block ``i``'s costs share across recomputation modes (block_cost's key less the mode): the layer as
+        one rank runs it, its pass times, its tensor-parallel collectives and their forward and backward seconds,
+        and whether its softmax falls back to PyTorch's path."""
+        work = self.work
+        layer = work.profile(lay.dtype).layers[i]
+        if moe.is_moe(layer):  # the MoE block as one rank of the layout runs it (planner/moe.py)
+            layer = moe.rank_view(layer, lay, work.framework, work.spec)
+        # context parallelism: each rank computes and keeps what b/cp whole sequences would (context_parallel.py)
+        cluster, gpu, b, t, sp = work.cluster, work.cluster.gpu, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
+        fw = work.framework
+        causal = context_parallel.attention_work_fraction(work, lay)
+
+        def falls_back(tp: int) -> bool:  # the unfused attention's softmax on PyTorch's path (compute.py)
+            return work.attention == "unfused" and layer.kind == "transformer_layer" and softmax_falls_back(
+                fw.fused_softmax, work.spec.num_attention_heads // tp, lay.micro_batch,
+                work.tokens_per_sample // lay.cp, lay.dtype)
+
+        softmax_fallback = falls_back(t)
+        times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
+                                    fw.fp8_experts, softmax_fallback)
+        measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
+        if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
+            m = measured["layers"][i]
+            base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
+                                       causal, fw.fp8_experts, falls_back(1))
+            times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
+        colls = [c for style, ib, ob, tok in layer.region_io
+                 for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
+        busy = place.gpus_per_node_busy
+        tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "fwd")
+        tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "bwd")
+        tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
+        moe_layer = moe.is_moe(layer)
+        hbm_Bps = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+        if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # quantising the FP8 GEMMs' operands (fp8.py)
+            cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp, hbm_Bps,
+                                              gpu.efficiency.op_overhead_us * 1e-6, moe_layer)
+            times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
+        if moe_layer and fw.moe_kernels == "fused":  # the fused MoE kernels' traffic (fused_moe.py via moe.py)
+            moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
+            times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
+                                        mlp_fwd=times.mlp_fwd + moe_f)
+        return layer, times, colls, tp_fwd, tp_bwd, softmax_fallback
 
     def host_cost(self, event: str) -> float:
         """Seconds the framework costs on the host per ``event`` (calibrated; 0 where not measured)."""
