@@ -91,10 +91,12 @@ class Layout:
     def check_fields(self) -> None:
         """Raise InvalidLayout if a field is out of its range, whatever the model: degrees and batch sizes
         positive, a known schedule, recomputation, dtype, ZeRO stage and data-parallel mode."""
-        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "global_batch", "virtual_stages",
-                     "ps_servers"):
-            if getattr(self, name) <= 0:
-                raise InvalidLayout(f"{name} must be positive, got {getattr(self, name)}", f"{name} not positive")
+        if min(self.dp, self.tp, self.pp, self.cp, self.ep, self.etp, self.micro_batch, self.global_batch,
+               self.virtual_stages, self.ps_servers) <= 0:  # (the search checks a million layouts: one test first)
+            for name in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "global_batch", "virtual_stages",
+                         "ps_servers"):
+                if getattr(self, name) <= 0:
+                    raise InvalidLayout(f"{name} must be positive, got {getattr(self, name)}", f"{name} not positive")
         if self.schedule not in SCHEDULES:
             raise InvalidLayout(f"unknown schedule {self.schedule!r} (one of {', '.join(SCHEDULES)})", "schedule")
         if self.recompute not in RECOMPUTE:

@@ -5,7 +5,9 @@
    sequence parallelism on/off (with tp > 1). Recomputation is not enumerated: the ILP picks it per stage
    (uniform settings are among its choices). Invalid layouts are kept with their reason.
 2. Bound each layout from below in O(1): the pipeline with perfectly divided work and the least-work
-   recomputation, plus the optimizer step; and from memory: model states alone over pp ranks.
+   recomputation, plus the optimizer step; and from memory: model states alone over pp ranks. Lazily: every
+   layout first gets the pipeline's time alone (time_bound, one block table per class of layouts), the rest
+   only when it comes up.
 3. Visit layouts in order of their lower bound; stop when the bound reaches the k-th best time found.
    Each visited layout gets the ILP's stage split (see :mod:`ilp`), priced exactly by the cost model — except,
    in the default (heuristic) mode, interleaved and V layouts of identical layers, whose chunk rule leaves
@@ -59,6 +61,7 @@ class Candidate:
     no_fit: frozenset[str] = frozenset()  # recomputation modes whose memory lower bound exceeds the GPU
     solver: str = ""  # how the ILP ended for this layout (optimal, time limit, or why no solver ran)
     traced_peak_gib: float | None = None  # the executor's dry run of its plan (plan --verify), where run
+    memory_checked: bool = True  # False: pruned on its pipeline's time alone (search.time_bound), memory unknown
 
     @property
     def time_s(self) -> float:
@@ -71,6 +74,9 @@ class Candidate:
             return self.reason
         if self.status == "traced oom":
             return f"out of memory by the executor's dry run: traced peak {self.traced_peak_gib:.1f} GiB"
+        if self.status == "pruned" and not self.memory_checked:
+            return (f"not solved: its pipeline's time alone ({self.lower_bound_s:.4g} s at least) cannot beat the top "
+                    f"{self.reason}; its memory was not checked")
         if self.status == "pruned":
             return f"ok (not solved: its lower bound {self.lower_bound_s:.4g} s cannot beat the top {self.reason})"
         if self.status == "priced" and self.reason == "bound":
@@ -114,7 +120,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[str, ...] | None = None,
-                      zero_stages: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True) -> list[Layout]:
+                      zero_stages: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
+                      cp: int = 1) -> list[Layout]:
+    """Every layout of ``work`` on ``gpus`` GPUs (see the module docstring), in a fixed order; ``cp``: the
+    context-parallel degree they all get (the call for cp > 1 enumerates gpus / cp GPUs so)."""
     B = work.global_batch
     n_blocks = len(work.profile(dtype).layers)
     transformer = isinstance(work.spec, TransformerSpec)
@@ -152,11 +161,11 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                             for ep, etp in experts:
                                 out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
                                                   virtual_stages=v, zero=zero, sequence_parallel=sp, dtype=dtype,
-                                                  ep=ep, etp=etp))
+                                                  cp=cp, ep=ep, etp=etp))
     if context_parallel:  # a layout with cp > 1 is one of gpus/cp GPUs with each sequence split over cp ranks
-        for cp in cp_degrees(work.spec, gpus):
-            out += [lay.replace(cp=cp) for lay in enumerate_layouts(work, gpus // cp, dtype, schedules, zero_stages,
-                                                                    context_parallel=False)]
+        for degree in cp_degrees(work.spec, gpus):
+            out += enumerate_layouts(work, gpus // degree, dtype, schedules, zero_stages, context_parallel=False,
+                                     cp=degree)
     return out
 
 
@@ -213,21 +222,24 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     return _pipeline_bound(model, lay, parts, total, slowest, data_parallel_wait), parts.memory
 
 
+def time_bound(model: CostModel, lay: Layout) -> float:
+    """The search's cheap first bound: :func:`lower_bound`'s first-pass time less the optimizer step, from the
+    whole model's costs without recomputation alone (one block table per class of layouts: not the other modes',
+    not the memory bound), so never above it. A layout whose time_bound cannot beat the k-th best needs neither."""
+    place = layout_placement(model.work.cluster, lay)
+    key = model._table_key(lay, place)
+    base = model.totals(lay, "none", place, key)
+    total = base["fwd"] + base["bwd_input"] + base["bwd_weight"] + base["tp_fwd"] + base["tp_bwd"]
+    slowest = max(total / lay.pp, model.block_table(lay, place, "none", key).fullest_rank(lay.pp))
+    return _pipeline_time(lay, total, slowest, base["bwd_weight"])
+
+
 def _pipeline_bound(model: CostModel, lay: Layout, parts: _BoundParts, total: float, slowest: float,
                     data_parallel_wait: bool) -> float:
     """lower_bound's time from the ranks' summed and the slowest rank's time per micro-batch."""
-    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    p, m = lay.pp, lay.num_micro_batches
     per_rank = total / p
-    if lay.pp == 1 or lay.schedule in ("gpipe", "1f1b"):
-        pipe = (m - 1) * slowest + total
-    elif lay.schedule == "interleaved-1f1b" and m >= p:
-        pipe = m * slowest + (p - 1) / v * per_rank
-    else:
-        # Any schedule: the first micro-batch's forward through every stage, then its backward back through
-        # them, one after another (ZB-V may leave the weight gradients for later): with few micro-batches
-        # per pipeline rank this chain, not the ranks' work, is what bounds the step.
-        chain = total - (parts.bwd_weight if lay.schedule == "zb-v" else 0.0)
-        pipe = max(m * slowest, chain)
+    pipe = _pipeline_time(lay, total, slowest, parts.bwd_weight)
     if data_parallel_wait and parts.waiting is not None:
         if parts.wait is None:
             parts.wait = least_dp_wait(model, lay, *parts.waiting)
@@ -235,6 +247,20 @@ def _pipeline_bound(model: CostModel, lay: Layout, parts: _BoundParts, total: fl
         # m·total/p plus their mean wait (least_dp_wait). Without it ZeRO-3's per-micro-batch gathers went unbounded.
         pipe = max(pipe, m * per_rank + parts.wait)
     return pipe + parts.opt
+
+
+def _pipeline_time(lay: Layout, total: float, slowest: float, bwd_weight: float) -> float:
+    """The pipeline's least time from all ranks' summed (``total``) and the slowest rank's time per micro-batch;
+    ``bwd_weight``: the summed weight-gradient part of ``total`` (what ZB-V may defer)."""
+    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    if p == 1 or lay.schedule in ("gpipe", "1f1b"):
+        return (m - 1) * slowest + total
+    if lay.schedule == "interleaved-1f1b" and m >= p:
+        return m * slowest + (p - 1) / v * (total / p)
+    # Any schedule: the first micro-batch's forward through every stage, then its backward back through
+    # them, one after another (ZB-V may leave the weight gradients for later): with few micro-batches
+    # per pipeline rank this chain, not the ranks' work, is what bounds the step.
+    return max(m * slowest, total - (bwd_weight if lay.schedule == "zb-v" else 0.0))
 
 
 @dataclass
@@ -529,39 +555,52 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         valid.append(cand)
     keys = {_layout_key(c.layout) for c in valid}
     capacity = work.cluster.gpu.memory_bytes
-    alive: list[Candidate] = []
-    for cand in valid:
+    # Every layout gets a cheap bound (its pipeline's time alone, time_bound) and waits in a heap; the full first-pass
+    # bound (time and memory, lower_bound) only when it reaches the heap's top. The cheap one is never above the full
+    # one, so layouts come out in the order of their full bounds as if every one had been computed; those still
+    # waiting when the k-th price is reached keep the cheap bound, their memory never checked.
+    waiting: list[tuple[float, int, bool, Candidate]] = []
+    for idx, cand in enumerate(valid):
         better = _dominated_by(cand.layout, keys, model)
         if better:
             cand.status, cand.reason = "dominated", better
             continue
-        cand.lower_bound_s, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False,
-                                                      data_parallel_wait=False)
-        cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
-        lb_mem = min(mem_by_mode.values())
-        if lb_mem > capacity:
-            cand.status = "oom"
-            cand.reason = (f"out of memory by at least {(lb_mem - capacity) / 2**30:.1f} GiB "
-                           f"(needs {lb_mem / 2**30:.1f} GiB per GPU with the least-memory split)")
-            continue
-        alive.append(cand)
-    alive.sort(key=lambda c: c.lower_bound_s)
+        cand.lower_bound_s, cand.memory_checked = time_bound(model, cand.layout), False
+        waiting.append((cand.lower_bound_s, idx, False, cand))
+    heapq.heapify(waiting)
     # Quick exact prices (balanced split) in lower-bound order, until the bound passes the k-th price.
+    alive: list[Candidate] = []
     quick: list[tuple[float, int]] = []
     kth: list[float] = []
-    for idx, cand in enumerate(alive):
+    while waiting:
+        _, idx, full, cand = waiting[0]
         if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
             break
+        heapq.heappop(waiting)
+        if not full:
+            bound, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False,
+                                             data_parallel_wait=False)
+            cand.lower_bound_s, cand.memory_checked = max(bound, cand.lower_bound_s), True
+            cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
+            lb_mem = min(mem_by_mode.values())
+            if lb_mem > capacity:
+                cand.status = "oom"
+                cand.reason = (f"out of memory by at least {(lb_mem - capacity) / 2**30:.1f} GiB "
+                               f"(needs {lb_mem / 2**30:.1f} GiB per GPU with the least-memory split)")
+            else:
+                heapq.heappush(waiting, (cand.lower_bound_s, idx, True, cand))
+            continue
+        alive.append(cand)
         if len(kth) >= top_k:  # the tighter bound, computed only for layouts the quick one let through
             cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=-kth[0])[0])
             if cand.lower_bound_s >= -kth[0]:
                 continue
         pred = quick_price(model, cand.layout, modes, cand.no_fit)
         if pred is None:
-            quick.append((float("inf"), idx))
+            quick.append((float("inf"), len(alive) - 1))
             continue
         cand.prediction = pred
-        quick.append((pred.iteration_time_s, idx))
+        quick.append((pred.iteration_time_s, len(alive) - 1))
         heapq.heappush(kth, -pred.iteration_time_s)
         if len(kth) > top_k:
             heapq.heappop(kth)
@@ -616,7 +655,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                     continue
                 _accept(cand, part, best_times, top_k)
     final = -best_times[0] if len(best_times) >= top_k else None
-    for cand in alive:
+    for cand in valid:
         if cand.status == "pruned":
             cand.reason = f"{top_k} ({final:.4g} s)" if final else ""
     ranked = sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.time_s)

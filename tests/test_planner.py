@@ -372,6 +372,31 @@ def test_lower_bound_never_exceeds_the_best_split(small):
     assert checked > 50 and forced > 5 and waits > 5
 
 
+def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(small):
+    """The search orders layouts by a cheap time bound and computes the full first-pass bound (time and memory)
+    lazily, so the cheap one must never exceed it (else the order, and what is pruned, would change); a layout
+    left with the cheap bound alone says its memory was not checked, and its bound is at least the k-th best."""
+    from paraplan.planner.search import time_bound
+
+    model = CostModel(small)
+    modes = modes_for(model)
+    for lay in enumerate_layouts(small, 8, "bf16"):
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        full, _ = lower_bound(model, lay, modes, forced_recomputation=False, data_parallel_wait=False)
+        assert time_bound(model, lay) <= full, lay.short()
+    result = search(small, 8)
+    kth = result.ranked[-1].time_s
+    unchecked = [c for c in result.candidates if c.status == "pruned" and not c.memory_checked]
+    assert unchecked, "the small instance should leave some layouts to the cheap bound"
+    for c in unchecked:
+        assert c.lower_bound_s >= kth * (1 - 1e-12)
+        assert "memory was not checked" in c.status_text()
+    assert all(c.memory_checked for c in result.candidates if c.status in ("ok", "priced", "oom"))
+
+
 def test_slowest_rank_bound_couples_time_and_memory():
     """slowest_rank_bound on an instance solved by hand. Two ranks, room 1 byte: rank A can hold 1/4 of the
     model without recomputation (activations 4 per model) or 2 models' worth with full recomputation (0.5),
