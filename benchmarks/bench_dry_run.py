@@ -59,8 +59,8 @@ BIG = [
 # mixtures of experts (planner/moe.py): experts over dp ranks (edp = 1), over dp and tp with sequence
 # parallelism in a pipeline (ZeRO 2, tp-summed router), a pipeline with full recomputation (the all-to-alls
 # repeated), MLP recomputation of the MoE block over tp with SP, DeepSeek-style MLA with a shared expert and a
-# dense first layer over tp without SP (ZeRO 3), and under selective recomputation; and Mixtral 8x7B with ep8 on one
-# DGX node
+# dense first layer over tp without SP (ZeRO 3), and under selective (and selective+mlp) recomputation; and
+# Mixtral 8x7B with ep8 on one DGX node
 MOE = [
     ("mixtral-tiny", 8, "--dp 2 --tp 1 --pp 1 --ep 2 --micro-batch 2"),
     ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 2 --ep 2 --micro-batch 1 --zero 2 --sequence-parallel"),
@@ -69,6 +69,13 @@ MOE = [
     ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --zero 3"),
     # selective recomputation of MLA: its latent norms and up-projection recomputed (models.in_attention_prologue)
     ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --recompute selective"),
+    # and both checkpoints at once (NVIDIA's DeepSeek-V3 recipes: mla_up_proj with mlp and moe). Not under SP: there
+    # this executor's MLA backward all-reduces its latents' gradients and skips the input's reduce-scatter, which
+    # the cost model (a plain TP region) charges instead — bytes off by 50% (issue 16's notes)
+    ("deepseek-tiny", 8, "--dp 2 --tp 2 --pp 1 --ep 4 --micro-batch 1 --recompute selective+mlp"),
+    # full recomputation of an MoE layer under TP without SP: its output all-gather, the layer's last collective,
+    # is not rerun (torch's early-stopping checkpoint)
+    ("mixtral-tiny", 16, "--dp 2 --tp 2 --pp 1 --ep 2 --micro-batch 2 --recompute full"),
 ]
 MOE_BIG = [("mixtral-8x7b", 16, "--dp 8 --tp 1 --pp 1 --ep 8 --micro-batch 1 --zero 1")]
 SPREAD += MOE

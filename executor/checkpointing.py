@@ -11,6 +11,9 @@
   plain checkpoint keeps only its inputs; torch's selective checkpointing, used before, cached the output of
   every op it did not recompute, which held more than no recomputation at all.)
 
+- ``selective+mlp``: both (Megatron-Core's ``recompute_modules`` core_attn/mla_up_proj with mlp/moe, as NVIDIA's
+  DeepSeek-V3 recipes run).
+
 Modules are wrapped in place (``layers[i]`` or ``layers[i].mlp``/``.moe``), so block names still resolve.
 """
 
@@ -26,28 +29,29 @@ from .errors import ExecutionError
 
 
 def _wrapper(mode: str):
-    if mode in ("full", "mlp"):
+    if mode in ("full", "mlp", "selective+mlp"):
         return partial(checkpoint_wrapper, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False)
-    raise ExecutionError(f"unknown recompute mode {mode!r} (none, selective, mlp or full)")
+    raise ExecutionError(f"unknown recompute mode {mode!r} (none, selective, mlp, selective+mlp or full)")
 
 
 def apply_ac(module: nn.Module, mode: str) -> int:
     """Wrap ``module``'s transformer layers (full) or their MLP sublayer (mlp), or have their attention checkpoint
-    its core (selective); returns how many layers."""
+    its core (selective), or both of the last two (selective+mlp); returns how many layers."""
     if mode == "none":
         return 0
     layers = getattr(module, "layers", None)
     if not isinstance(layers, nn.ModuleDict):  # a chunk of only the embedding or the head
         return 0
-    if mode == "selective":  # the attention modules checkpoint their core (and prologue) themselves
+    if mode in ("selective", "selective+mlp"):  # the attention modules checkpoint their core (and prologue) themselves
         for layer in layers.values():
             layer.attn.recompute_core = True
-        return len(layers)
+        if mode == "selective":
+            return len(layers)
     wrap = _wrapper(mode)
     for name in list(layers.keys()):
         if mode == "full":
             layers[name] = wrap(layers[name])
-        else:  # mlp
+        else:  # mlp, selective+mlp
             ffn = layers[name].ffn_name  # models/transformer.py: "mlp" (dense) or "moe"
             setattr(layers[name], ffn, wrap(getattr(layers[name], ffn)))
     return len(layers)

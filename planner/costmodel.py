@@ -36,7 +36,7 @@ from .concerns import RankLoad, exposed_seconds, traffic
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .fused_activations import fused_layer_bytes
-from .layout import Layout
+from .layout import Layout, recomputes_core, recomputes_mlp
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
 from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
@@ -281,7 +281,7 @@ def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: 
     sequence shard), less the MLP's output reduce under an early-stopping checkpoint."""
     if mode == "full":
         again = [c for c in colls if c.phase == "fwd"]
-    elif mode == "mlp":
+    elif recomputes_mlp(mode):
         regions = [r for r in layer.region_io if r[0] == "region"]
         again = [c for c in region_collectives(*regions[-1], sp, fw.embedding_sp_reduce)
                  if c.phase == "fwd"] if len(regions) >= 2 else []
@@ -346,23 +346,22 @@ class CostModel:
         # recomputed MLP, nor after it in a pre-norm layer, so neither that GEMM nor its output reduce reruns; an
         # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
-            mode == "mlp" or (mode == "full" and work.spec.family != "bert"))
+            recomputes_mlp(mode) or (mode == "full" and work.spec.family != "bert"))
         again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []
         mlp_gemms = [f for f, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=False) if x] \
-            if mode == "mlp" or early_stop else []
+            if recomputes_mlp(mode) or early_stop else []
+        recompute_time, rflops = 0.0, 0.0
         if mode == "full":
             recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
-        elif mode == "selective":  # the attention core, and its prologue where it has one (MLA's up-projection)
+        if recomputes_core(mode):  # the attention core, and its prologue where it has one (MLA's up-projection)
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
             recompute_time = times.core_fwd
             if prologue:
                 core_flops += sum(layer.fwd_ops.prologue_gemm_flops)
                 recompute_time += times.prologue_fwd
             rflops = core_flops * b
-        elif mode == "mlp":
-            recompute_time, rflops = times.mlp_fwd, sum(mlp_gemms) * b
-        else:
-            recompute_time, rflops = 0.0, 0.0
+        if recomputes_mlp(mode):  # the MLP sublayer (alone, or beside the attention core: "selective+mlp")
+            recompute_time, rflops = recompute_time + times.mlp_fwd, rflops + sum(mlp_gemms) * b
         if early_stop:
             recompute_time -= times.mlp_last_gemm
             rflops -= mlp_gemms[-1] * b
@@ -382,7 +381,7 @@ class CostModel:
         host_costs = self._framework
         host = 0.0
         if t > 1 and host_costs["tp_module"] > 0:  # a recomputed forward calls its modules again
-            rerun = {"full": 0.5, "mlp": 0.25}.get(mode, 0.0)
+            rerun = 0.5 if mode == "full" else 0.25 if recomputes_mlp(mode) else 0.0
             host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1 + rerun)
         if self._fsdp_units(lay) and layer.kind == "transformer_layer":
             host += host_costs["fsdp_unit"]
@@ -409,8 +408,9 @@ class CostModel:
 
         acts = saved(mode)
         # while a block's backward runs, what its recomputation rebuilt: the whole forward's (full) or the MLP
-        # sublayer's (mlp) activations
-        working = saved("none") if mode == "full" else saved("none") - acts if mode == "mlp" else 0.0
+        # sublayer's (mlp; with selective, the MLP's: the attention core's are rebuilt in turn, after it)
+        working = saved("none") if mode == "full" else saved("none") - acts if mode == "mlp" else \
+            saved("selective") - acts if mode == "selective+mlp" else 0.0
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fused_moe
+from .layout import recomputes_mlp
 
 # bytes moved per element quantised (see the module docstring)
 CAST_BYTES = {"delayed": 2 + 1 + 1, "dynamic": 2 + 2 + 1}
@@ -110,7 +111,7 @@ def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recomp
     theirs."""
     if not framework.fp8_saves_fp8_inputs or recompute == "full":
         return 0.0
-    if recompute == "mlp":  # the attention's linears alone (layer_linears of an MoE layer without its experts)
+    if recomputes_mlp(recompute):  # the attention's linears alone (layer_linears of an MoE layer without its experts)
         shapes = layer_linears(spec, tp, sp, True, False)
     else:
         shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)

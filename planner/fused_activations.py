@@ -31,6 +31,7 @@ Multi-head latent attention (DeepSeek) keeps what Megatron-Core's MLA modules sa
 from __future__ import annotations
 
 from . import fused_moe
+from .layout import recomputes_core, recomputes_mlp
 
 
 def mla_bytes(spec, recompute: str = "none") -> tuple[float, float]:
@@ -42,14 +43,14 @@ def mla_bytes(spec, recompute: str = "none") -> tuple[float, float]:
     key (a heads of qk_nope + qk_rope each), value (a·v_head) and output (a·v_head, shared with the output
     projection). The rotary part of the key (qk_rope per token, gathered whole) is negligible and left out.
     Without SP the latents and norms are replicated (the down projections run on every rank).
-    ``recompute`` "selective" recomputes the up-projections too (recompute_modules ``mla_up_proj``: output-
-    discarding checkpointing frees the kernel's query, key and value after the forward and rebuilds them from
-    the latents in backward): the kernel's output alone stays of the sharded part."""
+    ``recompute`` "selective" (and "selective+mlp") recomputes the up-projections too (recompute_modules
+    ``mla_up_proj``: output-discarding checkpointing frees the kernel's query, key and value after the forward and
+    rebuilds them from the latents in backward): the kernel's output alone stays of the sharded part."""
     h, a = spec.hidden_size, spec.num_attention_heads
     q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
     latents = 4 * ((spec.q_lora_rank or 0) + spec.kv_lora_rank)
     replicated = 2 * h + 2 * h + latents
-    qkv = 0 if recompute == "selective" else 2 * a * (2 * q_head + spec.v_head_dim)
+    qkv = 0 if recomputes_core(recompute) else 2 * a * (2 * q_head + spec.v_head_dim)
     return replicated, qkv + 2 * a * spec.v_head_dim
 
 
@@ -78,11 +79,11 @@ def _mlp_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer
         # the attention's norm + linear pair, the pre-MLP norm's input; each tensor-parallel rank routes its own
         # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP). Recomputing the MoE
         # block (recompute_modules moe) keeps its input, the norm's output, instead of what the block saves.
-        block = 2 * h if recompute == "mlp" else fused_moe.saved_bytes(spec)
+        block = 2 * h if recomputes_mlp(recompute) else fused_moe.saved_bytes(spec)
         return tokens * ((replicated + 2 * h) / (tp if sp else 1) + (attention + block) / tp)
     ffn = spec.ffn_size
     up = 2 * ffn if spec.family == "llama" else ffn
-    if recompute == "mlp":  # recompute_modules mlp: the checkpointed TE MLP keeps only its input (2h)
+    if recomputes_mlp(recompute):  # recompute_modules mlp: the checkpointed TE MLP keeps only its input (2h)
         return tokens * ((replicated + 2 * h) / (tp if sp else 1) + attention / tp)
     replicated += 4 * h  # the MLP's norm + linear pair: the norm's input and output
     mlp = 2 * up + 2 * ffn

@@ -69,7 +69,7 @@ from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_ho
 # added 16% and 39% to the search's function calls (llama2-70b on 64 H100s, the 1T GPT) without changing their
 # plans, so it is tried on request (plan --recompute-modes). Every mode: planner/layout.py's RECOMPUTE.
 MODES_TRANSFORMER = ("none", "selective", "full")
-MODES_MOE = ("none", "selective", "mlp", "full")
+MODES_MOE = ("none", "selective", "mlp", "selective+mlp", "full")
 MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
 # The solver's CPU time per layout. Beyond it the solver returns its best split so far (CBC is warm-started
 # from the quick price's split, so never worse than that); the exact pricing and local search then take over,

@@ -14,7 +14,19 @@ from paraplan.models import ModelSpec, TransformerSpec
 from .errors import InvalidLayout
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
-RECOMPUTE = ("none", "selective", "mlp", "full")  # weakest to strongest (memory kept)
+RECOMPUTE = ("none", "selective", "mlp", "selective+mlp", "full")  # weakest to strongest (memory kept)
+
+
+def recomputes_core(mode: str) -> bool:
+    """Does recomputation ``mode`` rerun the attention core (and its prologue): "selective", alone or with the MLP
+    ("selective+mlp": Megatron-Core's recompute_modules core_attn/mla_up_proj with mlp/moe, as NVIDIA's DeepSeek-V3
+    recipes run)?"""
+    return mode in ("selective", "selective+mlp")
+
+
+def recomputes_mlp(mode: str) -> bool:
+    """Does recomputation ``mode`` rerun the MLP sublayer (dense MLP or MoE block) under its own checkpoint?"""
+    return mode in ("mlp", "selective+mlp")
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: GEMMs in FP8, everything else in bf16 (planner/fp8.py)
 DP_MODES = ("allreduce", "ps")
 
@@ -79,7 +91,8 @@ class Layout:
         if self.zero:
             parts.append(f"z{self.zero}")
         if self.recompute != "none":
-            parts.append({"selective": "sel", "mlp": "mlp-rc", "full": "full"}[self.recompute])
+            parts.append({"selective": "sel", "mlp": "mlp-rc", "selective+mlp": "sel+mlp-rc", "full": "full"}[
+                self.recompute])
         if self.sequence_parallel:
             parts.append("sp")
         if self.dp_mode == "ps":

@@ -11,8 +11,9 @@ t) and the replicated rest (divided by t only with sequence parallelism). Select
 what is saved without the attention core's internals (and, where the stack reruns the attention's prologue with it,
 without what that produced: MLA's up-projection, Megatron-Core's ``mla_up_proj``); MLP recomputation (Megatron-Core's
 recompute_modules ``mlp`` and ``moe``) keeps what "none" does less what the MLP sublayer produced and saved (its
-input stays, as the checkpoint's); full recomputation keeps only the layer's input (one checkpoint per layer)
-plus, while a layer's backward runs, that one layer's activations.
+input stays, as the checkpoint's); both together ("selective+mlp") what "selective" does less that; full
+recomputation keeps only the layer's input (one checkpoint per layer) plus, while a layer's backward runs, that
+one layer's activations.
 With a fused (flash) attention kernel the score matrix is never saved, so "none" costs what
 "selective" does plus the core's output. With Megatron's ``unfused`` attention and dropout (the papers'
 setting) each layer also keeps its dropout masks: one byte per element of the two residual-branch
@@ -28,6 +29,8 @@ from functools import lru_cache
 
 from paraplan.hardware_specs import GPUSpec
 from paraplan.profiler import LayerProfile
+
+from .layout import recomputes_mlp
 
 GiB = 2**30
 # Allowance for the framework: CUDA context, cuBLAS/NCCL workspaces and buffers (~1-2 GiB is what
@@ -82,11 +85,13 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
     extra = 0.0
     if sp and gathered_inputs and tp > 1:
         gathered = [ib for style, ib, _, _ in layer.region_io if style in ("region", "vocab_head")]
-        if recompute == "mlp" and not layer.moe_params and len(gathered) >= 2:
+        if recomputes_mlp(recompute) and not layer.moe_params and len(gathered) >= 2:
             gathered = gathered[:-1]  # the MLP region gathers its input inside the recomputed sublayer
         extra = sum(gathered) * b * (1 - 1 / tp)
-    if recompute == "mlp":  # what "none" keeps, less what the MLP sublayer produced and saved
-        kept = layer_activation_bytes(layer, b, tp, sp, "none", attention, softmax_fallback=softmax_fallback)
+    if recomputes_mlp(recompute):  # what "none" (or "selective") keeps, less what the MLP sublayer produced and saved
+        rest = "selective" if recompute == "selective+mlp" else "none"  # the attention's part: disjoint from the MLP's
+        kept = layer_activation_bytes(layer, b, tp, sp, rest, attention, prologue=prologue,
+                                      softmax_fallback=softmax_fallback)
         dropped, dropped_sharded = layer.mlp_dropped_bytes, layer.mlp_dropped_bytes_sharded
         return kept - b * (dropped_sharded / tp + (dropped - dropped_sharded) / (tp if sp else 1)) + extra
     if recompute == "selective" or attention == "flash":

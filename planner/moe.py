@@ -57,7 +57,7 @@ from paraplan.profiler import LayerProfile
 
 from . import comm, fused_moe
 from .concerns import Affine, Exposure, Sync
-from .layout import Layout
+from .layout import Layout, recomputes_mlp
 from .memory import StateBytes, state_bytes
 from .placement import Placement, consecutive_group
 
@@ -310,10 +310,11 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
     elem = 4 if lay.dtype == "fp32" else 2
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     tokens = b * work.tokens_per_sample / lay.tp  # this rank's tokens of the micro-batch (b already over cp)
-    repeat = 1 if mode in ("full", "mlp") else 0  # both recompute the MoE block, its all-to-alls included
+    repeat = 1 if mode == "full" or recomputes_mlp(mode) else 0  # they recompute the MoE block, its all-to-alls too
     padded = fw.moe_capacity_factor if fw.moe_pad_to_capacity else 1.0  # padding to capacity is sent too
     traffic: dict[str, float] = {}
     fwd = bwd = 0.0
+    skipped = 0.0  # forward seconds a recomputation does not rerun
     if lay.ep > 1:
         sent = tokens * k * h * elem  # every token copy the rank routes (balanced: also what it receives)
         span = consecutive_group(cluster, lay.ep, lay.etp)
@@ -345,12 +346,15 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
             one = comm.gather(whole, place.tp, cluster, busy)
             fwd += one
             bwd += one
-            traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + repeat) * whole
+            # the block's last op: an early-stopping checkpoint (Framework.recompute_early_stop) has what backward
+            # needs before it, so never reruns it (the dry run traces no third gather)
+            skipped = one if fw.recompute_early_stop else 0.0
+            traffic["all_gather"] = traffic.get("all_gather", 0.0) + (2 + (0 if skipped else repeat)) * whole
     if fw.states == "executor" and lay.tp * lay.cp > 1 and spec.moe_aux_loss_coeff > 0:
         hits = b * e * AUX_BYTES  # tokens per expert of each sequence, summed over the ranks sharing it
         fwd += comm.all_reduce(hits, place.tp, cluster, busy)
         traffic["all_reduce"] = traffic.get("all_reduce", 0.0) + (1 + repeat) * hits
-    return EPCost(fwd=fwd, bwd=bwd + repeat * fwd, traffic=traffic)
+    return EPCost(fwd=fwd, bwd=bwd + repeat * (fwd - skipped), traffic=traffic)
 
 
 # ---- gradients, optimizer, memory ----
@@ -434,7 +438,8 @@ def a2a_overlap_applies(fw, lay: Layout, recompute: str | None = None) -> bool:
     recomputation, no recomputation of the MoE block ("moe" in recompute_modules: the "mlp" mode, see
     exports/megatron.py) and, with a pipeline, virtual stages (TransformerConfig.__post_init__'s checks); elsewhere
     nothing is hidden. ``recompute``: the block's mode where it is not the layout's own."""
-    return a2a_overlap_possible(fw, lay) and (recompute or lay.recompute) not in ("full", "mlp")
+    mode = recompute or lay.recompute
+    return a2a_overlap_possible(fw, lay) and mode != "full" and not recomputes_mlp(mode)
 
 
 def expert_optimizer_step(model, lay: Layout) -> Affine:

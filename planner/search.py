@@ -689,7 +689,7 @@ def _accept(cand: Candidate, part, best_times: list[float], top_k: int) -> None:
 
 def _summary_mode(modes: list[str]) -> str:
     """The layout's recompute label: the heaviest mode any stage uses (the plan lists each stage's)."""
-    return next((u for u in ("full", "mlp", "selective") if u in modes), "none")
+    return next((u for u in ("full", "selective+mlp", "mlp", "selective") if u in modes), "none")
 
 
 __all__ = ["Candidate", "SearchResult", "enumerate_layouts", "lower_bound", "modes_for", "search"]

@@ -364,6 +364,27 @@ def test_mlp_recomputation_keeps_what_megatron_core_keeps():
     assert none.tp_bwd < mlp.tp_bwd < full.tp_bwd
 
 
+@pytest.mark.parametrize("model, framework, layout", [
+    ("deepseek-v3", "megatron-core", dict(tp=1, sequence_parallel=False, dp=8, ep=8)),
+    ("llama2-7b", "megatron-core", {}), ("llama2-7b", "paraplan", {})])
+def test_selective_and_mlp_recomputation_together_are_the_union_of_each(model, framework, layout):
+    """--recompute selective+mlp (Megatron-Core's recompute_modules core_attn/mla_up_proj with mlp and moe, as
+    NVIDIA's DeepSeek-V3 recipes run): the two checkpoints cover disjoint tensors (the attention core's and its
+    prologue's; the MLP sublayer's), so the layer keeps what none keeps less what each drops, reruns what each
+    reruns (time and FLOPs add up), and repeats the MoE block's all-to-alls as mlp does."""
+    none, sel, mlp, both = (_block(model, framework, u, **layout)
+                            for u in ("none", "selective", "mlp", "selective+mlp"))
+    assert both.act_bytes == pytest.approx(none.act_bytes - (none.act_bytes - sel.act_bytes)
+                                           - (none.act_bytes - mlp.act_bytes), rel=1e-12)
+    # (with a flash kernel and no prologue, selective drops nothing under Transformer Engine: both == mlp there)
+    assert both.act_bytes <= min(sel.act_bytes, mlp.act_bytes) and (model != "deepseek-v3" or both.act_bytes < min(
+        sel.act_bytes, mlp.act_bytes))
+    assert both.recompute == pytest.approx(sel.recompute + mlp.recompute, rel=1e-12)
+    assert both.recompute_flops == pytest.approx(sel.recompute_flops + mlp.recompute_flops, rel=1e-12)
+    assert both.a2a_bytes == pytest.approx(mlp.a2a_bytes) and both.ep_time == pytest.approx(mlp.ep_time)
+    assert both.act_working == pytest.approx(sel.act_bytes - both.act_bytes)  # the MLP's, while it reruns
+
+
 def test_early_stopping_checkpoint_skips_the_last_mlp_linear():
     """This executor's checkpoint (torch non-reentrant, early stop: tests/test_executor_units.py counts the
     matmuls) does not rerun a pre-norm layer's MLP down projection, under full or MLP recomputation;

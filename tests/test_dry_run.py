@@ -37,8 +37,8 @@ def _plan(tmp_path, model: str, batch: int, flags: str) -> str:
 
 # The default suite traces one plan of each kind (ZeRO-3 with full recomputation, TP with SP and selective
 # recomputation, ZB-V under ZeRO-2, context parallelism with TP, TP with SP and MLP recomputation, DeepSeek-style
-# MoE under ZeRO-3); the rest of the spread is marked slow (CI runs it).
-QUICK = {3, 5, 9, 11, 14, len(bench.SPREAD) - 2}
+# MoE under ZeRO-3 and under selective+mlp recomputation); the rest of the spread is marked slow (CI runs it).
+QUICK = {3, 5, 9, 11, 14, len(bench.SPREAD) - 4, len(bench.SPREAD) - 2}
 CASES = [pytest.param(c, marks=() if i in QUICK else pytest.mark.slow,
                       id=f"{c[0].rsplit('/', 1)[-1].removesuffix('.yaml')} {c[2]}") for i, c in enumerate(bench.SPREAD)]
 

@@ -29,6 +29,8 @@ LOSS_CASES = {
         # selective recomputation repeats MLA's latent norms and up-projection (models.in_attention_prologue)
         Case("deepseek-tp2-ep2-selective", "deepseek-tiny", tp=2, ep=2, recompute="selective", micro_batch=4),
         Case("llama4-dp2-ep2", "llama4-tiny", dp=2, ep=2, micro_batch=2),  # experts in every other layer
+        # both checkpoints at once (NVIDIA's DeepSeek-V3 recipes): MLA's core and prologue, the MoE block and its a2a
+        Case("deepseek-dp2-ep2-sel-mlp", "deepseek-tiny", dp=2, ep=2, recompute="selective+mlp", micro_batch=2),
     ],
     4: [
         Case("mixtral-dp2-pp2-ep2", "mixtral-tiny", dp=2, pp=2, ep=2, micro_batch=2),

@@ -164,6 +164,27 @@ def test_recomputation_stops_early_as_the_cost_model_says(model):
     assert matmuls(full) - matmuls(none) == (4 + mlp_linears - 1) * spec.num_layers  # q, k, v, o and the MLP's
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "deepseek-tiny"])
+def test_selective_and_mlp_recomputation_together_rerun_and_keep_what_each_does(model):
+    """selective+mlp reruns the attention core as selective does and the MLP as mlp does (one SDPA forward per
+    layer, the MLP's matmuls), and keeps less than either alone: what the cost model prices as their union."""
+    spec = load_model_spec(model)
+    none, mlp, both = (_backward_ops(model, m) for m in ("none", "mlp", "selective+mlp"))
+
+    def cores(ops):  # attention cores run forward (the fused CPU kernel; MLA's unequal head dims take the math path)
+        return ops.get("aten._scaled_dot_product_flash_attention_for_cpu", 0) + ops.get("aten._safe_softmax", 0)
+
+    def matmuls(ops):
+        return ops.get("aten.mm", 0) + ops.get("aten.addmm", 0) + ops.get("aten.bmm", 0)
+
+    assert cores(both) == spec.num_layers and cores(mlp) == cores(none) == 0
+    if not getattr(spec, "mla", False):  # MLA's prologue (its up-projections) reruns with the core: more matmuls
+        assert matmuls(both) == matmuls(mlp)
+    assert matmuls(both) > matmuls(none)
+    kept = {m: _kept_bytes(model, m) for m in ("selective", "mlp", "selective+mlp")}
+    assert kept["selective+mlp"] < min(kept["selective"], kept["mlp"]), kept
+
+
 def test_zero1_partition_is_balanced_and_complete():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 10, 500, 490, 7, 3)]
     owner = partition(params, 2)

@@ -1064,6 +1064,29 @@ def test_mla_selective_recomputation_exports_the_up_projections_and_keeps_the_ov
     assert not set(flag_values(argv)) - MEGATRON_FLAGS
 
 
+def test_selective_and_mlp_recomputation_together_export_every_module_and_no_overlap(tmp_path):
+    """--recompute selective+mlp as NVIDIA's DeepSeek-V3 recipes run it: Megatron gets recompute_modules core_attn,
+    mla_up_proj, mlp and moe; recomputing the MoE blocks rules out the all-to-all overlap (as mlp does), which the
+    price already left out, and the export says so."""
+    plan = tmp_path / "p.json"
+    base = ["simulate", "--model", "deepseek-tiny", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "16",
+            "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "4", "--micro-batch", "1", "--zero", "1",
+            "--framework", "megatron-core", "--moe-a2a-overlap", "--json"]
+    both = json.loads(cli(*base, "--recompute", "selective+mlp", "--write-plan", str(plan)).stdout)
+    mlp = json.loads(cli(*base, "--recompute", "mlp").stdout)
+    assert both["plan"]["recompute"] == "selective+mlp"
+    assert both["memory_gib"]["activations"] < mlp["memory_gib"]["activations"]
+    assert both["time_s"]["ep_comm"] == pytest.approx(mlp["time_s"]["ep_comm"], rel=1e-12)  # no overlap either
+    script = tmp_path / "both.sh"
+    result = export_plan(Plan.read(str(plan)), "megatron")
+    script.write_text(result.text)
+    argv = megatron_argv(script)
+    at = argv.index("--recompute-modules")
+    assert argv[at + 1:at + 5] == ["core_attn", "mla_up_proj", "mlp", "moe"]
+    assert "--overlap-moe-expert-parallel-comm" not in argv
+    assert not set(flag_values(argv)) - MEGATRON_FLAGS
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_target_refuses_a_plan_of_a_python_callable_model(piped, target):
     """A plan whose model is the user's own callable: its blocks come only from running that code, which export

@@ -20,7 +20,7 @@ from paraplan.profiler.errors import ProfileError
 from ..errors import InvalidLayout, PlanError
 from ..plan import Plan
 
-RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "mlp": 2, "full": 3}
+RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "mlp": 2, "selective+mlp": 3, "full": 4}
 
 
 class ExportRefused(PlanError):

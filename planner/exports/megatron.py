@@ -207,6 +207,9 @@ def training_args(plan: Plan, notes: list[str], spec=None) -> Args:
         a.append(("--recompute-granularity", "selective"))
     elif mode == "mlp":  # Megatron-Core's per-module recomputation: dense MLPs and MoE blocks
         a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("mlp", "moe"))]
+    elif mode == "selective+mlp":  # both (NVIDIA's DeepSeek-V3 recipes: mla_up_proj with mlp and moe)
+        core = ("core_attn", "mla_up_proj") if getattr(spec, "mla", False) else ("core_attn",)
+        a += [("--recompute-granularity", "selective"), ("--recompute-modules", (*core, "mlp", "moe"))]
     elif mode == "full":
         a += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     return a

@@ -187,9 +187,9 @@ def activation_checkpoint(plan: Plan, notes: list[str]) -> dict:
         notes.append(note)
     if mode == "selective":
         return {"mode": "selective", "selective_ac_option": "op"}
-    if mode == "mlp":  # torchtitan checkpoints whole blocks or ops, not one sublayer
-        notes.append("torchtitan has no MLP-only recomputation: full recomputation is used (fits, but slower than "
-                     "predicted)")
+    if mode in ("mlp", "selective+mlp"):  # torchtitan checkpoints whole blocks or ops, not one sublayer
+        notes.append(f"torchtitan has no MLP-only recomputation ({mode}): full recomputation is used (fits, but "
+                     "slower than predicted)")
         return {"mode": "full"}
     return {"mode": mode}
 
