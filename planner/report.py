@@ -175,7 +175,9 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
         every_candidate()
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
-    status = Counter(c.status for c in result.candidates)
+    # a pruned layout whose memory was never checked (search.time_bound) is counted apart
+    status = Counter("pruned unchecked" if c.status == "pruned" and not c.memory_checked else c.status
+                     for c in result.candidates)
     reasons = Counter(c.reason if c.status == "invalid" else "out of memory" for c in result.candidates
                       if c.status in ("invalid", "oom"))
     md = [f"# Plan: {work.spec.name} on {result.gpus} x {cl.gpu.name} ({cl.name})", "",
@@ -224,9 +226,11 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
               "of identical layers, their quick split polished)", "priced": "priced at a balanced split only "
               "(over 5% behind the top plans, or the ILP's bound showed no split beats them)",
               "pruned": "pruned by a lower bound that cannot beat the top plans",
+              "pruned unchecked": "pruned by their pipeline's time alone, which cannot beat the top plans (their "
+              "memory not checked: some may not fit)",
               "dominated": "dominated by an equally fast, leaner variant", "oom": "rejected: out of memory",
               "invalid": "rejected: invalid for this model or cluster"}
-    for k in ("ok", "priced", "pruned", "dominated", "oom", "invalid"):
+    for k in ("ok", "priced", "pruned", "pruned unchecked", "dominated", "oom", "invalid"):
         if status.get(k):
             md.append(f"- {status[k]:,} {labels[k]}")
     if reasons:
