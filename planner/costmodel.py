@@ -1060,6 +1060,22 @@ def least_recompute_prediction(model: CostModel, lay: Layout, stages: list[list[
                           costs=costs)
 
 
+def count_balanced_stages(model: CostModel, lay: Layout) -> list[list[int]] | None:
+    """For v > 1 and a model that is not embedding + identical layers + head: the blocks dealt in contiguous stages
+    whose counts differ by one at most (the planner's chunk rule for such models, ilp.chunks_balanced), the extra
+    blocks on the last stages (the first hold the most micro-batches at their rank's peak). A split the ILP accepts
+    as its start, which the time-balanced one (default_stages) often is not. None where even_stages applies or there
+    are fewer blocks than stages."""
+    n, k = len(model.work.profile(lay.dtype).layers), lay.num_stages
+    if lay.virtual_stages == 1 or model.repeated_blocks(lay) or n < k:
+        return None
+    base, extra = divmod(n, k)
+    bounds = [0]
+    for s in range(k):
+        bounds.append(bounds[-1] + base + (1 if s >= k - extra else 0))
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(k)]
+
+
 def stages_from_counts(counts: list[int], n_blocks: int) -> list[list[int]]:
     """Stages holding ``counts`` layers each, in order, the embedding (block 0) with the first and the head (the
     last block) with the last."""

@@ -50,6 +50,7 @@ from .concerns import Exposure, RankLoad
 from .costmodel import (
     CostModel,
     Prediction,
+    count_balanced_stages,
     even_stages,
     inner_chunk_order,
     least_recompute_prediction,
@@ -604,6 +605,8 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
             break
         beta = new_beta
     if best is None:
+        if start is not None and start.fits:  # nothing found in time, but the search's quick split fits: keep it
+            return _from_start(model, lay, modes, start, last_status.lower(), local_search)
         raise InvalidLayout(_oom_message(model, lay, modes, last_status), "out of memory")
     exact = best.ilp_objective is not None and math.isclose(best.ilp_objective, best.prediction.iteration_time_s,
                                                              rel_tol=1e-6)
@@ -654,7 +657,7 @@ def _warm_split(model: CostModel, lay: Layout, modes: tuple[str, ...], start: Pr
     (what the chunk-balance rows accept) with the least recomputation per stage that fits, and the given split (the
     search's quick price, which may move a layer off an end chunk) where the ILP's rows accept it."""
     options = []
-    stages = even_stages(model, lay)
+    stages = even_stages(model, lay) or count_balanced_stages(model, lay)
     if stages is not None:
         got = model.least_recompute(lay, stages, modes)
         if got is not None:

@@ -496,9 +496,11 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     a rank's memory depends only on its own stages, so the ranks holding fewer micro-batches — 1F1B's later ones,
     an interleaved rank's later chunks — need not recompute what the first must). The split: the layers dealt
     evenly where the ILP requires it (chunks of an interleaved or V schedule within a layer of each other:
-    costmodel.even_stages), else balanced by time in the fastest mode. ``modes``: fastest first; those in ``skip``
-    are already known not to fit anywhere. None: some rank fits in no mode on this split."""
-    from .costmodel import default_stages, even_stages, least_recompute_prediction
+    costmodel.even_stages), else balanced by time in the fastest mode (for chunks of unlike layers also with the
+    blocks dealt evenly, costmodel.count_balanced_stages, which the ILP accepts as its start: the faster of the two).
+    ``modes``: fastest first; those in ``skip`` are already known not to fit anywhere. None: some rank fits in no
+    mode on this split."""
+    from .costmodel import count_balanced_stages, default_stages, even_stages, least_recompute_prediction
 
     tried = tuple(u for u in modes if u not in skip)
     if not tried:
@@ -507,7 +509,10 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
         got = least_recompute_prediction(model, lay, even_stages(model, lay), tried)
         if got is not None:
             return got
-    return least_recompute_prediction(model, lay, default_stages(model, lay.replace(recompute=tried[0])), tried)
+    balanced = least_recompute_prediction(model, lay, default_stages(model, lay.replace(recompute=tried[0])), tried)
+    # chunks of unlike layers: also the blocks dealt evenly (what the ILP can start from), the faster of the two
+    counted = least_recompute_prediction(model, lay, count_balanced_stages(model, lay), tried)
+    return min((p for p in (balanced, counted) if p is not None), key=lambda p: p.iteration_time_s, default=None)
 
 
 @without_gc_pauses

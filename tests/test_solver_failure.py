@@ -94,3 +94,38 @@ def test_a_split_the_solver_passes_over_memory_is_refitted(monkeypatch):
     part = ilp.best_partition(model, lay, local_search=False)
     assert part.stages == stages and part.prediction.fits
     assert part.recompute == model.least_recompute(lay, stages, ilp.modes_for(model))[0]
+
+
+def test_an_ilp_that_finds_nothing_in_time_keeps_the_fitting_quick_split(monkeypatch):
+    """A time-limited ILP that found no split (no cutoff given: the search's first batches) is not an out-of-memory
+    verdict when the search's quick split fits: the layout keeps that split (Llama 4 Maverick's search had marked
+    five fitting layouts out of memory so, two of which belonged in the top five)."""
+    from paraplan.planner.search import quick_price
+
+    work = Workload.create("gpt3-1.3b", "dgx-a100-80gb", 64, nodes=1)
+    model = CostModel(work)
+    lay = Layout(dp=2, tp=1, pp=4, micro_batch=1, global_batch=64)
+    start = quick_price(model, lay, ilp.modes_for(model))
+    assert start is not None and start.fits
+    monkeypatch.setattr(ilp.StageILP, "solve", lambda self, beta, warm, cutoff: ([], [], "Not Solved", None))
+    part = ilp.best_partition(model, lay, start=start)
+    assert part.prediction.fits and part.ilp_status.startswith("not solved")
+    assert part.prediction.iteration_time_s <= start.iteration_time_s * (1 + 1e-12)
+    with pytest.raises(Exception, match="out of memory|no stage split fits"):
+        ilp.best_partition(model, lay)  # with no split to fall back on, it still says so
+
+
+def test_chunks_of_unlike_layers_start_from_blocks_dealt_evenly():
+    """For interleaved chunks of unlike layers (Llama 4's dense and MoE layers alternate) the quick split also tries
+    the blocks dealt evenly, a split the ILP's chunk rule accepts as its start (the time-balanced one is not)."""
+    from paraplan.planner.costmodel import count_balanced_stages
+
+    work = Workload.create("llama4-maverick", "dgx-h100", 1024, nodes=64, framework="megatron-core")
+    model = CostModel(work)
+    lay = Layout(dp=256, tp=1, pp=2, micro_batch=1, global_batch=1024, schedule="interleaved-1f1b",
+                 virtual_stages=8, zero=3, ep=32)
+    stages = count_balanced_stages(model, lay)
+    n = len(work.profile("bf16").layers)
+    assert [i for s in stages for i in s] == list(range(n)) and len(stages) == lay.num_stages
+    assert ilp.chunks_balanced(stages, n, model.repeated_blocks(lay))
+    assert count_balanced_stages(model, lay.replace(schedule="1f1b", virtual_stages=1)) is None
