@@ -25,11 +25,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
+from paraplan.planner.layout import recomputes_core, recomputes_mlp
+
 from .errors import ExecutionError
 
 
 def _wrapper(mode: str):
-    if mode in ("full", "mlp", "selective+mlp"):
+    if mode == "full" or recomputes_mlp(mode):
         return partial(checkpoint_wrapper, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False)
     raise ExecutionError(f"unknown recompute mode {mode!r} (none, selective, mlp, selective+mlp or full)")
 
@@ -42,10 +44,10 @@ def apply_ac(module: nn.Module, mode: str) -> int:
     layers = getattr(module, "layers", None)
     if not isinstance(layers, nn.ModuleDict):  # a chunk of only the embedding or the head
         return 0
-    if mode in ("selective", "selective+mlp"):  # the attention modules checkpoint their core (and prologue) themselves
+    if recomputes_core(mode):  # the attention modules checkpoint their core (and prologue) themselves
         for layer in layers.values():
             layer.attn.recompute_core = True
-        if mode == "selective":
+        if not recomputes_mlp(mode):
             return len(layers)
     wrap = _wrapper(mode)
     for name in list(layers.keys()):

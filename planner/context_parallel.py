@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import comm
+from .layout import recomputes_core
 from .placement import cp_group
 
 
@@ -79,14 +80,14 @@ def layer_cost(model, lay, place, mode: str, elem: int, core_fwd: float) -> CPCo
         hidden = (cp - 1) / cp
         fwd = max(0.0, (cp - 1) * step - hidden * core_fwd)
         bwd = max(0.0, (cp - 1) * comm.p2p(2 * chunk, cross, cluster, busy) - hidden * core_bwd)
-        repeat = 1 if mode in ("selective", "selective+mlp", "full") else 0
+        repeat = 1 if mode == "full" or recomputes_core(mode) else 0
         sends = (1 + repeat) * 2 * (cp - 1) * chunk + 2 * 2 * (cp - 1) * chunk  # sent and received
         return CPCost(fwd=fwd, bwd=bwd + repeat * fwd, traffic={"send_recv": sends})
     gather = 2 * comm.gather(full / 2, group, cluster, busy)  # K and V: one collective each
     if fw.cp_comm == "all_gather_overlap":
         fwd = max(0.0, gather - core_fwd / cp)
         bwd = max(0.0, gather - core_bwd / cp)
-        repeat = 1 if mode in ("selective", "selective+mlp", "full") else 0
+        repeat = 1 if mode == "full" or recomputes_core(mode) else 0
         return CPCost(fwd=fwd, bwd=bwd + repeat * fwd,
                       traffic={"all_gather": (1 + repeat) * full, "reduce_scatter": full})
     # the executor's selective recomputation checkpoints the core alone, keeping its inputs: the gathered K/V

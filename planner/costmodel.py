@@ -298,7 +298,6 @@ class CostModel:
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
         self._block_bases: dict[tuple, tuple] = {}  # block_cost's parts every recomputation mode shares
-        self._block_computes: dict[tuple, tuple] = {}  # and of these, what does not depend on the placement
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
@@ -409,8 +408,8 @@ class CostModel:
         acts = saved(mode)
         # while a block's backward runs, what its recomputation rebuilt: the whole forward's (full) or the MLP
         # sublayer's (mlp; with selective, the MLP's: the attention core's are rebuilt in turn, after it)
-        working = saved("none") if mode == "full" else saved("none") - acts if mode == "mlp" else \
-            saved("selective") - acts if mode == "selective+mlp" else 0.0
+        working = saved("none") if mode == "full" else \
+            saved("selective" if recomputes_core(mode) else "none") - acts if recomputes_mlp(mode) else 0.0
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working
@@ -430,30 +429,8 @@ class CostModel:
 
     def _block_base(self, i: int, lay: Layout, place: Placement) -> tuple:
         """What block ``i``'s costs share across recomputation modes (block_cost's key less the mode): the layer as
-        one rank runs it, its pass times, its tensor-parallel collectives and their forward and backward seconds,
-        and whether its softmax falls back to PyTorch's path."""
-        work = self.work
-        layers = work.profile(lay.dtype).layers
-        # the compute part depends on the layer and these degrees alone (not on where the ranks sit): classes of
-        # layouts that differ only in placement share it (an MoE search has thousands)
-        key = (layers[i].signature, i == 0, i == len(layers) - 1, lay.micro_batch, lay.tp, lay.sequence_parallel,
-               lay.dtype, lay.cp, lay.ep, lay.etp)
-        computed = self._block_computes.get(key)
-        if computed is None:
-            computed = self._block_computes[key] = self._block_compute(i, lay)
-        layer, times, softmax_fallback = computed
-        cluster, b, t, sp = work.cluster, lay.micro_batch / lay.cp, lay.tp, lay.sequence_parallel
-        fw = work.framework
-        colls = [c for style, ib, ob, tok in layer.region_io
-                 for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
-        busy = place.gpus_per_node_busy
-        tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "fwd")
-        tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, cluster, busy) for c in colls if c.phase == "bwd")
-        return layer, times, colls, tp_fwd, tp_bwd, softmax_fallback
-
-    def _block_compute(self, i: int, lay: Layout) -> tuple:
-        """Block ``i`` as one rank of ``lay`` computes it: the layer's rank view, its pass times (measured where
-        this machine's were), and whether its softmax falls back to PyTorch's path."""
+        one rank runs it, its pass times (measured where this machine's were), its tensor-parallel collectives and
+        their forward and backward seconds, and whether its softmax falls back to PyTorch's path."""
         work = self.work
         layer = work.profile(lay.dtype).layers[i]
         if moe.is_moe(layer):  # the MoE block as one rank of the layout runs it (planner/moe.py)
@@ -488,7 +465,14 @@ class CostModel:
             moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
             times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
                                         mlp_fwd=times.mlp_fwd + moe_f)
-        return layer, times, softmax_fallback
+        colls = [c for style, ib, ob, tok in layer.region_io
+                 for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
+        busy = place.gpus_per_node_busy
+        tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, work.cluster, busy) for c in colls
+                     if c.phase == "fwd")
+        tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, work.cluster, busy) for c in colls
+                     if c.phase == "bwd")
+        return layer, times, colls, tp_fwd, tp_bwd, softmax_fallback
 
     def host_cost(self, event: str) -> float:
         """Seconds the framework costs on the host per ``event`` (calibrated; 0 where not measured)."""
