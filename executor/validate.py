@@ -258,45 +258,15 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str, calibr
 
 
 def _chart(rows: list[Row], stats: dict, path: str, title: str, calibrated: bool) -> None:
-    """Predicted against measured step time, log-log, the planner's pick starred, ±15% shaded."""
-    import matplotlib
+    """Predicted against measured step time (planner/charts.py), the rows numbered as in the report's table."""
+    from paraplan.planner import charts
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    done = [r for r in rows if r.measured_s and r.predicted_s]
-    fig, ax = plt.subplots(figsize=(6, 6))
-    xs, ys = [r.measured_s for r in done], [r.predicted_s for r in done]
-    ax.scatter(xs, ys, color="#4C72B0", zorder=3)
-    pick = next((r for r in done if r.name == stats["recommended"]), None)
-    if pick is not None:
-        ax.scatter([pick.measured_s], [pick.predicted_s], marker="*", s=160, color="#C44E52", zorder=4,
-                   label="planner's pick")
-    for i, r in enumerate(rows, 1):  # numbered as in the report's table: names would overlap in a cluster
-        if r in done:
-            ax.annotate(str(i), (r.measured_s, r.predicted_s), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
-    ax.plot([lo, hi], [lo, hi], "--", color="black", linewidth=1, label="y = x")
-    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#DDDDDD", alpha=0.5,
-                    label="±15%")
-    milliseconds = FuncFormatter(lambda v, _: f"{1e3 * v:g}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):  # after set_*scale, which resets locators and formatters
-        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        axis.set_major_formatter(milliseconds)
-        axis.set_minor_formatter(NullFormatter())
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    ax.set_xlabel("measured step time (ms)")
-    ax.set_ylabel("predicted step time (ms)")
-    ax.set_title(f"{title}\nMAPE {100 * stats['mape']:.1f}%, Kendall tau {stats['kendall_tau']:.2f}"
-                 + ("" if calibrated else " (uncalibrated predictions)"))
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    done = [(i, r) for i, r in enumerate(rows, 1) if r.measured_s and r.predicted_s]
+    pick = next((k for k, (_, r) in enumerate(done) if r.name == stats["recommended"]), None)
+    charts.predicted_vs_measured([r.measured_s for _, r in done], [r.predicted_s for _, r in done],
+                                 [i for i, _ in done], pick, path, title,
+                                 f"MAPE {100 * stats['mape']:.1f}%, Kendall tau {stats['kendall_tau']:.2f}"
+                                 + ("" if calibrated else " (uncalibrated predictions)"))
 
 
 def _f(x: float | None) -> str:

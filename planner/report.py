@@ -150,8 +150,9 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
                  train_tokens: float | None = None, charts: bool = True,
                  server: chart_guard.ChartServer | None = None) -> dict[str, str]:
     """Write the whole report folder; returns {what: path}. ``scaling`` may be a call that waits for the
-    points (see scaling.ScalingReplans). ``server``: draws the charts (one started with the command has
-    matplotlib imported by now); one is started here when not given."""
+    points (see scaling.ScalingReplans). ``server``: draws the charts in its child (started with the command,
+    it has them imported by now) while the candidates are written; without one they are drawn here
+    (chart_guard.draw_files)."""
     os.makedirs(out, exist_ok=True)
     files = {"report": os.path.join(out, "report.md"), "plan": os.path.join(out, "plan.json"),
              "candidates": os.path.join(out, "candidates.csv")}
@@ -165,14 +166,15 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     def every_candidate() -> None:
         write_candidates_csv(result, files["candidates"])
 
-    if charts:  # the candidates (~90,000 rows for a 1T model's search) are written while the charts are drawn
-        server = server or chart_guard.ChartServer()
+    if charts and server:  # the candidates (~90,000 rows for a 1T model's search) written while the charts are drawn
         try:
             server.draw(files, result.notes, _chart_requests(result, out, scaling), meanwhile=every_candidate)
         finally:
             server.close()
     else:
         every_candidate()
+        if charts:
+            chart_guard.draw_files(files, result.notes, [r.job() for r in _chart_requests(result, out, scaling)])
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     # a pruned layout whose memory was never checked (search.time_bound) is counted apart

@@ -103,7 +103,7 @@ def _small_plan():
 
 
 def test_a_failing_chart_or_re_plan_leaves_a_note_and_the_rest_of_the_report(tmp_path, monkeypatch):
-    """One chart raising (a full disk, a broken matplotlib) and the scaling re-plans failing: the report,
+    """One chart raising (a full disk, a broken Pillow) and the scaling re-plans failing: the report,
     plan.json and the other charts are still written; the notes (printed by `plan`, listed in report.md) say
     which chart is missing and why."""
     from paraplan.planner import charts
@@ -146,9 +146,7 @@ def test_compare_simulate_and_validate_charts_degrade_too(tmp_path, monkeypatch)
     notes = []
     assert _draw_gantt(pred, str(tmp_path / "t.png"), "", notes) is False
     assert notes == ["timeline chart not drawn (ValueError: cannot plot)"]
-    import matplotlib.pyplot as plt
-
-    monkeypatch.setattr(plt, "subplots", broken)
+    monkeypatch.setattr(charts, "predicted_vs_measured", broken)
     row = Row("dp8", "default", Layout(dp=8, tp=1, pp=1, micro_batch=2, global_batch=16))
     row.prediction, row.measured_s = pred, pred.iteration_time_s * 1.1
     stats = {"mape": 0.1, "kendall_tau": float("nan"), "layouts": 1, "measured_fastest": "dp8",
@@ -198,9 +196,9 @@ def test_charts_drawn_beside_each_other_come_out_as_drawn_in_order(tmp_path):
 
 
 def test_the_chart_server_draws_in_its_child_and_what_it_cannot_is_drawn_here(tmp_path, monkeypatch):
-    """chart_guard.ChartServer (forked when `plan` starts, so matplotlib's import is not on the command's path):
+    """chart_guard.ChartServer (forked when `plan` starts, so the drawing's imports are not on the command's path):
     its charts come back with the same notes, in the requests' order; a child that dies before or while drawing
-    leaves its charts to this process, which draws them; a matplotlib that cannot be imported is one note, no
+    leaves its charts to this process, which draws them; a Pillow that cannot be imported is one note, no
     chart; no child is left behind."""
     import multiprocessing
 
@@ -250,13 +248,13 @@ def test_the_chart_server_draws_in_its_child_and_what_it_cannot_is_drawn_here(tm
     assert files == {"a": str(tmp_path / "a.txt")} and notes == []
     assert (tmp_path / "a.txt").read_text() == str(parent)
 
-    def no_matplotlib(lines):
-        lines.append("no charts drawn (matplotlib: ImportError: libfreetype.so.6)")
+    def no_pillow(lines):
+        lines.append("no charts drawn (Pillow: ImportError: libfreetype.so.6)")
 
-    monkeypatch.setattr(chart_guard, "charts_module", no_matplotlib)
+    monkeypatch.setattr(chart_guard, "charts_module", no_pillow)
     files, notes = {}, []
     ChartServer().draw(files, notes, requests)
-    assert files == {} and notes == ["no charts drawn (matplotlib: ImportError: libfreetype.so.6)"]
+    assert files == {} and notes == ["no charts drawn (Pillow: ImportError: libfreetype.so.6)"]
     assert multiprocessing.active_children() == []
 
 
@@ -291,3 +289,44 @@ def test_a_failure_beside_the_drawing_stops_every_drawing_process(tmp_path, monk
         server.draw({}, [], requests, meanwhile=fails)
     time.sleep(2.5)
     assert not (tmp_path / "t.txt").exists()
+
+
+# ---------------- the drawing layer (planner/raster.py): ticks, colours and where a bar lands ----------------
+
+
+def test_ticks_are_round_steps_of_one_two_or_five():
+    """Steps of 1, 2 or 5 times a power of ten, the first at least (range / count): 83.6 / 6 = 13.9 -> 20;
+    1.4 / 6 = 0.23 -> 0.5. Log axes tick at the powers of their base, 1-2-5 within a decade when asked."""
+    from paraplan.planner.raster import log_ticks, nice_ticks, tick_label
+
+    assert nice_ticks(0.0, 83.6, 6) == [0, 20, 40, 60, 80]
+    assert nice_ticks(0.3, 1.7, 6) == [0.5, 1.0, 1.5]
+    assert log_ticks(6, 80, 2) == [8, 16, 32, 64]
+    assert log_ticks(3, 300, 10) == [10, 100]
+    assert log_ticks(0.04, 0.375, 10, (1.0, 2.0, 5.0)) == [0.05, 0.1, 0.2]
+    assert [tick_label(v) for v in (60000.0, 0.5, 250.0)] == ["60,000", "0.5", "250"]
+
+
+def test_a_lighter_colour_is_the_colour_at_that_opacity_over_white():
+    from paraplan.planner.raster import lighter
+
+    # each channel 255 - 0.6 * (255 - c): 0x4C=76 -> 147.6, 0x72=114 -> 170.4, 0xB0=176 -> 207.6
+    assert lighter("#4C72B0", 0.6) == "#94AAD0"
+
+
+def test_a_bar_lands_where_its_data_coordinates_say(tmp_path):
+    """Axes box (10, 10)-(90, 90) for x in [0, 10], y in [0, 10]: the bar x 2-4, y 0-5 covers pixels x 26-42 and
+    y 50-90 (y grows downwards); a log2 axis from 1 to 16 puts 4 half way."""
+    from PIL import Image
+
+    from paraplan.planner.raster import Axes, Figure
+
+    fig = Figure(100, 100)
+    ax = Axes(fig, (10, 10, 90, 90), (0.0, 10.0), (0.0, 10.0))
+    ax.bar(2, 4, 0, 5, "#FF0000")
+    fig.save(str(tmp_path / "bar.png"))
+    image = Image.open(tmp_path / "bar.png").convert("RGB")
+    assert image.size == (100, 100)
+    assert image.getpixel((34, 70)) == (255, 0, 0)
+    assert image.getpixel((60, 30)) == (255, 255, 255) and image.getpixel((34, 45)) == (255, 255, 255)
+    assert Axes(fig, (10, 10, 90, 90), (1.0, 16.0), (0.0, 1.0), xbase=2).x(4.0) == pytest.approx(50.0)

@@ -76,7 +76,7 @@ def run(args) -> int:
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
-    # and the charts' child imports matplotlib meanwhile (planner/chart_guard.py)
+    # and the charts' child imports the drawing code meanwhile (planner/chart_guard.py)
     drawing = None if args.no_charts else ChartServer()
     try:
         result, files = _search_and_report(args, work, gpus, model, out, replans, drawing)
@@ -141,7 +141,7 @@ def _search_and_report(args, work: Workload, gpus: int, model: CostModel, out: s
             raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
                 c.status_text() for c in result.candidates if c.status == "traced oom"))
     # the scaling chart's re-plans (started with the search, on the cores it leaves) get as long as it took,
-    # at least SCALING_WAIT_S; then every chart is drawn at once, by the child that imported matplotlib meanwhile
+    # at least SCALING_WAIT_S; then every chart is drawn at once, by the child forked when the command started
     wait = max(SCALING_WAIT_S, result.search_time_s)
     scaling = (lambda: replans.points(result.best, wait)) if replans else []
     files = write_report(result, out, scaling, train_tokens=args.train_tokens, charts=not args.no_charts,

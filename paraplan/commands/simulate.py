@@ -34,7 +34,7 @@ def prediction_rows(d: dict) -> list[list[str]]:
 
 def _draw_gantt(pred, path: str, note: str, notes: list[str]) -> bool:
     """The timeline to ``path``; if it cannot be drawn, a line in ``notes`` says why and the prediction stands
-    (planner/chart_guard.py). matplotlib is slow to import: only when drawing."""
+    (planner/chart_guard.py). The drawing code is imported only when drawing."""
     charts = chart_guard.charts_module(notes)
     return charts is not None and chart_guard.draw(notes, "timeline", lambda: charts.gantt(pred, path, note=note))
 
