@@ -1031,11 +1031,13 @@ def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
 
 
 def least_recompute_prediction(model: CostModel, lay: Layout, stages: list[list[int]] | None,
-                               tried: tuple[str, ...]) -> Prediction | None:
-    """``stages`` priced exactly with the least recomputation per stage that fits (None: some rank fits in no mode)."""
+                               tried: tuple[str, ...], got: tuple[list[str], list[StageCost]] | None = None
+                               ) -> Prediction | None:
+    """``stages`` priced exactly with the least recomputation per stage that fits (None: some rank fits in no mode).
+    ``got``: ``model.least_recompute(lay, stages, tried)`` where the caller has it."""
     if stages is None:
         return None
-    got = model.least_recompute(lay, stages, tried)
+    got = got or model.least_recompute(lay, stages, tried)
     if got is None:
         return None
     chosen, costs = got

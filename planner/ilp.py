@@ -703,8 +703,11 @@ def polished_quick_split(model: CostModel, lay: Layout, start: Prediction, allow
         # memory forces recomputation on some stages, not all: a layer off an end chunk may spare it (where every
         # stage needs the same mode, one layer moved spares none)
         for stages in lighter_end_stages(model, lay):
-            pred = least_recompute_prediction(model, lay, stages, modes)
-            if pred is not None and pred.iteration_time_s < start.iteration_time_s:
+            got = model.least_recompute(lay, stages, modes)
+            if got is None or pipeline_makespan(lay, got[1]) >= start.iteration_time_s:
+                continue  # does not fit, or its pipeline alone is no faster: no need to price it whole
+            pred = least_recompute_prediction(model, lay, stages, modes, got)
+            if pred.iteration_time_s < start.iteration_time_s:
                 start = pred
     return _from_start(model, lay, modes, start, "chunks of identical layers, no ILP", True)
 

@@ -214,11 +214,14 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
         total = parts.forced_total
     per_rank = total / p
     slowest = max(per_rank, slowest)
-    if forced_recomputation and p > 1 and (parts.coupled is not None or beat == float("inf") or _pipeline_bound(
+    if forced_recomputation and (parts.coupled is not None or beat == float("inf") or _pipeline_bound(
             model, lay, parts, total, slowest, data_parallel_wait) < beat):
-        if parts.coupled is None:
-            parts.coupled = slowest_rank_bound(*parts.coupling)
+        if parts.coupled is None:  # identical layers: whole layers and stages of one mode (tighter, as cheap)
+            parts.coupled = whole_stage_bound(model, lay, modes) if model.repeated_blocks(lay) else \
+                slowest_rank_bound(*parts.coupling) if p > 1 else 0.0
         slowest = max(slowest, parts.coupled)
+        if p == 1:  # one rank: its time is the whole model's
+            total = max(total, slowest)
     return _pipeline_bound(model, lay, parts, total, slowest, data_parallel_wait), parts.memory
 
 
@@ -460,6 +463,89 @@ def slowest_rank_bound(times: dict[str, float], acts: dict[str, float], states: 
             return float(grid[0])
         lo, hi = float(grid[first - 1]), float(grid[first])
     return lo
+
+
+@lru_cache(maxsize=4096)
+def _rank_profiles(schedule: str, p: int, v: int, m: int) -> tuple[tuple[bool, int, int], ...]:
+    """Per pipeline rank: whether gradients meet its activation peak, the fewest micro-batches any of its stages
+    holds at that peak (as _rank_kinds) and how many of the pipeline's two end stages it holds."""
+    ends = {0, p * v - 1}
+    out = []
+    for r, d in enumerate(in_flight(schedule, p, v, m)):
+        stages = rank_stages(schedule, r, p, v)
+        out.append((grads_meet_peak(schedule, p, v, m, stages, d), min(d.values()) if d else 1,
+                    sum(s in ends for s in stages)))
+    return tuple(out)
+
+
+def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> float:
+    """A lower bound on the slowest pipeline rank's time per micro-batch for a model of identical layers (between
+    an embedding and a head), from what slowest_rank_bound relaxes away: layers are whole and a stage has one
+    recomputation mode (the ILP's and the quick split's space; Partition.recompute is per stage).
+
+    Each layer costs T_u seconds per micro-batch in mode u and, on rank r, D_ru = s_r + f_r·a_u bytes at the rank's
+    peak (its model states, and its activations times the fewest micro-batches any of its stages holds then); the
+    rank's room is the GPU's memory less the framework allowance, as in _bound_parts. The embedding, the head, the
+    working set and every send are left out (each only adds). Rank r holds n whole layers in time t_r(n) at least:
+    with one stage (v = 1) in a single mode, the least n·T_u whose n·D_ru fits; with v stages the least of the LP
+    that mixes modes (two at most: it has two rows). Every layer is held, each t_r grows with n, so the slowest
+    rank's time is at least the L-th smallest of all t_r(n), n = 1..L: exact for this relaxation, no grid.
+    With v > 1 the chunk rule (ilp.chunks_balanced: chunks within a layer of each other, an end chunk one fewer)
+    also gives each rank at least v·(ceil(L/S) - 1) layers less its end chunks, S stages in all; a single rank
+    (pp 1) holds all L: the least time to hold those within memory bounds it too. 0.0: not such a model."""
+    if not model.repeated_blocks(lay):
+        return 0.0
+    work = model.work
+    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    place = layout_placement(work.cluster, lay)
+    key = model._table_key(lay, place)
+    layer = [model.block_table(lay, place, u, key).costs[1] for u in modes]
+    T = np.array([c.fwd + c.bwd_input + c.bwd_weight + c.recompute + c.tp_fwd + c.tp_bwd for c in layer])  # (U,)
+    per, per_e = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
+    plain, experts = layer[0].params - layer[0].experts, layer[0].experts
+    held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
+    grads = plain * per.grads + experts * per_e.grads
+    ranks = _rank_profiles(lay.schedule if p > 1 else "1f1b", p, v, m)
+    states = np.array([held + (grads if g else 0.0) for g, _, _ in ranks])  # (R,)
+    D = states[:, None] + np.outer([f for _, f, _ in ranks], [c.act_bytes for c in layer])  # (R, U)
+    gpu = work.cluster.gpu
+    room = (gpu.memory_bytes - untracked_bytes(gpu, 0.0)) / (1 + FRAGMENTATION)
+    L = len(work.profile(lay.dtype).layers) - 2
+    mix = v > 1 and len(T) > 1
+    if p == 1:
+        least = np.array([L])
+    elif v > 1:
+        least = np.array([max(0, v * (-(-L // lay.num_stages) - 1) - ends) for _, _, ends in ranks])
+    else:
+        least = np.zeros(len(ranks), dtype=int)
+    times = _hold_times(np.arange(L + 1), T, D, room, mix)  # (R, L + 1): rank r holding n layers
+    need = float(times[np.arange(len(ranks)), least].max())
+    if not np.isfinite(need):
+        return 0.0  # some rank cannot hold its least layers: the memory bound's business, not this one's
+    # each rank's times grow with its layers, so the least slowest time that holds all L is the L-th smallest of
+    # the ranks' times to hold one more layer (1..L each)
+    steps = times[:, 1:].ravel()
+    if np.isfinite(steps).sum() < L:
+        return need
+    return max(need, float(np.partition(steps, L - 1)[L - 1]))
+
+
+def _hold_times(counts: np.ndarray, T: np.ndarray, D: np.ndarray, room: float, mix: bool) -> np.ndarray:
+    """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers within its memory (one mode,
+    or where ``mix`` two: the faster, larger one on as many layers as memory leaves room for); inf where it cannot
+    (whole_stage_bound). Convex and increasing in the count."""
+    n = counts[None, :, None]  # (1, N, 1)
+    best = np.where(n * D[:, None, :] <= room * (1 + 1e-12), n * T, np.inf).min(axis=2)  # (R, N)
+    if mix:
+        i, j = (x.ravel() for x in np.meshgrid(np.arange(len(T)), np.arange(len(T)), indexing="ij"))
+        keep = T[i] < T[j]
+        i, j = i[keep], j[keep]  # (P,): faster i, slower j
+        Di, Dj = D[:, None, i], D[:, None, j]  # (R, 1, P)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            n_i = np.clip((room - n * Dj) / (Di - Dj), 0.0, n)  # (R, N, P)
+        mixed = np.where((Di > Dj) & (n * Dj <= room), n_i * T[i] + (n - n_i) * T[j], np.inf)
+        best = np.minimum(best, mixed.min(axis=2, initial=np.inf))
+    return best
 
 
 def _layout_key(x: Layout) -> tuple:

@@ -348,12 +348,14 @@ def test_sharded_classifier_trades_gradient_sync_for_feature_gathers():
 @pytest.mark.slow  # ~1 minute: the best split of every layout by brute force
 def test_lower_bound_never_exceeds_the_best_split(small):
     """The search prunes by lower bounds, so each must hold: on an instance where memory forces
-    recomputation (the bound then charges the least recomputation any mix of modes per rank needs) and the
-    data-parallel waits (ZeRO-3's gathers per micro-batch) are charged, no layout's bound exceeds the best time
-    of all its splits and per-rank modes."""
+    recomputation (the bound then charges the least recomputation any mix of modes per rank needs, and, the
+    layers being identical, whole layers in one mode per stage) and the data-parallel waits (ZeRO-3's gathers per
+    micro-batch) are charged, no layout's bound exceeds the best time of all its splits and per-stage modes."""
+    from paraplan.planner.search import slowest_rank_bound
+
     model = CostModel(small)
     modes = modes_for(model)
-    checked = forced = waits = 0
+    checked = forced = waits = whole = 0
     for lay in enumerate_layouts(small, 8, "bf16"):
         if lay.micro_batch > 2:
             continue
@@ -369,7 +371,10 @@ def test_lower_bound_never_exceeds_the_best_split(small):
         checked += 1
         forced += bound > lower_bound(model, lay, ("none",))[0] * (1 + 1e-6)
         waits += bound > lower_bound(model, lay, modes, data_parallel_wait=False)[0] * (1 + 1e-6)
-    assert checked > 50 and forced > 5 and waits > 5
+        parts = model.bound_parts[(lay, modes)]  # whole layers in one mode per stage bind (whole_stage_bound)
+        relaxed = slowest_rank_bound(*parts.coupling) if lay.pp > 1 else parts.total
+        whole += parts.coupled is not None and parts.coupled > max(relaxed, parts.total / lay.pp) * (1 + 1e-6)
+    assert checked > 50 and forced > 5 and waits > 5 and whole > 20
 
 
 def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(small):
@@ -412,6 +417,23 @@ def test_slowest_rank_bound_couples_time_and_memory():
     # with one mode only: A holds at most 1/4, B the rest: 3/4
     tau = slowest_rank_bound({"none": 1.0}, {"none": 4.0}, [0.0, 0.0], [1, 1e-9], [1, 1], 1.0, 2)
     assert 0.75 - 1e-3 <= tau <= 0.75
+
+
+def test_whole_layers_in_one_mode_take_longer_than_the_relaxation():
+    """search._hold_times on a rank solved by hand: a layer takes 1 s (4 bytes) without recomputation or 4/3 s
+    (0.5 bytes) with it, the rank has 8 bytes. One stage, one mode: 1 or 2 layers without (1 s, 2 s), 3 only with
+    (4 s). Two stages may mix: 3 layers as 13/7 without and 8/7 with (both rows tight: n_none·4 + n_full·0.5 = 8),
+    13/7 + 32/21 = 71/21 s. Two such ranks holding 6 layers, one mode each: the slowest needs 4 s, the 6th smallest
+    of their times to hold 1, 2, 3 layers (1, 1, 2, 2, 4, 4), as whole_stage_bound takes it."""
+    import numpy as np
+
+    from paraplan.planner.search import _hold_times
+
+    T, D = np.array([1.0, 4 / 3]), np.array([[4.0, 0.5]])
+    assert _hold_times(np.arange(4), T, D, 8.0, mix=False)[0].tolist() == pytest.approx([0, 1, 2, 4])
+    assert _hold_times(np.arange(4), T, D, 8.0, mix=True)[0].tolist() == pytest.approx([0, 1, 2, 71 / 21])
+    both = _hold_times(np.arange(4), T, np.vstack([D, D]), 8.0, mix=False)[:, 1:].ravel()
+    assert float(np.partition(both, 5)[5]) == pytest.approx(4.0)
 
 
 def _scaling_summary(points):
