@@ -190,7 +190,7 @@ class Figure:
     def save(self, path: str) -> None:
         """Reduce to the asked size (smoothing the supersampled drawing) and write a PNG."""
         image = self.image.resize((self.width, self.height), Image.Resampling.BOX) if SCALE != 1 else self.image
-        image.save(path, format="PNG", compress_level=6)
+        image.save(path, format="PNG", compress_level=1)
 
 
 @dataclass
