@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .costmodel import Prediction
-from .raster import NORMAL, SMALL, TITLE, Axes, Figure, lighter, log_ticks, nice_ticks, tick_label
+from .raster import NORMAL, SMALL, SMOOTH, TITLE, Axes, Figure, lighter, log_ticks, nice_ticks, tick_label
 from .schedules import rank_stages
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "dp": "#8172B2", "opt": "#937860"}
@@ -175,7 +175,7 @@ def _line_chart(title: str, xlabel: str, ylabel: str, xs_all: list[float], ys_al
                 entries: list[tuple[str, str, str]], xbase: float = 0.0, ybase: float = 0.0,
                 xlim: tuple[float, float] | None = None, xticks: list[float] | None = None):
     """A 840 x 540 chart with its axes drawn and the legend under the x label: (figure, axes) to plot on."""
-    fig = Figure(840, 540)
+    fig = Figure(840, 540, SMOOTH)
     if ybase:
         ylo, yhi = min(ys_all) / 1.3, max(ys_all) * 1.3
         yt = log_ticks(ylo, yhi, ybase)
@@ -270,7 +270,7 @@ def predicted_vs_measured(measured_s: list[float], predicted_s: list[float], num
     lo, hi = min(measured_s + predicted_s) * 0.8, max(measured_s + predicted_s) * 1.25
     ticks = log_ticks(lo, hi, 10, (1.0, 2.0, 5.0))
     labels = [f"{1e3 * t:.6g}" for t in ticks]
-    fig = Figure(720, 720)
+    fig = Figure(720, 720, SMOOTH)
     left = PAD + NORMAL + 8 + max(fig.text_size(t, SMALL)[0] for t in labels) + 10
     top = PAD + 2 * TITLE + 20
     box = (left, top, fig.width - PAD - 8, fig.height - 100)
