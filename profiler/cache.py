@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,21 @@ def _folder() -> Path | None:
 
 @functools.cache
 def _torch_version() -> str:
-    """torch's version from its installed metadata: importing torch to read it would cost a second."""
+    """torch's version from its package's version.py, read as text: importing torch to read it would cost a second,
+    importlib.metadata 20 ms of `plan`'s start (its fallback, then torch itself, where the file is not there)."""
     try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec("torch")
+        text = Path(spec.origin).with_name("version.py").read_text() if spec and spec.origin else ""
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        if found:
+            return found.group(1)
+    except (OSError, ValueError, ImportError):
+        pass
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
         import torch
 
         return torch.__version__
