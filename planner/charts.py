@@ -52,7 +52,7 @@ def gantt(pred: Prediction, path: str, title: str = "", note: str = "") -> None:
     windows = timeline_windows(pred)
     spans_s = [b - a for a, b in windows]
     above = 126 if len(windows) > 1 else 96  # pixels above the ranks: title, legend (and the zooms' names)
-    below, row = 78, 54
+    below, row = 52, 54
     fig = Figure(TIMELINE_WIDTH_PX, above + below + row * p)
     left, right, gap = 115, TIMELINE_WIDTH_PX - 14, 18
     room = right - left - gap * (len(windows) - 1)
@@ -95,9 +95,9 @@ def gantt(pred: Prediction, path: str, title: str = "", note: str = "") -> None:
             for y in (a.box[1], a.box[3]):
                 fig.line([(x - 5, y + 6), (x + 5, y - 6)], "black", 1)
     panels[0].yticks(list(range(p)), [f"pp rank {r}" for r in range(p)], NORMAL)
-    fig.text(TIMELINE_WIDTH_PX / 2, fig.height - 8, "seconds into the iteration" + (
+    fig.text(TIMELINE_WIDTH_PX / 2, above + row * p + 26, "seconds into the iteration" + (
         "  (three zooms of one iteration; // marks time left out: the steady state repeats)"
-        if len(windows) > 1 else ""), NORMAL, anchor="mb")
+        if len(windows) > 1 else ""), NORMAL, anchor="mt")
     kinds = {e.kind for e in timeline} | ({"dp"} if max(pred.rank_dp_exposed_s) > 0 else set()) | {"opt"}
     entries = [(label, COLORS[k], "patch") for k, label in (
         ("F", "forward"), ("B", "backward"), ("W", "weight gradient (zero bubble)"), ("dp", "DP sync (exposed)"),
