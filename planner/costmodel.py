@@ -299,6 +299,7 @@ class CostModel:
         self._tables: dict[tuple, _BlockTable] = {}
         self._block_bases: dict[tuple, tuple] = {}  # block_cost's parts every recomputation mode shares
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
+        self._repeated: dict[str, bool] = {}  # per dtype: repeated_blocks
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
         self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
@@ -520,10 +521,15 @@ class CostModel:
                          params=layer.params * sharded, output_bytes=layer.output_bytes * b, root=True)
 
     def repeated_blocks(self, lay: Layout) -> bool:
-        """Is the model embedding + identical layers + head (the ILP's integer-count form)?"""
-        layers = self.work.profile(lay.dtype).layers
-        return (self.work.spec.is_transformer and len(layers) >= 3 and layers[0].kind == "embedding"
-                and len({x.signature for x in layers[1:-1]}) == 1)
+        """Is the model embedding + identical layers + head (the ILP's integer-count form)? (Cached per dtype: the
+        polish asks it of every neighbouring split.)"""
+        got = self._repeated.get(lay.dtype)
+        if got is None:
+            layers = self.work.profile(lay.dtype).layers
+            got = self._repeated[lay.dtype] = (self.work.spec.is_transformer and len(layers) >= 3
+                                               and layers[0].kind == "embedding"
+                                               and len({x.signature for x in layers[1:-1]}) == 1)
+        return got
 
     def _table_key(self, lay: Layout, place: Placement) -> tuple:
         """What a layout's block table depends on besides the recomputation mode (block_cost's key)."""

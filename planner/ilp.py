@@ -502,8 +502,8 @@ def chunks_balanced(stages: list[list[int]], n_blocks: int, ends_ride_along: boo
     """The planner's rule for v > 1 (the ILP's chunk-balance rows): every chunk holds within one block
     of the others. With ``ends_ride_along`` (a transformer) only layers count, and the end chunks may
     hold one layer fewer, as they carry the embedding and the head."""
-    if ends_ride_along:
-        sizes = [sum(1 for i in s if 0 < i < n_blocks - 1) for s in stages]
+    if ends_ride_along:  # contiguous stages: the embedding (block 0) is the first's first, the head the last's last
+        sizes = [len(s) - (s[0] == 0) - (s[-1] == n_blocks - 1) if s else 0 for s in stages]
     else:
         sizes = [len(s) for s in stages]
     last = len(stages) - 1
