@@ -37,6 +37,8 @@ def lighter(color: str, alpha: float) -> str:
 
 def nice_ticks(lo: float, hi: float, count: int = 6) -> list[float]:
     """Round tick values in [lo, hi], about ``count`` of them, a step of 1, 2 or 5 times a power of ten."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError(f"an axis from {lo} to {hi}: a value to plot is not finite")
     if not hi > lo:
         return [lo]
     raw = (hi - lo) / max(1, count)
@@ -136,7 +138,10 @@ class Figure:
                             width=max(1, round(width * self.scale)) if outline else 0)
 
     def line(self, points: list[tuple[float, float]], color: str, width: float = 1.5, dash: float = 0.0) -> None:
-        """A polyline through pixel ``points``; ``dash`` > 0: dashes (and gaps) that many pixels long."""
+        """A polyline through pixel ``points``; ``dash`` > 0: dashes (and gaps) that many pixels long. A point that is
+        not finite is an error (a dash loop over an endless segment would never end)."""
+        if not all(math.isfinite(x) and math.isfinite(y) for x, y in points):
+            raise ValueError("a line through a point that is not finite")
         pts = [(x * self.scale, y * self.scale) for x, y in points]
         w = max(1, round(width * self.scale))
         if not dash:

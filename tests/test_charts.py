@@ -330,3 +330,21 @@ def test_a_bar_lands_where_its_data_coordinates_say(tmp_path):
     assert image.getpixel((34, 70)) == (255, 0, 0)
     assert image.getpixel((60, 30)) == (255, 255, 255) and image.getpixel((34, 45)) == (255, 255, 255)
     assert Axes(fig, (10, 10, 90, 90), (1.0, 16.0), (0.0, 1.0), xbase=2).x(4.0) == pytest.approx(50.0)
+
+
+def test_a_value_that_is_not_finite_is_a_note_not_a_hang(tmp_path):
+    """A prediction holding inf (or NaN) reaches a chart: the chart raises at once (its dashed lines would otherwise
+    loop over an endless segment) and chart_guard turns that into a note."""
+    from paraplan.planner.chart_guard import draw
+    from paraplan.planner.raster import Figure, nice_ticks
+
+    with pytest.raises(ValueError):
+        nice_ticks(0.0, float("inf"))
+    with pytest.raises(ValueError):
+        Figure(10, 10).line([(0.0, 0.0), (float("inf"), 5.0)], "black", dash=4)
+    notes: list[str] = []
+    from paraplan.planner import charts
+
+    assert not draw(notes, "throughput vs memory", lambda: charts.pareto(
+        [10.0, float("nan")], [1.0, 2.0], [True, False], 80.0, str(tmp_path / "p.png"), "t"))
+    assert notes and notes[0].startswith("throughput vs memory chart not drawn (ValueError")
