@@ -536,7 +536,8 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
 def _hold_times(counts: np.ndarray, T: np.ndarray, D: np.ndarray, room: float, mix: bool) -> np.ndarray:
     """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers within its memory (one mode,
     or where ``mix`` two: the faster, larger one on as many layers as memory leaves room for); inf where it cannot
-    (whole_stage_bound). Convex and increasing in the count."""
+    (whole_stage_bound). Never falling as the count grows (what whole_stage_bound's L-th smallest needs): for one
+    more layer each mode takes longer and fewer fit."""
     n = counts[None, :, None]  # (1, N, 1)
     best = np.where(n * D[:, None, :] <= room * (1 + 1e-12), n * T, np.inf).min(axis=2)  # (R, N)
     if mix:
