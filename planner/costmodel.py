@@ -290,6 +290,63 @@ def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: 
     return again[:-1] if early_stop and again else again
 
 
+class _LayoutStages:
+    """What pricing a stage of one layout needs, looked up once (CostModel.stage_costs), and its stages priced."""
+
+    def __init__(self, model: CostModel, lay: Layout):
+        self.model, self.lay = model, lay
+        self.place = layout_placement(model.work.cluster, lay)
+        prof = model.work.profile(lay.dtype)
+        self.n_blocks, self.last_layer = len(prof.layers), prof.layers[-1]
+        self.key = model._table_key(lay, self.place)
+        self.fixed = model.stage_host_overhead(lay)
+        self.tables: dict[str, _BlockTable] = {}
+        self.p2p: dict[tuple[float, bool], float] = {}  # (bytes, across nodes) -> seconds: most boundaries are alike
+        self.stages: dict[tuple, StageCost] = {}
+
+    def stage(self, s: int, blocks: list[int], mode: str, previous: int, sends: bool) -> StageCost:
+        """Stage ``s`` holding ``blocks`` in recomputation ``mode``; ``previous``: the last block of stage s - 1
+        (-1 for the first), ``sends``: a stage follows it."""
+        lay, place = self.lay, self.place
+        st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
+        table = self.tables.get(mode)
+        if table is None:
+            table = self.tables[mode] = self.model.block_table(lay, place, mode, self.key)
+        lo, hi = blocks[0], blocks[-1] + 1
+        (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes, st.params,
+         st.recompute_flops, st.root_params, st.replicated_params, ar, ag, rs, st.cp_time, st.p2p_bytes,
+         st.experts, st.moe_shared, st.ep_time, st.a2a_bytes) = table.span(lo, hi)
+        st.tp_traffic = (ar, ag, rs)
+        st.act_working = max(table.working[lo:hi])
+        st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
+        tied = self.last_layer.tied_params
+        if tied and lo == 0 and hi == self.n_blocks:  # one copy of a tied weight on this rank
+            shared = tied * (table.costs[-1].params / self.last_layer.params)
+            st.params -= shared
+            st.root_params -= shared
+        st.tp_fwd += self.fixed / 2
+        st.tp_bwd += self.fixed / 2
+        # Point-to-point: the stage sends its output forward and receives its gradient back, and receives the
+        # previous stage's output and sends back its gradient (a block's output size is the same in every mode).
+        for other, boundary, outgoing in ((s + 1, table.costs[blocks[-1]].output_bytes, True),
+                                          (s - 1, table.costs[previous].output_bytes if s else 0.0, False)):
+            if not (sends if outgoing else s):
+                continue
+            other_rank = stage_rank(lay.schedule, other, lay.pp)
+            if other_rank == st.rank:
+                continue
+            cross = place.pp_cross_node if (other_rank - st.rank) % lay.pp in (1, lay.pp - 1) else True
+            t = self.p2p.get((boundary, cross))
+            if t is None:
+                t = self.p2p[boundary, cross] = self.model.p2p_seconds(lay, boundary, cross, place)
+            if outgoing:
+                st.p2p_fwd += t
+            else:
+                st.p2p_bwd += t
+            st.p2p_bytes += 2 * boundary
+        return st
+
+
 class CostModel:
     """Prices layouts of one workload; caches per-block costs across calls (the search calls it a lot)."""
 
@@ -301,6 +358,7 @@ class CostModel:
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._repeated: dict[str, bool] = {}  # per dtype: repeated_blocks
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
+        self._stage_memo: dict[Layout, _LayoutStages] = {}  # stage_costs' stages, per layout
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
         self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
         fw = work.cluster.gpu.efficiency
@@ -570,49 +628,27 @@ class CostModel:
     # ---- per stage ----
     def stage_costs(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None
                     ) -> list[StageCost]:
-        place = layout_placement(self.work.cluster, lay)
-        prof = self.work.profile(lay.dtype)
-        n_blocks = len(prof.layers)
+        """Each stage's costs (its blocks' sums from the block tables, the framework's per-stage overhead, the
+        point-to-point sends to its pipeline neighbours). A stage's costs depend only on the layout, its index, its
+        mode, its first and last block (stages are contiguous) and the previous stage's last block (what it
+        receives): priced once per layout and reused — the search's polish and its least-recomputation fits price
+        thousands of splits that differ from one another in one or two stages. The objects returned are shared:
+        read-only to every caller."""
+        memo = self._stage_memo.get(lay)
+        if memo is None:
+            memo = self._stage_memo[lay] = _LayoutStages(self, lay)
+        priced = memo.stages
+        last = len(stages) - 1
         out = []
-        tied = prof.layers[-1].tied_params
-        fixed = self.stage_host_overhead(lay)
-        tables, by_mode = [], {}
+        previous = -1  # the previous stage's last block
         for s, blocks in enumerate(stages):
             mode = stage_recompute[s] if stage_recompute else lay.recompute
-            st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
-            table = by_mode.get(mode)
-            if table is None:
-                table = by_mode[mode] = self.block_table(lay, place, mode)
-            tables.append(table)
-            lo, hi = blocks[0], blocks[-1] + 1
-            (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes, st.params,
-             st.recompute_flops, st.root_params, st.replicated_params, ar, ag, rs, st.cp_time, st.p2p_bytes,
-             st.experts, st.moe_shared, st.ep_time, st.a2a_bytes) = table.span(lo, hi)
-            st.tp_traffic = (ar, ag, rs)
-            st.act_working = max(table.working[lo:hi])
-            st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
-            if tied and 0 in blocks and n_blocks - 1 in blocks:  # one copy of a tied weight on this rank
-                shared = tied * (table.costs[-1].params / prof.layers[-1].params)
-                st.params -= shared
-                st.root_params -= shared
-            st.tp_fwd += fixed / 2
-            st.tp_bwd += fixed / 2
+            key = (s, mode, blocks[0], blocks[-1], previous)
+            st = priced.get(key)
+            if st is None:
+                st = priced[key] = memo.stage(s, list(blocks), mode, previous, s < last)
             out.append(st)
-        # Point-to-point: stage s sends its output forward and receives/sends gradients backward.
-        sends: dict[tuple[float, bool], float] = {}  # (bytes, across nodes) -> seconds: most boundaries are alike
-        for s in range(len(out) - 1):
-            a, b = out[s], out[s + 1]
-            if a.rank == b.rank:
-                continue
-            boundary = tables[s].costs[a.blocks[-1]].output_bytes
-            cross = place.pp_cross_node if (b.rank - a.rank) % lay.pp in (1, lay.pp - 1) else True
-            t = sends.get((boundary, cross))
-            if t is None:
-                t = sends[boundary, cross] = self.p2p_seconds(lay, boundary, cross, place)
-            a.p2p_fwd += t
-            b.p2p_bwd += t
-            a.p2p_bytes += 2 * boundary  # sends the activation, receives its gradient
-            b.p2p_bytes += 2 * boundary  # receives the activation, sends its gradient
+            previous = blocks[-1]
         return out
 
     def p2p_seconds(self, lay: Layout, nbytes: float, cross_node: bool, place: Placement) -> float:

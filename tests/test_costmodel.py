@@ -294,6 +294,37 @@ def test_uneven_stages_event_simulation_beats_nothing_closed_form_on_uniform():
     assert b > a  # four layers on one stage are slower than two and two
 
 
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)])
+def test_stage_costs_are_each_stages_own_and_count_every_send_twice(schedule, v):
+    """A stage's costs depend on its own blocks, mode and sender only: a split priced after many others (its stages
+    reused from them) equals the same split priced by a fresh model; the blocks' sums add up to the whole model's,
+    and every boundary between stages on different ranks is counted on both sides, 2 x its bytes each (the
+    activation one way, its gradient back)."""
+    work = Workload.create("llama2-7b", "dgx-h100", 64)
+    lay = Layout(dp=4, tp=2, pp=4, virtual_stages=v, micro_batch=1, global_batch=64, schedule=schedule, dtype="bf16")
+    n, stages_n = len(work.profile("bf16").layers), lay.num_stages
+    rng = random.Random(1)
+    used = CostModel(work)
+    splits = []
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, n), stages_n - 1))
+        splits.append(([list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, n], strict=True)],
+                       [rng.choice(("none", "selective", "full")) for _ in range(stages_n)]))
+    for stages, modes in splits:
+        used.stage_costs(lay, stages, modes)
+    stages, modes = splits[-1]
+    assert used.stage_costs(lay, stages, modes) == CostModel(work).stage_costs(lay, stages, modes)
+    costs = CostModel(work).stage_costs(lay, stages, ["none"] * stages_n)
+    whole = CostModel(work).stage_costs(lay.replace(pp=1, dp=16, virtual_stages=1, schedule="1f1b"),
+                                        [list(range(n))], ["none"])[0]
+    assert sum(c.fwd for c in costs) == pytest.approx(whole.fwd)
+    assert sum(c.params for c in costs) == pytest.approx(whole.params)
+    table = CostModel(work).block_table(lay, placement(work.cluster, 4, 2, 4), "none")
+    across = [s for s in range(stages_n - 1) if costs[s].rank != costs[s + 1].rank]
+    expected = 4 * sum(table.costs[stages[s][-1]].output_bytes for s in across)
+    assert sum(c.p2p_bytes for c in costs) == pytest.approx(expected)  # cp = 1: no context-parallel exchange
+
+
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
                                         ("interleaved-1f1b", 8), ("zb-v", 2)])
 def test_in_flight_shortcut_matches_the_full_walk(schedule, v):
