@@ -59,6 +59,19 @@ def _layout(plan: dict) -> str:
             f"z{plan['zero']}")
 
 
+def reference_loop_s() -> float:
+    """Seconds for a fixed pure-Python loop (10 million integer additions, best of 3): the planner is pure Python
+    and numpy, so this says how fast the machine is for it, and lets figures taken on two machines of "the same
+    kind" (which differ) be compared."""
+    best = float("inf")
+    for _ in range(3):
+        t0, total = time.perf_counter(), 0
+        for i in range(10_000_000):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs of each case with report and charts")
@@ -69,6 +82,8 @@ def main() -> None:
         compare_solvers({**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}, repeats)
         return
     env = {**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}
+    print(f"this machine: {os.cpu_count()} cores; reference pure-Python loop {reference_loop_s():.2f} s "
+          "(10M additions; a slower machine scales every figure below)")
     for name, args in CASES.items():
         out = ["--out", tempfile.mkdtemp(prefix="paraplan-report-")]
         cold, r = _run([*args, *out, "--no-charts"], env)
