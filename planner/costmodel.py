@@ -143,6 +143,11 @@ class _BlockTable:
         return out
 
     @cached_property
+    def smallest_output(self) -> float:
+        """The smallest boundary tensor a stage can send: any block's output but the last block's."""
+        return min(c.output_bytes for c in self.costs[:-1])
+
+    @cached_property
     def largest_output(self) -> float:
         """The largest boundary tensor a block sends (bytes per rank and micro-batch)."""
         return max(c.output_bytes for c in self.costs)
@@ -301,7 +306,6 @@ class _LayoutStages:
         self.key = model._table_key(lay, self.place)
         self.fixed = model.stage_host_overhead(lay)
         self.tables: dict[str, _BlockTable] = {}
-        self.p2p: dict[tuple[float, bool], float] = {}  # (bytes, across nodes) -> seconds: most boundaries are alike
         self.stages: dict[tuple, StageCost] = {}
 
     def stage(self, s: int, blocks: list[int], mode: str, previous: int, sends: bool) -> StageCost:
@@ -336,9 +340,7 @@ class _LayoutStages:
             if other_rank == st.rank:
                 continue
             cross = place.pp_cross_node if (other_rank - st.rank) % lay.pp in (1, lay.pp - 1) else True
-            t = self.p2p.get((boundary, cross))
-            if t is None:
-                t = self.p2p[boundary, cross] = self.model.p2p_seconds(lay, boundary, cross, place)
+            t = self.model.p2p_seconds(lay, boundary, cross, place)
             if outgoing:
                 st.p2p_fwd += t
             else:
@@ -358,6 +360,7 @@ class CostModel:
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._repeated: dict[str, bool] = {}  # per dtype: repeated_blocks
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
+        self._p2p: dict[tuple, float] = {}  # p2p_seconds by what it depends on
         self._stage_memo: dict[Layout, _LayoutStages] = {}  # stage_costs' stages, per layout
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
         self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
@@ -655,11 +658,16 @@ class CostModel:
         """What a stage waits for to send (or receive) one micro-batch's boundary of ``nbytes`` bytes: the
         transfer, or — where the framework overlaps an interleaved pipeline's sends with the next chunk's
         compute (Megatron-Core's overlap_p2p_comm) — only its latency (the stage and the ILP both use this)."""
-        t = comm.p2p(nbytes, cross_node, self.work.cluster, place.gpus_per_node_busy)
-        if self.work.framework.overlap_p2p and lay.virtual_stages > 1 and nbytes > 0:
-            link = comm.network_share(self.work.cluster, place.gpus_per_node_busy) if cross_node else \
-                self.work.cluster.intra_node
-            return min(t, link.latency_s)
+        overlapped = self.work.framework.overlap_p2p and lay.virtual_stages > 1 and nbytes > 0
+        key = (nbytes, cross_node, place.gpus_per_node_busy, overlapped)  # all it depends on: thousands of layouts
+        t = self._p2p.get(key)
+        if t is None:
+            t = comm.p2p(nbytes, cross_node, self.work.cluster, place.gpus_per_node_busy)
+            if overlapped:
+                link = comm.network_share(self.work.cluster, place.gpus_per_node_busy) if cross_node else \
+                    self.work.cluster.intra_node
+                t = min(t, link.latency_s)
+            self._p2p[key] = t
         return t
 
     # ---- what a pipeline rank holds, sends and waits for (concerns.py, dp_sync.py) ----

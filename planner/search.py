@@ -5,9 +5,9 @@
    sequence parallelism on/off (with tp > 1). Recomputation is not enumerated: the ILP picks it per stage
    (uniform settings are among its choices). Invalid layouts are kept with their reason.
 2. Bound each layout from below in O(1): the pipeline with perfectly divided work and the least-work
-   recomputation, plus the optimizer step; and from memory: model states alone over pp ranks. Lazily: every
-   layout first gets the pipeline's time alone (time_bound, one block table per class of layouts), the rest
-   only when it comes up.
+   recomputation, the point-to-point sends every split has (_send_floor), plus the optimizer step; and from
+   memory: model states alone over pp ranks. Lazily: every layout first gets the pipeline's time alone
+   (time_bound, one block table per class of layouts), the rest only when it comes up.
 3. Visit layouts in order of their lower bound; stop when the bound reaches the k-th best time found.
    Each visited layout gets the ILP's stage split (see :mod:`ilp`), priced exactly by the cost model — except,
    in the default (heuristic) mode, interleaved and V layouts of identical layers, whose chunk rule leaves
@@ -41,7 +41,7 @@ from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, m
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
-from .schedules import in_flight, rank_stages
+from .schedules import in_flight, rank_stages, stage_rank
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -182,6 +182,8 @@ class _BoundParts:
     forcing: tuple | None  # recomputation_bound's arguments where memory forces recomputation
     coupling: tuple  # slowest_rank_bound's arguments (time and memory per mode and kind of rank)
     waiting: tuple | None  # least_dp_wait's arguments (None: not bounded for this schedule)
+    sends: float = 0.0  # of total, the point-to-point time no split avoids (_send_floor)
+    least_sends: float = 0.0  # of fullest, the least of it any one rank pays
     forced_total: float | None = None
     coupled: float | None = None  # slowest_rank_bound, once asked for
     wait: float | None = None  # the ranks' mean data-parallel wait at least, once asked for
@@ -196,8 +198,9 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     computed once per layout (CostModel.bound_parts); the dearest (the slowest rank's, then the data-parallel
     wait: it decides only 52 of the demo's 1,479 second bounds) only while the bound stays below ``beat``.
 
-    Time: the pipeline's closed form with perfectly divided work (or the slowest rank's whole blocks),
-    the ranks' mean data-parallel wait after their own work, the optimizer step.
+    Time: the pipeline's closed form with perfectly divided work (or the slowest rank's whole blocks) and the
+    sends between stages that every split has, the ranks' mean data-parallel wait after their own work, the
+    optimizer step.
     Memory: the most loaded rank holds at least the average of all ranks: model states over pp ranks,
     plus activations with the least-memory recomputation, each stage holding at least as many
     micro-batches as the schedule's least-loaded stage, plus the framework allowance.
@@ -210,15 +213,15 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     slowest = parts.fullest
     if forced_recomputation and parts.forcing is not None:
         if parts.forced_total is None:
-            parts.forced_total = max(total, recomputation_bound(*parts.forcing))
+            parts.forced_total = max(total, recomputation_bound(*parts.forcing) + parts.sends)
         total = parts.forced_total
     per_rank = total / p
     slowest = max(per_rank, slowest)
     if forced_recomputation and (parts.coupled is not None or beat == float("inf") or _pipeline_bound(
             model, lay, parts, total, slowest, False) < beat):
         if parts.coupled is None:  # identical layers: whole layers and stages of one mode (tighter, as cheap)
-            parts.coupled = whole_stage_bound(model, lay, modes) if model.repeated_blocks(lay) else \
-                slowest_rank_bound(*parts.coupling) if p > 1 else 0.0
+            parts.coupled = parts.least_sends + (whole_stage_bound(model, lay, modes) if model.repeated_blocks(lay)
+                                                 else slowest_rank_bound(*parts.coupling) if p > 1 else 0.0)
         slowest = max(slowest, parts.coupled)
         if p == 1:  # one rank: its time is the whole model's
             total = max(total, slowest)
@@ -346,9 +349,37 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _Boun
     for u, held_bytes in zip(modes, equalised, strict=True):
         tensors = held_bytes + cls.working[u]
         memory[u] = tensors + untracked_bytes(gpu, tensors)
+    sends, least_sends = _send_floor(model, lay, place, cls.table)
     # blocks are whole: with few layers per rank the slowest rank, not total/p, binds (on the cheapest costs)
-    return _BoundParts(total=cls.total, fullest=cls.table.fullest_rank(p), bwd_weight=cls.totals["none"]["bwd_weight"],
-                       opt=opt, memory=memory, forcing=forcing, coupling=coupling, waiting=waiting)
+    return _BoundParts(total=cls.total + sends, fullest=cls.table.fullest_rank(p) + least_sends,
+                       bwd_weight=cls.totals["none"]["bwd_weight"], opt=opt, memory=memory, forcing=forcing,
+                       coupling=coupling, waiting=waiting, sends=sends, least_sends=least_sends)
+
+
+def _send_floor(model: CostModel, lay: Layout, place, table) -> tuple[float, float]:
+    """The point-to-point time per micro-batch that no split avoids: (all ranks', the least any rank pays). Every
+    boundary between consecutive stages on different ranks exists whatever the split (CostModel.stage_costs: the
+    sender waits for its output to go, the receiver for the gradient to come back), and moves at least the smallest
+    output any block but the last can send."""
+    if lay.pp == 1:
+        return 0.0, 0.0
+    smallest = table.smallest_output
+    near, far = (model.p2p_seconds(lay, smallest, cross, place) for cross in (place.pp_cross_node, True))
+    per_rank = [a * near + b * far for a, b in _boundaries(lay.schedule, lay.pp, lay.virtual_stages)]
+    return sum(per_rank), min(per_rank)
+
+
+@lru_cache(maxsize=1024)
+def _boundaries(schedule: str, p: int, v: int) -> tuple[tuple[int, int], ...]:
+    """Per pipeline rank, the stage boundaries it sends or receives across: (to a neighbouring rank, to another)."""
+    count = [[0, 0] for _ in range(p)]
+    for s in range(p * v - 1):
+        a, b = stage_rank(schedule, s, p), stage_rank(schedule, s + 1, p)
+        if a != b:
+            kind = 0 if (b - a) % p in (1, p - 1) else 1
+            count[a][kind] += 1
+            count[b][kind] += 1
+    return tuple((x, y) for x, y in count)
 
 
 def _equalised_bytes(states: list[float], least: list[int], counts: list[int], acts: list[float]) -> list[float]:

@@ -355,7 +355,7 @@ def test_lower_bound_never_exceeds_the_best_split(small):
 
     model = CostModel(small)
     modes = modes_for(model)
-    checked = forced = waits = whole = 0
+    checked = forced = waits = whole = sends = 0
     for lay in enumerate_layouts(small, 8, "bf16"):
         if lay.micro_batch > 2:
             continue
@@ -372,9 +372,10 @@ def test_lower_bound_never_exceeds_the_best_split(small):
         forced += bound > lower_bound(model, lay, ("none",))[0] * (1 + 1e-6)
         waits += bound > lower_bound(model, lay, modes, data_parallel_wait=False)[0] * (1 + 1e-6)
         parts = model.bound_parts[(lay, modes)]  # whole layers in one mode per stage bind (whole_stage_bound)
-        relaxed = slowest_rank_bound(*parts.coupling) if lay.pp > 1 else parts.total
+        relaxed = parts.least_sends + slowest_rank_bound(*parts.coupling) if lay.pp > 1 else parts.total
         whole += parts.coupled is not None and parts.coupled > max(relaxed, parts.total / lay.pp) * (1 + 1e-6)
-    assert checked > 50 and forced > 5 and waits > 5 and whole > 20
+        sends += parts.least_sends > 0  # the sends no split avoids (_send_floor), charged to the slowest rank too
+    assert checked > 50 and forced > 5 and waits > 5 and whole > 20 and sends > 20
 
 
 def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(small):
@@ -400,6 +401,33 @@ def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(
         assert c.lower_bound_s >= kth * (1 - 1e-12)
         assert "memory was not checked" in c.status_text()
     assert all(c.memory_checked for c in result.candidates if c.status in ("ok", "priced", "oom"))
+
+
+@pytest.mark.parametrize("schedule,v,expected", [
+    # 8 stages on ranks 0,1,2,3,0,1,2,3: boundaries 0-1 1-2 2-3 3-0 0-1 1-2 2-3, each a neighbouring rank (mod 4)
+    ("interleaved-1f1b", 2, ((3, 0), (4, 0), (4, 0), (3, 0))),
+    # the V: ranks 0,1,2,3,3,2,1,0; stages 3 and 4 share rank 3, so 6 boundaries cross
+    ("zb-v", 2, ((2, 0), (4, 0), (4, 0), (2, 0))),
+    ("1f1b", 1, ((1, 0), (2, 0), (2, 0), (1, 0)))])
+def test_sends_every_split_has_are_bounded_and_reached(schedule, v, expected):
+    """The bound charges each rank the sends no split avoids (search._send_floor): per rank, the stage boundaries
+    it sends or receives across, counted by hand above; on a model whose blocks all send the same tensor (Llama:
+    the hidden states), any split pays exactly that."""
+    import random
+
+    from paraplan.planner.search import _boundaries, _send_floor
+
+    assert _boundaries(schedule, 4, v) == expected
+    work = Workload.create("llama2-7b", "dgx-h100", 64)
+    model = CostModel(work)
+    lay = Layout(dp=4, tp=2, pp=4, virtual_stages=v, micro_batch=1, global_batch=64, schedule=schedule, dtype="bf16")
+    n = len(work.profile("bf16").layers)
+    cuts = sorted(random.Random(3).sample(range(1, n), lay.num_stages - 1))
+    costs = model.stage_costs(lay, [list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, n], strict=True)])
+    place = placement(work.cluster, 4, 2, 4)
+    total, least = _send_floor(model, lay, place, model.block_table(lay, place, "none"))
+    per_rank = [sum(c.p2p_fwd + c.p2p_bwd for c in costs if c.rank == r) for r in range(4)]
+    assert total == pytest.approx(sum(per_rank)) and least == pytest.approx(min(per_rank)) and least > 0
 
 
 def test_slowest_rank_bound_couples_time_and_memory():
