@@ -39,7 +39,7 @@ from .fused_activations import fused_layer_bytes
 from .layout import Layout, recomputes_core, recomputes_mlp
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
-from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
+from .schedules import closed_form_makespan, in_flight, neighbouring_ranks, peak_matrices, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
@@ -308,9 +308,9 @@ class _LayoutStages:
         self.tables: dict[str, _BlockTable] = {}
         self.stages: dict[tuple, StageCost] = {}
 
-    def stage(self, s: int, blocks: list[int], mode: str, previous: int, sends: bool) -> StageCost:
-        """Stage ``s`` holding ``blocks`` in recomputation ``mode``; ``previous``: the last block of stage s - 1
-        (-1 for the first), ``sends``: a stage follows it."""
+    def stage(self, s: int, blocks: list[int], mode: str, sends: bool) -> StageCost:
+        """Stage ``s`` holding ``blocks`` (contiguous: stage s - 1 ends at the block before) in recomputation
+        ``mode``; ``sends``: a stage follows it."""
         lay, place = self.lay, self.place
         st = StageCost(index=s, rank=stage_rank(lay.schedule, s, lay.pp), blocks=blocks, recompute=mode)
         table = self.tables.get(mode)
@@ -333,13 +333,13 @@ class _LayoutStages:
         # Point-to-point: the stage sends its output forward and receives its gradient back, and receives the
         # previous stage's output and sends back its gradient (a block's output size is the same in every mode).
         for other, boundary, outgoing in ((s + 1, table.costs[blocks[-1]].output_bytes, True),
-                                          (s - 1, table.costs[previous].output_bytes if s else 0.0, False)):
+                                          (s - 1, table.costs[lo - 1].output_bytes if s else 0.0, False)):
             if not (sends if outgoing else s):
                 continue
             other_rank = stage_rank(lay.schedule, other, lay.pp)
             if other_rank == st.rank:
                 continue
-            cross = place.pp_cross_node if (other_rank - st.rank) % lay.pp in (1, lay.pp - 1) else True
+            cross = place.pp_cross_node if neighbouring_ranks(st.rank, other_rank, lay.pp) else True
             t = self.model.p2p_seconds(lay, boundary, cross, place)
             if outgoing:
                 st.p2p_fwd += t
@@ -633,8 +633,8 @@ class CostModel:
                     ) -> list[StageCost]:
         """Each stage's costs (its blocks' sums from the block tables, the framework's per-stage overhead, the
         point-to-point sends to its pipeline neighbours). A stage's costs depend only on the layout, its index, its
-        mode, its first and last block (stages are contiguous) and the previous stage's last block (what it
-        receives): priced once per layout and reused — the search's polish and its least-recomputation fits price
+        mode and its first and last block (stages are contiguous: what it receives is the block before its
+        first): priced once per layout and reused — the search's polish and its least-recomputation fits price
         thousands of splits that differ from one another in one or two stages. The objects returned are shared:
         read-only to every caller."""
         memo = self._stage_memo.get(lay)
@@ -643,15 +643,13 @@ class CostModel:
         priced = memo.stages
         last = len(stages) - 1
         out = []
-        previous = -1  # the previous stage's last block
         for s, blocks in enumerate(stages):
             mode = stage_recompute[s] if stage_recompute else lay.recompute
-            key = (s, mode, blocks[0], blocks[-1], previous)
+            key = (s, mode, blocks[0], blocks[-1])
             st = priced.get(key)
             if st is None:
-                st = priced[key] = memo.stage(s, list(blocks), mode, previous, s < last)
+                st = priced[key] = memo.stage(s, list(blocks), mode, s < last)
             out.append(st)
-            previous = blocks[-1]
         return out
 
     def p2p_seconds(self, lay: Layout, nbytes: float, cross_node: bool, place: Placement) -> float:

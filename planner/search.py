@@ -41,7 +41,7 @@ from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, m
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
-from .schedules import in_flight, rank_stages, stage_rank
+from .schedules import in_flight, neighbouring_ranks, rank_stages, stage_rank
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -378,7 +378,7 @@ def _boundaries(schedule: str, p: int, v: int) -> tuple[tuple[int, int], ...]:
     for s in range(p * v - 1):
         a, b = stage_rank(schedule, s, p), stage_rank(schedule, s + 1, p)
         if a != b:
-            kind = 0 if (b - a) % p in (1, p - 1) else 1
+            kind = 0 if neighbouring_ranks(a, b, p) else 1
             count[a][kind] += 1
             count[b][kind] += 1
     return tuple((x, y) for x, y in count)
