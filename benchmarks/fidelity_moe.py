@@ -64,6 +64,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published import megatron_bridge_fp8_switches  # noqa: E402
+
 from paraplan.models import PRESETS as MODEL_PRESETS
 from paraplan.models import load_model_spec, spec_from_mapping
 from paraplan.planner.api import simulate
@@ -171,13 +174,17 @@ def default_etp(row: dict) -> int:
     return row["tp"] if str(row.get("id", "")).startswith("dgxc-") else 1
 
 
+def row_dtype(row: dict) -> str:
+    dtype = str(row.get("dtype") or row.get("dtype_published")).lower()
+    return "fp8" if "fp8" in dtype else dtype  # FP8, FP8-CS, "not stated in table (FP8, see notes)"
+
+
 def layout_of(row: dict) -> Layout:
     row = as_run(row)
     gpus, tp, pp, cp = row["gpus"], row["tp"], row["pp"], row.get("cp") or 1
     vp = row.get("vp")
     vp = vp if isinstance(vp, int) and vp > 1 and pp > 1 else 1
-    dtype = str(row.get("dtype") or row.get("dtype_published")).lower()
-    dtype = "fp8" if "fp8" in dtype else dtype  # FP8, FP8-CS, "not stated in table (FP8, see notes)"
+    dtype = row_dtype(row)
     fsdp = str(row.get("fsdp", "")).lower() in ("on", "1", "true")  # Megatron FSDP: parameters sharded too
     return Layout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=row["ep"], etp=row.get("etp") or default_etp(row),
                   micro_batch=row["micro_batch"], global_batch=row["global_batch"],
@@ -208,6 +215,7 @@ def recipe(row: dict) -> dict:
         flex = any(x in str(row["token_dispatcher"]) for x in ("DeepEP", "flex", "HybridEP"))
         return dict(moe_dispatcher="hybridep" if flex else "alltoall", moe_a2a_overlap=bool(row.get("ep_a2a_overlap")))
     switches = dict(RECIPES.get((base_model(row), row.get("tp"), row.get("pp"), row.get("ep")), {}))
+    switches.update(megatron_bridge_fp8_switches(row["id"], row_dtype(row)))  # the release's FP8 recipe
     if base_model(row) != row.get("model"):  # Megatron-Bridge's apply_moe_token_drop defaults: c = 1.0, padded
         switches.update(moe_capacity_factor=1.0, moe_pad_to_capacity=True)
     return switches

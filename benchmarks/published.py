@@ -62,6 +62,23 @@ VIRTUAL_STAGES = {"nemotron4-340b": 12}
 # (store_params defaults to True): --optimizer-states bf16. Its other NeMo 1.0 configs (GPT-3 175B, Nemotron-4
 # 15B) keep fp32 optimizer states, the profile's default.
 RECIPE_SWITCHES = {("nemotron4-340b", "NeMo-Megatron launcher"): {"optimizer_states": "bf16"}}
+# Megatron-Bridge's H100 FP8 runs from its 25.11 release (v0.2.0) on use per-tensor current scaling: every H100 FP8
+# performance config is an FP8_CS one (v0.2.0 scripts/performance/configs: *_H100_FP8_CS_BASE_CONFIG for Llama 3,
+# Qwen3, GPT-OSS, DeepSeek-V3 (which also has an FP8_SC, subchannel, config); v0.3.0 to v0.5.0:
+# *_PRETRAIN_CONFIG_H100_FP8_CS_V*), which scripts/performance/utils/precision.py turns into
+# bf16_with_fp8_current_scaling_mixed (fp8_recipe "tensorwise", fp8_param_gather) with no bf16 first/last layers;
+# the 25.11 table labels them FP8-CS. Earlier releases' run script defaulted to delayed scaling (25.09
+# argument_parser.py: --fp8_recipe ds) and their tables do not say: those keep the profile's (delayed).
+MEGATRON_BRIDGE_CS_FROM = (25, 11)
+
+
+def megatron_bridge_fp8_switches(rid: str, dtype: str) -> dict:
+    """The FP8 recipe of a Megatron-Bridge row (id "mbridge-<release>-<system>-..."), as the CLI's switch."""
+    parts = rid.split("-")
+    if dtype != "fp8" or parts[0] != "mbridge" or len(parts) < 3:
+        return {}
+    release = tuple(int(x) for x in parts[1].split(".")[:2])
+    return {"fp8_recipe": "tensorwise"} if release >= MEGATRON_BRIDGE_CS_FROM else {}
 
 
 @dataclass
@@ -189,6 +206,7 @@ def h100_runs() -> tuple[list[Run], list[tuple[str, str]]]:
         model = str(row["model"]).split(" ")[0]
         switches = next((sw for (name, stack), sw in RECIPE_SWITCHES.items()
                          if name == model and str(row.get("framework", "")).startswith(stack)), {})
+        switches = {**switches, **megatron_bridge_fp8_switches(rid, dtype)}
         runs.append(Run(id=rid, source=str(row.get("source", "")), model=model, spec=spec.replace(seq_length=seq),
                         gpus=gpus, framework=framework, layout=layout, seq_len=seq, measured=measured, value=value,
                         recompute_stated=_recompute(row) is not None, group=f"{model}/{dtype}", switches=switches))

@@ -112,6 +112,11 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
                    help="the unfused attention's fused scale-mask-softmax kernel: always taken, or only where "
                         "bigscience's Megatron-DeepSpeed of 2021-10-21..2022-03-06 (BLOOM's layout sweep) found it "
                         "available, PyTorch's fp32 softmax elsewhere (overrides the framework)")
+    p.add_argument("--fp8-recipe", choices=("delayed", "tensorwise"),
+                   help="FP8 scaling (with --dtype fp8), Megatron-Core's names: delayed = scales from an amax history "
+                        "(Transformer Engine's DelayedScaling), tensorwise = per-tensor current scaling (an amax "
+                        "pass before each cast; what Megatron-Bridge's H100 FP8 recipes run; the only one torchao "
+                        "stacks have) (overrides the framework)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine first when no calibration of it exists (local cluster, "
                         "validate); predictions are then labelled uncalibrated (env: PARAPLAN_NO_CALIBRATE=1)")

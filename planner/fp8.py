@@ -10,7 +10,13 @@ peak and the GPU's FP8 efficiency curve; this module adds what FP8 costs around 
 - quantisation traffic (each FP8 GEMM operand is read in bf16 and written in FP8 first): with TE's delayed
   scaling (the scale comes from an amax history; the amax of the new tensor is computed inside the cast,
   which also writes the transposed copy the other GEMM needs) a linear's input costs 2 + 1 + 1 bytes per
-  element in forward and its output gradient the same in backward; with torchao's dynamic tensorwise
+  element in forward and its output gradient the same in backward; with TE's per-tensor current scaling
+  (Megatron-Core's ``--fp8-recipe tensorwise``, TE's Float8CurrentScaling) each cast is three kernels — the
+  amax over the tensor, the scale from it, the cast with its transposed copy (Float8CurrentScalingQuantizer::
+  quantize_impl in transformer_engine/pytorch/csrc/quantizer.cpp) —, 2 + 2 + 1 + 1 bytes per element, on the
+  same tensors as delayed scaling (weights are cast once per step: FP8 parameters, or TE's cache across a
+  step's micro-batches); not priced: the one-scalar amax all-reduce over the tensor-parallel group that a
+  sequence-parallel input's cast waits for (latency only); with torchao's dynamic tensorwise
   scaling each cast is preceded by an amax pass over the tensor (2 more bytes read), the weight is cast
   every forward and again, transposed, in backward, and the saved bf16 input is cast again (transposed)
   for the weight gradient: 5 bytes per element of input, output gradient and weight per use;
@@ -33,8 +39,8 @@ from . import fused_moe
 from .layout import recomputes_mlp
 
 # bytes moved per element quantised (see the module docstring)
-CAST_BYTES = {"delayed": 2 + 1 + 1, "dynamic": 2 + 2 + 1}
-CAST_KERNELS = {"delayed": 1, "dynamic": 2}
+CAST_BYTES = {"delayed": 2 + 1 + 1, "current": 2 + 2 + 1 + 1, "dynamic": 2 + 2 + 1}
+CAST_KERNELS = {"delayed": 1, "current": 3, "dynamic": 2}
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,8 @@ def cast_seconds(spec, framework, tokens: float, tp: int, sp: bool, hbm_Bps: flo
     scaling = framework.fp8_scaling
     per = CAST_BYTES[scaling]
     kernels = CAST_KERNELS[scaling] * shapes.linears
-    if scaling == "delayed":  # TE: inputs in forward, output gradients in backward (weights are FP8 parameters
-        # or cast once per step: negligible per micro-batch)
+    if scaling in ("delayed", "current"):  # TE: inputs in forward, output gradients in backward (weights are FP8
+        # parameters or cast once per step: negligible per micro-batch)
         fwd_bytes = per * tokens * shapes.inputs
         bwd_bytes = per * tokens * shapes.grad_outputs
         return fwd_bytes / hbm_Bps + kernels * kernel_s, bwd_bytes / hbm_Bps + kernels * kernel_s

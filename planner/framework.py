@@ -21,6 +21,10 @@ from .errors import PlanError
 
 CP_COMM = ("all_gather", "ring", "all_gather_overlap")
 MOE_DISPATCHERS = ("alltoall", "hybridep")
+# ``--fp8-recipe``, Megatron-Core's names (TransformerConfig.fp8_recipe; its default is delayed): the Framework.
+# fp8_scaling each means on a Transformer Engine stack. A torchao stack (this executor, torchtitan) scales each
+# tensor as it casts it ("dynamic"), which is its tensorwise recipe; it has no delayed scaling.
+FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current"}
 FUSED_SOFTMAX = ("always", "bigscience-2021-10")
 # Adam's state in 16-bit training (``--optimizer-states``), bytes per parameter as (master weights, both moments):
 # "fp32" = fp32 master weights and moments (ZeRO's K = 12, Rajbhandari et al. 2020 Sec. 3.1; Megatron-LM's
@@ -76,7 +80,8 @@ class Framework:
     fp8_weight_bytes: float = 0.0
     # FP8 scaling: "dynamic" = each tensor's amax is read in a pass of its own before the cast (torchao
     # tensorwise); "delayed" = the scale comes from an amax history and the amax is computed inside the
-    # cast kernel (TE's DelayedScaling): planner/fp8.py prices the difference
+    # cast kernel (TE's DelayedScaling); "current" = TE's per-tensor current scaling (Float8CurrentScaling,
+    # Megatron-Core's --fp8-recipe tensorwise): an amax pass, then the cast: planner/fp8.py prices the difference
     fp8_scaling: str = "dynamic"
     # the buckets a data-parallel gradient reduce (and the overlapped weight gather) runs in, whose last cannot hide
     # (dp_sync.bucket_bytes): "ddp" = torch DDP's 25 MiB (bucket_cap_mb); "megatron" = Megatron-Core's default
@@ -238,10 +243,11 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
               overlap_tp: bool | None = None, moe_dispatcher: str | None = None, moe_a2a_overlap: bool | None = None,
               grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None,
               fused_softmax: str | None = None, moe_capacity_factor: float | None = None,
-              moe_pad_to_capacity: bool | None = None) -> Framework:
+              moe_pad_to_capacity: bool | None = None, fp8_recipe: str | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
     ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``,
-    ``--optimizer-states``, ``--fused-softmax``, ``--moe-capacity-factor``, ``--moe-pad-to-capacity``: the settings
+    ``--optimizer-states``, ``--fused-softmax``, ``--moe-capacity-factor``, ``--moe-pad-to-capacity``,
+    ``--fp8-recipe``: the settings
     of a recipe, Megatron-Bridge's names where it has them). Switches a stack cannot run are refused, not priced:
     this executor (and torchtitan) dispatch every token (dropless) with one all-to-all each way, exposed, reduce
     fp32 gradients and keep torch's Adam state in fp32."""
@@ -263,6 +269,16 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
             raise PlanError(f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, "
                             f"got {optimizer_states!r}")
         changes["master_bytes"], changes["moment_bytes"] = OPTIMIZER_STATES[optimizer_states]
+    if fp8_recipe is not None:
+        if fp8_recipe not in FP8_RECIPES:
+            raise PlanError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
+        if fw.fp8_scaling == "dynamic":  # torchao's float8 training
+            if fp8_recipe != "tensorwise":
+                raise PlanError(f"--fp8-recipe {fp8_recipe}: the {fw.name} stack's FP8 is torchao's float8 training, "
+                                "which scales each tensor as it casts it (tensorwise); delayed scaling is Transformer "
+                                "Engine's: price a stack that runs it, e.g. --framework megatron-core")
+        else:
+            changes["fp8_scaling"] = FP8_RECIPES[fp8_recipe]
     if changes.get("attention", fw.attention) not in ATTENTION_KERNELS:
         raise PlanError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}")
     softmax = changes.get("fused_softmax", fw.fused_softmax)
@@ -296,8 +312,8 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
 
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
 SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
-            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity")
-NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax")
+            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity", "fp8_recipe")
+NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax", "fp8_recipe")
 NUMBER_SWITCHES = ("moe_capacity_factor",)  # the rest are on/off
 
 
@@ -313,6 +329,8 @@ def switches_of(fw: Framework) -> dict:
     if (fw.master_bytes, fw.moment_bytes) != (base.master_bytes, base.moment_bytes):
         out["optimizer_states"] = next(k for k, v in OPTIMIZER_STATES.items() if v == (fw.master_bytes,
                                                                                         fw.moment_bytes))
+    if fw.fp8_scaling != base.fp8_scaling:
+        out["fp8_recipe"] = next(k for k, v in FP8_RECIPES.items() if v == fw.fp8_scaling)
     return out
 
 

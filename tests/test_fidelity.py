@@ -85,3 +85,17 @@ def test_bloom_layout_sweep_ranks_layouts_as_they_ran():
     assert len(rows) >= 90
     assert fidelity.spearman([r[1] for r in rows], [r[2] for r in rows]) >= 0.6
     assert all(r[3].fits for r in rows)
+
+
+def test_megatron_bridge_fp8_rows_carry_their_release_recipe():
+    """Megatron-Bridge's H100 FP8 runs from 25.11 (v0.2.0) on are per-tensor current scaling (every H100 FP8
+    performance config is an FP8_CS one; published.MEGATRON_BRIDGE_CS_FROM): they are priced with --fp8-recipe
+    tensorwise; earlier releases (their run script's default, delayed) and other sources keep the profile's."""
+    import published
+
+    runs = {r.id: r for r in published.h100_runs()[0]}
+    assert runs["mbridge-25.11-h100-llama3_70b-fp8-cs-64gpu"].switches == {"fp8_recipe": "tensorwise"}
+    assert runs["mbridge-26.04.01-h100-llama3_70b-fp8-64gpu"].switches == {"fp8_recipe": "tensorwise"}
+    assert "fp8_recipe" not in runs["mbridge-25.09-h100-llama3_70b-fp8-64gpu"].switches
+    assert all("fp8_recipe" not in r.switches for r in runs.values() if not r.id.startswith("mbridge-"))
+    assert published.megatron_bridge_fp8_switches("mbridge-26.02-h100-x-bf16-8gpu", "bf16") == {}

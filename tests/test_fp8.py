@@ -66,6 +66,18 @@ def test_cast_traffic_by_scaling_recipe():
     f, b = fp8.cast_seconds(spec, framework("torchtitan"), tokens, 1, False, hbm, 0.0)
     assert f == pytest.approx(5 * (tokens * s.inputs + s.weights) / hbm)  # amax pass + cast, weight every time
     assert b == pytest.approx(5 * (tokens * (s.grad_outputs + s.inputs) + s.weights) / hbm)
+    # TE's per-tensor current scaling (Float8CurrentScalingQuantizer::quantize_impl, transformer_engine/pytorch/
+    # csrc/quantizer.cpp): nvte_compute_amax reads the tensor (2 B), nvte_compute_scale_from_amax, nvte_quantize
+    # reads it again and writes the FP8 copy and its transpose (2 + 1 + 1 B): 6 B and 3 kernels per element cast,
+    # on delayed scaling's tensors (inputs forward, output gradients backward)
+    current = framework("megatron-core", fp8_recipe="tensorwise")
+    f, b = fp8.cast_seconds(spec, current, tokens, 1, False, hbm, 0.0)
+    assert f == pytest.approx(6 * tokens * s.inputs / hbm)
+    assert b == pytest.approx(6 * tokens * s.grad_outputs / hbm)
+    kernel = 1e-5
+    delayed_f = fp8.cast_seconds(spec, framework("megatron-core"), tokens, 1, False, hbm, kernel)[0]
+    current_f = fp8.cast_seconds(spec, current, tokens, 1, False, hbm, kernel)[0]
+    assert current_f - delayed_f == pytest.approx(2 * tokens * s.inputs / hbm + (3 - 1) * s.linears * kernel)
 
 
 def test_fp8_memory_by_stack():
@@ -100,3 +112,39 @@ def test_executor_refuses_fp8_in_one_line(tmp_path):
         p = run_cli("execute", "--plan", str(plan), *extra)
         assert p.returncode != 0 and "Traceback" not in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "fp8" in p.stderr
+
+
+def test_fp8_recipe_switch_from_the_cli_prices_exports_and_reads_back(tmp_path):
+    """--fp8-recipe (Megatron-Core's names): tensorwise prices TE's current scaling on a TE stack (an FP8 run gets
+    slower by the amax passes, a bf16 one does not move), is recorded in plan.json and read back as priced, and
+    the Megatron export asks for it (Megatron's default recipe is delayed); a torchao stack (this executor) has
+    only tensorwise scaling: tensorwise changes nothing there and delayed is refused in one line."""
+    import json
+
+    from conftest import assert_one_line_error, run_cli_json
+    from paraplan.planner.api import predict_plan
+    from paraplan.planner.plan import Plan
+
+    args = ["simulate", "--model", MODEL, "--cluster", "dgx-h100", "--global-batch", "64", "--dp", "4", "--tp", "2",
+            "--pp", "1", "--micro-batch", "1", "--zero", "1", "--sequence-parallel"]
+    core = [*args, "--framework", "megatron-core"]
+    for dtype, slower in (("fp8", True), ("bf16", False)):
+        delayed = run_cli_json(*core, "--dtype", dtype, "--fp8-recipe", "delayed")
+        default = run_cli_json(*core, "--dtype", dtype)
+        current = run_cli_json(*core, "--dtype", dtype, "--fp8-recipe", "tensorwise")
+        assert default["iteration_time_s"] == delayed["iteration_time_s"]  # megatron-core's default: delayed
+        assert (current["iteration_time_s"] > delayed["iteration_time_s"]) is slower
+        if not slower:
+            assert current["iteration_time_s"] == pytest.approx(delayed["iteration_time_s"], rel=1e-12)
+    plan = tmp_path / "cs.json"
+    first = run_cli_json(*core, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "--write-plan", str(plan))
+    assert json.loads(plan.read_text())["framework_switches"] == {"fp8_recipe": "tensorwise"}
+    assert predict_plan(Plan.read(str(plan))).iteration_time_s == pytest.approx(first["iteration_time_s"], rel=1e-9)
+    p = run_cli("export", "--plan", str(plan), "--to", "megatron")
+    assert p.returncode == 0, p.stderr
+    assert "--fp8-recipe tensorwise" in p.stdout
+    plain = run_cli_json(*args, "--dtype", "fp8")
+    assert run_cli_json(*args, "--dtype", "fp8", "--fp8-recipe", "tensorwise")["iteration_time_s"] == \
+        plain["iteration_time_s"]
+    assert_one_line_error(run_cli(*args, "--dtype", "fp8", "--fp8-recipe", "delayed"), "--fp8-recipe delayed",
+                          "torchao")

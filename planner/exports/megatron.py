@@ -15,7 +15,8 @@ Mapping (plan -> Megatron-LM):
 - ZeRO 1 -> --use-distributed-optimizer; ZeRO 2 / 3 -> Megatron-FSDP (--use-megatron-fsdp
   --data-parallel-sharding-strategy optim_grads / optim_grads_params, which needs --ckpt-format fsdp_dtensor).
 - recompute selective -> --recompute-granularity selective; full -> full, uniform, one layer per checkpoint.
-- dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid; fp32 -> Megatron's default.
+- dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid (and --fp8-recipe tensorwise where priced with
+  per-tensor current scaling; Megatron's default is delayed scaling); fp32 -> Megatron's default.
 - the stack the plan was priced for (its framework and framework_switches), where Megatron's defaults run
   otherwise (STACK_ARGS): Megatron-style ZeRO accounting with 16-bit gradients -> --grad-reduce-in-bf16 (Megatron
   accumulates bf16 runs' gradients in fp32 unless told); FP8 parameters (no cached FP8 weight copy priced) ->
@@ -250,6 +251,8 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
         notes.append(f"priced with the softmax of --fused-softmax {fw.fused_softmax} (PyTorch's fp32 softmax where "
                      "that fork's check turned its fused kernel down); Megatron-LM takes its fused kernel (or a "
                      "flash kernel) there: faster than predicted")
+    if lay.dtype == "fp8" and fw.fp8_scaling == "current":  # Megatron's default recipe is delayed scaling
+        a.append(("--fp8-recipe", "tensorwise"))
     if fw.states != "zero":
         return a
     if lay.dtype in ("bf16", "fp8") and fw.grad_bytes == 2:
