@@ -67,9 +67,14 @@ RECIPE_SWITCHES = {("nemotron4-340b", "NeMo-Megatron launcher"): {"optimizer_sta
 # Qwen3, GPT-OSS, DeepSeek-V3 (which also has an FP8_SC, subchannel, config); v0.3.0 to v0.5.0:
 # *_PRETRAIN_CONFIG_H100_FP8_CS_V*), which scripts/performance/utils/precision.py turns into
 # bf16_with_fp8_current_scaling_mixed (fp8_recipe "tensorwise", fp8_param_gather) with no bf16 first/last layers;
-# the 25.11 table labels them FP8-CS. Earlier releases' run script defaulted to delayed scaling (25.09
-# argument_parser.py: --fp8_recipe ds) and their tables do not say: those keep the profile's (delayed).
+# the 25.11 table labels them FP8-CS. At 25.09 (commit a28844195, "Cherry pick perf 2509") the run script's
+# --fp8_recipe defaulted to ds (delayed) and the table does not say, but the MoE models' H100 performance matrices
+# list only fp8_cs beside bf16 (scripts/performance/configs/qwen3/*_llm_pretrain.yaml; deepseek_v3_llm_pretrain.yaml
+# also fp8_ss, the subchannel recipe the table's parenthesised figures name), and the Qwen3-30B-A3B row's MBS 2 is
+# the fp8_cs entry's (bf16: 1): those are current scaling too. The dense 25.09 matrices list fp8_ds and fp8_cs
+# both: those rows keep the profile's (delayed).
 MEGATRON_BRIDGE_CS_FROM = (25, 11)
+MEGATRON_BRIDGE_CS_MOE_FROM = ((25, 9), ("qwen3", "deepseek"))
 
 
 def megatron_bridge_fp8_switches(rid: str, dtype: str) -> dict:
@@ -78,7 +83,9 @@ def megatron_bridge_fp8_switches(rid: str, dtype: str) -> dict:
     if dtype != "fp8" or parts[0] != "mbridge" or len(parts) < 3:
         return {}
     release = tuple(int(x) for x in parts[1].split(".")[:2])
-    return {"fp8_recipe": "tensorwise"} if release >= MEGATRON_BRIDGE_CS_FROM else {}
+    moe_from, moe_models = MEGATRON_BRIDGE_CS_MOE_FROM
+    current = release >= MEGATRON_BRIDGE_CS_FROM or (release >= moe_from and any(m in rid for m in moe_models))
+    return {"fp8_recipe": "tensorwise"} if current else {}
 
 
 @dataclass

@@ -90,7 +90,8 @@ def test_bloom_layout_sweep_ranks_layouts_as_they_ran():
 def test_megatron_bridge_fp8_rows_carry_their_release_recipe():
     """Megatron-Bridge's H100 FP8 runs from 25.11 (v0.2.0) on are per-tensor current scaling (every H100 FP8
     performance config is an FP8_CS one; published.MEGATRON_BRIDGE_CS_FROM): they are priced with --fp8-recipe
-    tensorwise; earlier releases (their run script's default, delayed) and other sources keep the profile's."""
+    tensorwise, and so are 25.09's MoE runs (their performance matrices list only fp8_cs); 25.09's dense rows (fp8_ds
+    and fp8_cs both listed, the table silent) and other sources keep the profile's (delayed)."""
     import published
 
     runs = {r.id: r for r in published.h100_runs()[0]}
@@ -99,3 +100,5 @@ def test_megatron_bridge_fp8_rows_carry_their_release_recipe():
     assert "fp8_recipe" not in runs["mbridge-25.09-h100-llama3_70b-fp8-64gpu"].switches
     assert all("fp8_recipe" not in r.switches for r in runs.values() if not r.id.startswith("mbridge-"))
     assert published.megatron_bridge_fp8_switches("mbridge-26.02-h100-x-bf16-8gpu", "bf16") == {}
+    assert published.megatron_bridge_fp8_switches("mbridge-25.09-h100-deepseekv3-dropless-fp8-1024gpu", "fp8") == {
+        "fp8_recipe": "tensorwise"}
