@@ -44,6 +44,12 @@ LATE lists them and they are summarised apart as well. One choice was made after
 experts' linear weight-gradient traffic as it stands (planner/moe.py rank_view says what and why), which they
 priced at 18.3% mean error scaled as physics says and 14.7% as kept.
 
+Round 3, both after every row had been seen, each from the software's source with no free parameter: the FP8
+recipe of Megatron-Bridge's rows (published.megatron_bridge_fp8_switches: per-tensor current scaling, --fp8-recipe
+tensorwise, from 25.11 on and for 25.09's MoE runs; held out 9.8% -> 9.5%), and the all-to-all overlap paired
+exchange by exchange with the compute stretch Megatron-Core's schedule runs beside it (moe.overlapped_layer_exchanges:
+9.5% -> 9.7%).
+
 Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
 padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).
 

@@ -434,8 +434,7 @@ class CostModel:
                                           times.core_fwd) if layer.kind == "transformer_layer" else None
         if cpc is not None:
             tp_fwd, tp_bwd = tp_fwd + cpc.fwd, tp_bwd + cpc.bwd
-        epc = moe.layer_cost(self, layer, lay, place, b, mode,  # MoE token all-to-alls (planner/moe.py)
-                             (times.fwd, times.bwd_input + times.bwd_weight))
+        epc = moe.layer_cost(self, layer, lay, place, b, mode, times)  # MoE token all-to-alls (planner/moe.py)
         tp_fwd, tp_bwd = tp_fwd + epc.fwd, tp_bwd + epc.bwd
         # Host-side framework costs of this block per micro-batch (measured per event by calibrate; zero on
         # GPUs unless measured): its tensor-parallel module calls, and its FSDP unit (ZeRO-2/3 shard each layer).

@@ -78,6 +78,31 @@ def overlapped_exposure(a2a: float, compute: float, sm_count: int) -> float:
     return a2a - compute if a2a * r >= compute else a2a * (1.0 - r)
 
 
+def overlapped_layer_exchanges(one: float, times, sm_count: int) -> tuple[float, float]:
+    """(forward, backward) seconds a MoE layer's four exchanges of ``one`` second each (dispatch and combine, both
+    passes) add under Megatron-Core's overlap_moe_expert_parallel_comm, which runs one micro-batch's forward of a
+    layer beside another's backward of it in three phases, each exchange beside one stretch of the other's compute
+    (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
+
+        comm:    combine_bwd        | dispatch_fwd -> dispatch_bwd            | combine_fwd
+        compute: pre_dispatch_fwd   | mlp_bwd     -> mlp_bwd_dw + mlp_fwd     | pre_dispatch_bwd
+
+    so an exchange hides only behind its own stretch (:func:`overlapped_exposure` each), not behind the whole
+    opposite pass. ``times`` (compute.PassTimes, or None for no compute): the layer's passes on the rank; its MLP
+    sublayer's forward (``mlp_fwd``: the MoE block) is the ``mlp`` stretch, the rest of the forward the pre-dispatch
+    one (attention, norms), and the backward splits in the forward's proportions. The attention's weight-gradient
+    GEMMs run after the phases (delayed), beside none."""
+    mlp_f = pre_f = mlp_b = pre_b = mlp_dw = 0.0
+    if times is not None and times.fwd > 0:
+        share = times.mlp_fwd / times.fwd
+        mlp_f, pre_f = times.mlp_fwd, times.fwd - times.mlp_fwd
+        mlp_b, pre_b = share * times.bwd_input, (1 - share) * times.bwd_input
+        mlp_dw = share * times.bwd_weight
+    fwd = overlapped_exposure(one, mlp_b, sm_count) + overlapped_exposure(one, pre_b, sm_count)
+    bwd = overlapped_exposure(one, pre_f, sm_count) + overlapped_exposure(one, mlp_dw + mlp_f, sm_count)
+    return fwd, bwd
+
+
 def routed_load(fw) -> float:
     """The most loaded rank's routed token copies over the mean (see the module docstring): the imbalance when
     dropless; with a capacity factor c, at most c (the rest dropped); padded to capacity, c."""
@@ -297,11 +322,11 @@ class EPCost:
 
 
 def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: float, mode: str,
-               compute: tuple[float, float] = (0.0, 0.0)) -> EPCost:
+               times=None) -> EPCost:
     """The all-to-alls (and etp gathers) of MoE layer ``layer`` for a micro-batch of ``b`` whole sequences on
     one rank (their 1/cp share, 1/tp of its tokens: see the module docstring), in recomputation ``mode``.
-    ``compute``: the layer's (forward, backward) compute on the rank, what ``Framework.moe_a2a_overlap`` hides
-    the all-to-alls behind."""
+    ``times``: the layer's passes on the rank (compute.PassTimes), what ``Framework.moe_a2a_overlap`` hides
+    the all-to-alls behind (:func:`overlapped_layer_exchanges`)."""
     if not is_moe(layer):
         return EPCost()
     work = model.work
@@ -325,10 +350,8 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         one *= routed_load(fw)
         counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
         a2a_fwd = a2a_bwd = 2 * one
-        if a2a_overlap_applies(fw, lay, mode):  # each pass's exchanges under another micro-batch's opposite pass
-            sms = cluster.gpu.sm_count
-            a2a_fwd, a2a_bwd = (overlapped_exposure(a2a_fwd, compute[1], sms),
-                                overlapped_exposure(a2a_bwd, compute[0], sms))
+        if a2a_overlap_applies(fw, lay, mode):  # each exchange beside a stretch of another micro-batch's other pass
+            a2a_fwd, a2a_bwd = overlapped_layer_exchanges(one, times, cluster.gpu.sm_count)
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
         traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)

@@ -479,6 +479,29 @@ def test_overlapped_all_to_all_slows_the_compute_it_runs_beside():
     assert load_gpu("h100-sxm-80gb").sm_count == 132 and load_gpu("a100-80gb").sm_count == 108
 
 
+def test_overlapped_exchanges_pair_with_the_stretches_megatron_schedules_beside_them():
+    """Megatron-Core's overlap_moe_expert_parallel_comm (model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.
+    run) runs a layer's forward of one micro-batch beside its backward of another in three phases: combine_bwd
+    beside pre_dispatch_fwd; dispatch_fwd beside mlp_bwd, then dispatch_bwd beside mlp_bwd_dw + mlp_fwd; combine_fwd
+    beside pre_dispatch_bwd. Each exchange hides behind its own stretch only: a long exchange beside a short
+    stretch shows even where the opposite pass as a whole would cover it."""
+    from paraplan.planner.compute import PassTimes
+
+    # forward 4 ms of which the MoE block 3; backward input 8 (MLP share 3/4: 6, attention 2), weight 4 (MLP 3)
+    times = PassTimes(fwd=4.0, bwd_input=8.0, bwd_weight=4.0, core_fwd=0.5, mlp_fwd=3.0)
+    r = 1 - moe.COMM_SMS / 132
+    ov = lambda a, c: a - c if a * r >= c else a * (1 - r)  # noqa: E731 (overlapped_exposure, spelled out)
+    one = 2.5
+    fwd, bwd = moe.overlapped_layer_exchanges(one, times, 132)
+    assert fwd == pytest.approx(ov(one, 6.0) + ov(one, 2.0))  # dispatch_fwd | mlp_bwd; combine_fwd | pre_dispatch_bwd
+    assert bwd == pytest.approx(ov(one, 1.0) + ov(one, 3.0 + 3.0))  # combine_bwd | pre_dispatch_fwd; dispatch_bwd |
+    # the attention's 1 ms of forward cannot hide a 2.5 ms combine: 1.5 ms of it shows
+    assert ov(one, 1.0) == pytest.approx(1.5)
+    # against the whole opposite pass each way (2 x 2.5 ms beside 12 ms and beside 4 ms) less would show
+    assert fwd + bwd > moe.overlapped_exposure(2 * one, 12.0, 132) + moe.overlapped_exposure(2 * one, 4.0, 132)
+    assert moe.overlapped_layer_exchanges(one, None, 132) == (2 * one, 2 * one)  # no compute beside: all shows
+
+
 def test_fp8_experts_behind_the_all_to_all_dispatcher_pad_their_tokens():
     """Megatron-Core's grouped FP8 GEMM wants each expert's tokens in multiples of 16 rows: behind the all-to-all
     dispatcher TE's Fp8Padding copies the permuted tokens into a padded buffer and Fp8Unpadding copies the
