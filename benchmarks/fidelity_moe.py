@@ -48,7 +48,8 @@ Round 3, both after every row had been seen, each from the software's source wit
 recipe of Megatron-Bridge's rows (published.megatron_bridge_fp8_switches: per-tensor current scaling, --fp8-recipe
 tensorwise, from 25.11 on and for 25.09's MoE runs; held out 9.8% -> 9.5%), and the all-to-all overlap paired
 exchange by exchange with the compute stretch Megatron-Core's schedule runs beside it (moe.overlapped_layer_exchanges:
-9.5% -> 9.7%).
+9.5% -> 9.7%); and 25.09's Qwen3 rows run without the all-to-all overlap (RECIPES_25_09, read from that release's
+scripts after the rows had been priced with the later recipes' overlap: 9.7% -> 9.3%).
 
 Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
 padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).
@@ -114,6 +115,15 @@ RECIPES = {
     # keeps itself under FP8 parameters (the default FP8 recipe "ds" sets fp8_param_gather): 4 + 2 + 2 bytes
     ("deepseek-v3 (dropless)", 2, 8, 64): dict(moe_dispatcher="hybridep", moe_a2a_overlap=True,
                                                optimizer_states="bf16-moments"),
+}
+# Megatron-Bridge's 25.09 release (commit a28844195, "Cherry pick perf 2509") ran Qwen3 without the all-to-all
+# overlap the later recipes above turn on: its run_script.py builds both Qwen3 recipes with
+# CommOverlapConfig(tp_comm_overlap=True) alone, training/comm_overlap.py leaves overlap_moe_expert_parallel_comm off
+# ("Optimizations disabled by default"), and its perf-matrix YAMLs (configs/qwen3/*_llm_pretrain.yaml) set only
+# mixed_precision.grad_reduce_in_fp32: false besides the layout.
+RECIPES_25_09 = {
+    ("qwen3-30b-a3b", 1, 2, 8): dict(grad_reduce_in_fp32=False),
+    ("qwen3-235b-a22b", 2, 8, 32): dict(grad_reduce_in_fp32=False),
 }
 # The Megatron-Bridge model names of the rows, as our presets (or specs built below).
 PRESETS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-235b-a22b": "qwen3-235b-a22b", "deepseek-v3": "deepseek-v3",
@@ -220,7 +230,9 @@ def recipe(row: dict) -> dict:
     if "token_dispatcher" in row:
         flex = any(x in str(row["token_dispatcher"]) for x in ("DeepEP", "flex", "HybridEP"))
         return dict(moe_dispatcher="hybridep" if flex else "alltoall", moe_a2a_overlap=bool(row.get("ep_a2a_overlap")))
-    switches = dict(RECIPES.get((base_model(row), row.get("tp"), row.get("pp"), row.get("ep")), {}))
+    key = (base_model(row), row.get("tp"), row.get("pp"), row.get("ep"))
+    recipes = RECIPES_25_09 if str(row.get("id", "")).startswith("mbridge-25.09-") and key in RECIPES_25_09 else RECIPES
+    switches = dict(recipes.get(key, {}))
     switches.update(megatron_bridge_fp8_switches(row["id"], row_dtype(row)))  # the release's FP8 recipe
     if base_model(row) != row.get("model"):  # Megatron-Bridge's apply_moe_token_drop defaults: c = 1.0, padded
         switches.update(moe_capacity_factor=1.0, moe_pad_to_capacity=True)

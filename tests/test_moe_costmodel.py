@@ -543,7 +543,9 @@ def test_fidelity_rows_take_their_own_published_switches():
     assert fid.recipe(rows["mbridge-26.04-h100-qwen3_235b_a22b-fp8-256gpu"]) == {**fid.RECIPES[
         ("qwen3-235b-a22b", 2, 8, 32)], "fp8_recipe": "tensorwise"}  # its release's H100 FP8 recipe: FP8_CS
     # at 25.09 the MoE models' H100 performance matrices list only fp8_cs; bf16 rows have no FP8 recipe
-    assert fid.recipe(rows["mbridge-25.09-h100-qwen3_235b_a22b-tokendrop-fp8-256gpu"])["fp8_recipe"] == "tensorwise"
+    # 25.09 ran Qwen3 without the all-to-all overlap later recipes turn on (RECIPES_25_09)
+    assert fid.recipe(rows["mbridge-25.09-h100-qwen3_235b_a22b-tokendrop-fp8-256gpu"]) == dict(
+        grad_reduce_in_fp32=False, fp8_recipe="tensorwise", moe_capacity_factor=1.0, moe_pad_to_capacity=True)
     assert "fp8_recipe" not in fid.recipe(rows["mbridge-26.04-h100-gpt-oss-120b-bf16-64gpu"])
     spec, _ = fid.model_of(rows["dgxc-v25.05-llama4-maverick-400b-bf16-512gpu"])
     assert spec.num_layers == 48 and spec.num_moe_layers == 24 and spec.seq_length == 8192
