@@ -225,7 +225,8 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     # every rank, whatever ep, etp or a grouped GEMM. Scaled as physics says (the rank's E/ep experts; a grouped
     # GEMM's fp32 main-gradient accumulation, 8 bytes per local expert parameter) every Megatron-Core MoE row
     # priced 5-25% faster: held out, 14.1% mean error instead of 8.2% (benchmarks/fidelity_moe.py), and 18.3%
-    # instead of 14.7% on six rows first seen then (Megatron-Core MoE model zoo, dgxc v25.08). It stands in for
+    # instead of 14.7% on six rows first seen then (Megatron-Core MoE model zoo, dgxc v25.08); re-checked in
+    # round 3 with the rows' FP8 recipes and the paired all-to-all overlap: 12.9% instead of 9.3%. It stands in for
     # an MoE cost not otherwise modelled; what that cost is remains open. It overprices large ep x etp with large
     # experts (Llama 4 Maverick at ep128 etp4: +30%, -6% without it).
     elem = 4 if lay.dtype == "fp32" else 2
