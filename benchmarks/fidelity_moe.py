@@ -49,7 +49,9 @@ recipe of Megatron-Bridge's rows (published.megatron_bridge_fp8_switches: per-te
 tensorwise, from 25.11 on and for 25.09's MoE runs; held out 9.8% -> 9.5%), and the all-to-all overlap paired
 exchange by exchange with the compute stretch Megatron-Core's schedule runs beside it (moe.overlapped_layer_exchanges:
 9.5% -> 9.7%); and 25.09's Qwen3 rows run without the all-to-all overlap (RECIPES_25_09, read from that release's
-scripts after the rows had been priced with the later recipes' overlap: 9.7% -> 9.3%).
+scripts after the rows had been priced with the later recipes' overlap: 9.7% -> 9.3%); FP8 casts of multi-head
+latent attention's five linears (planner/fp8.mla_linears; they ran at the FP8 rate with no cast cost before:
+DeepSeek-V3 25.09 -11.8% -> -8.1%, 9.3% -> 9.2%).
 
 Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
 padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).

@@ -22,7 +22,8 @@ peak and the GPU's FP8 efficiency curve; this module adds what FP8 costs around 
   for the weight gradient: 5 bytes per element of input, output gradient and weight per use;
 - one kernel per cast (two with dynamic scaling: amax, then cast), at the GPU's per-kernel overhead;
 - memory: TE saves a linear's input for the weight gradient as its FP8 (transposed) copy — 1 byte per
-  element instead of 2 — while torchao saves the bf16 tensor; FP8 weight copies, where a stack keeps them,
+  element instead of 2 — while torchao saves the bf16 tensor (not counted for multi-head latent attention, whose
+  saved tensors fused_activations.mla_bytes counts in 16 bits); FP8 weight copies, where a stack keeps them,
   are ``Framework.fp8_weight_bytes`` per parameter (memory.state_bytes).
 
 Linear shapes per token of a dense transformer layer (Megatron names): QKV h -> (a + 2·kv)·d, output
@@ -54,29 +55,57 @@ class LinearShapes:
     linears: int  # FP8 GEMMs per pass (one per linear)
 
 
+def mla_linears(spec, tp: int, sp: bool) -> tuple[float, float, float, int]:
+    """(inputs, output gradients, weights, linears) of multi-head latent attention's FP8 linears on one of ``tp``
+    ranks (Megatron-Core's MLASelfAttention, megatron/core/transformer/multi_latent_attention.py): the down
+    projections h -> q_lora and h -> kv_lora + rope run duplicated on every rank (on its sequence shard under SP,
+    like a column-parallel layer's input), the up projections q_lora -> a·(nope + rope) and kv_lora -> a·(nope +
+    v) column-parallel behind their latent norms, the output projection a·v -> h row-parallel. Without a query
+    rank (V2-Lite) the queries are projected directly, h -> a·(nope + rope), column-parallel."""
+    h, a, t = spec.hidden_size, spec.num_attention_heads, tp
+    q_head, v, rope = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim, spec.qk_rope_head_dim
+    q_lora, kv_lora = spec.q_lora_rank, spec.kv_lora_rank
+    shard = t if sp else 1  # duplicated projections and column-parallel inputs: the sequence shard under SP
+    inputs = h / shard + kv_lora / shard + a * v / t  # kv down, kv up, output projection
+    grads = (kv_lora + rope) / shard + a * (spec.qk_nope_head_dim + v) / t + h
+    weights = h * (kv_lora + rope) + (kv_lora * a * (spec.qk_nope_head_dim + v) + a * v * h) / t
+    if q_lora:  # q down (duplicated) and q up (column-parallel)
+        inputs += h / shard + q_lora / shard
+        grads += q_lora / shard + a * q_head / t
+        weights += h * q_lora + q_lora * a * q_head / t
+        return inputs, grads, weights, 5
+    inputs += h / shard
+    grads += a * q_head / t
+    weights += h * a * q_head / t
+    return inputs, grads, weights, 4
+
+
 def layer_linears(spec, tp: int, sp: bool, moe_layer: bool = False, experts: bool = False) -> LinearShapes | None:
     """The FP8 linears of one transformer layer of ``spec`` on one of ``tp`` ranks (None: not a transformer
-    layer this module knows: MLA keeps its bf16 cost here). ``moe_layer``: its MLP is a mixture of experts;
-    ``experts``: the experts' GEMMs run in FP8 too (Framework.fp8_experts), each tensor-parallel rank routing
-    its own 1/tp of the tokens to k experts: per token, k copies through the routed experts' two GEMMs
-    (h -> up, f -> h) and one through the shared experts' (width f_s)."""
-    if not getattr(spec, "is_transformer", False) or getattr(spec, "mla", False):
+    layer). ``moe_layer``: its MLP is a mixture of experts; ``experts``: the experts' GEMMs run in FP8 too
+    (Framework.fp8_experts), each tensor-parallel rank routing its own 1/tp of the tokens to k experts: per
+    token, k copies through the routed experts' two GEMMs (h -> up, f -> h) and one through the shared experts'
+    (width f_s). Multi-head latent attention's linears: :func:`mla_linears`."""
+    if not getattr(spec, "is_transformer", False):
         return None
     h, d = spec.hidden_size, spec.head_dim
     a, kv = spec.num_attention_heads, spec.kv_heads
     t = tp
     rep = h / t if sp else h  # a column-parallel layer's input: whole, or its sequence shard under SP
-    # attention: QKV and the output projection; column-parallel outputs are sharded, row-parallel whole
-    inputs, grads = rep + a * d / t, (a + 2 * kv) * d / t + h
-    weights = (h * (a + 2 * kv) * d + a * d * h) / t
-    saved, linears = inputs, 2
+    if getattr(spec, "mla", False):
+        inputs, grads, weights, linears = mla_linears(spec, tp, sp)
+    else:  # attention: QKV and the output projection; column-parallel outputs are sharded, row-parallel whole
+        inputs, grads = rep + a * d / t, (a + 2 * kv) * d / t + h
+        weights = (h * (a + 2 * kv) * d + a * d * h) / t
+        linears = 2
+    saved = inputs
     if not moe_layer:  # the dense MLP: up (x2 when gated: SwiGLU) and down
         ffn = spec.ffn_size
         up = ffn * (2 if spec.family == "llama" else 1)
         inputs += rep + ffn / t
         grads += up / t + h
         weights += (h * up + ffn * h) / t
-        saved, linears = inputs, 4
+        saved, linears = inputs, linears + 2
     elif experts:
         f, up, f_s, up_s = fused_moe.expert_widths(spec)
         k = spec.top_k
@@ -115,8 +144,8 @@ def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recomp
     a TE stack keeps as FP8 instead (1 byte per element less); nothing for torchao or under full
     recomputation (only the layer's input is kept); under MLP recomputation only the attention's linears keep
     theirs."""
-    if not framework.fp8_saves_fp8_inputs or recompute == "full":
-        return 0.0
+    if not framework.fp8_saves_fp8_inputs or recompute == "full" or getattr(spec, "mla", False):
+        return 0.0  # MLA's saved tensors are fused_activations.mla_bytes' (16-bit, what its modules keep)
     if recomputes_mlp(recompute):  # the attention's linears alone (layer_linears of an MoE layer without its experts)
         shapes = layer_linears(spec, tp, sp, True, False)
     else:

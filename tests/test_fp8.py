@@ -148,3 +148,23 @@ def test_fp8_recipe_switch_from_the_cli_prices_exports_and_reads_back(tmp_path):
         plain["iteration_time_s"]
     assert_one_line_error(run_cli(*args, "--dtype", "fp8", "--fp8-recipe", "delayed"), "--fp8-recipe delayed",
                           "torchao")
+
+
+def test_linear_shapes_of_multi_head_latent_attention():
+    """DeepSeek-V3's MLA (config.json: h 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v 128)
+    as Megatron-Core's MLASelfAttention runs its five linears: q down h -> 1536 and kv down h -> 512 + 64
+    (duplicated on every rank), q up 1536 -> 128·192 and kv up 512 -> 128·(128 + 128) (column-parallel), output
+    projection 128·128 -> h (row-parallel). FP8 casts their inputs forward and output gradients backward."""
+    spec = Workload.create("deepseek-v3", "dgx-h100", 64).spec
+    inputs, grads, weights, linears = fp8.mla_linears(spec, 1, False)
+    assert linears == 5
+    assert inputs == 7168 + 7168 + 1536 + 512 + 128 * 128
+    assert grads == 1536 + (512 + 64) + 128 * 192 + 128 * 256 + 7168
+    assert weights == 7168 * 1536 + 7168 * 576 + 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+    i4, g4, w4, _ = fp8.mla_linears(spec, 4, True)  # SP: the shard's inputs; column-parallel outputs sharded
+    assert i4 == pytest.approx(inputs / 4)
+    assert w4 == 7168 * 1536 + 7168 * 576 + (1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168) / 4
+    # a dense layer (the first three) adds its SwiGLU MLP's two linears; MLA's saved tensors stay 16-bit
+    dense = fp8.layer_linears(spec, 1, False)
+    assert dense.linears == 7 and dense.inputs == inputs + 7168 + 18432
+    assert fp8.saved_bytes_saving(spec, framework("megatron-core"), 100, 1, False, "none") == 0.0
