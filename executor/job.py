@@ -101,6 +101,10 @@ class Job:
         if plan.layer_strategies:
             raise ExecutionError(f"{src}: layer_strategies for {next(iter(plan.layer_strategies))!r}: only the "
                                  "classifier 'head' can be sharded (head_parallel)")
+        if "norm+act" in (lay.recompute, *(plan.stage_recompute or [])):
+            raise ExecutionError(f"{src}: recompute norm+act (Megatron-Core's recompute_modules layernorm and moe_act) "
+                                 "is priced for Megatron-Core, not executed: this executor recomputes none, selective, "
+                                 "mlp, selective+mlp or full; export the plan --to megatron, or plan with those")
         if lay.dtype == "fp16":
             raise ExecutionError(f"{src}: fp16 training needs loss scaling, which the executor does not do; "
                                  "use bf16 (or fp32)")

@@ -16,7 +16,7 @@ import sys
 from paraplan import __version__
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
-RECOMPUTE = ("none", "selective", "mlp", "selective+mlp", "full")
+RECOMPUTE = ("none", "norm+act", "selective", "mlp", "selective+mlp", "full")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
 
@@ -133,7 +133,8 @@ def _add_layout(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="activation recomputation: selective = the attention core (Korthikanti et al. 2022); "
                    "mlp = the MLP or MoE sublayer (Megatron-Core's recompute_modules mlp, moe); selective+mlp = "
-                   "both; full = the whole layer")
+                   "both; norm+act = the separate norms and the routed experts' activation (Megatron-Core's "
+                   "layernorm, moe_act; MoE models on a Transformer Engine stack); full = the whole layer")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs tp>1)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="training dtype (default bf16; fp32 on CPU)")
     p.add_argument("--dp-mode", choices=("allreduce", "ps"), default="allreduce",
@@ -198,9 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ILP solver tried first (the other takes over when it fails; default: "
                         "planner/ilp.py's SOLVER_ORDER)")
     p.add_argument("--recompute-modes", metavar="M,M", type=_recompute_modes, default=None,
-                   help="recomputation modes the search may give stages, of none, selective, mlp, selective+mlp, "
-                        "full (default: none,selective,full, and mlp and selective+mlp too for mixture-of-experts "
-                        "models)")
+                   help="recomputation modes the search may give stages, of none, norm+act, selective, mlp, "
+                        "selective+mlp, full (default: none,selective,full, and mlp and selective+mlp too for "
+                        "mixture-of-experts models)")
     p.add_argument("--verify", action="store_true",
                    help="dry-run the top plan with the executor's own code (execute --dry-run): a plan whose traced "
                         "peak exceeds the GPU is dropped for the next (minutes for a large model)")

@@ -36,7 +36,7 @@ from .concerns import RankLoad, exposed_seconds, traffic
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .fused_activations import fused_layer_bytes
-from .layout import Layout, recomputes_core, recomputes_mlp
+from .layout import Layout, recomputes_core, recomputes_mlp, recomputes_norm_act
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
 from .schedules import closed_form_makespan, in_flight, neighbouring_ranks, peak_matrices, rank_stages, stage_rank
@@ -423,6 +423,14 @@ class CostModel:
             rflops = core_flops * b
         if recomputes_mlp(mode):  # the MLP sublayer (alone, or beside the attention core: "selective+mlp")
             recompute_time, rflops = recompute_time + times.mlp_fwd, rflops + sum(mlp_gemms) * b
+        if recomputes_norm_act(mode) and layer.kind == "transformer_layer":  # the separate norms, the experts' act
+            why = norm_act_refusal(work, lay.dtype)
+            if why:
+                raise InvalidLayout(why, "recompute")
+            eff = cluster.gpu.efficiency
+            recompute_time += moe.norm_act_recompute_seconds(work.spec, lay, fw, tokens, moe_layer,
+                                                             cluster.gpu.hbm_GBps * 1e9 * eff.memory_bound,
+                                                             eff.op_overhead_us * 1e-6)
         if early_stop:
             recompute_time -= times.mlp_last_gemm
             rflops -= mlp_gemms[-1] * b
@@ -470,7 +478,8 @@ class CostModel:
         # while a block's backward runs, what its recomputation rebuilt: the whole forward's (full) or the MLP
         # sublayer's (mlp; with selective, the MLP's: the attention core's are rebuilt in turn, after it)
         working = saved("none") if mode == "full" else \
-            saved("selective" if recomputes_core(mode) else "none") - acts if recomputes_mlp(mode) else 0.0
+            saved("selective" if recomputes_core(mode) else "none") - acts if recomputes_mlp(mode) else \
+            saved("none") - acts if recomputes_norm_act(mode) else 0.0
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working
@@ -1150,10 +1159,31 @@ def _balanced_cached(weights: tuple[float, ...], k: int) -> tuple[tuple[int, ...
     return tuple(tuple(s) for s in balanced_stages(list(weights), k))
 
 
+def norm_act_refusal(work: Workload, dtype: str) -> str | None:
+    """Why ``--recompute norm+act`` (Megatron-Core's recompute_modules layernorm and moe_act) cannot be priced for
+    ``work`` in ``dtype``, or None. It is Megatron-Core's, on Transformer Engine's modules; moe_act needs the
+    grouped GEMM and experts, and Megatron-Core refuses both modules under FP8 delayed scaling
+    (TransformerConfig.__post_init__: "Delayed scaling does not support moe_act and layernorm recompute for fp8")."""
+    fw, spec = work.framework, work.spec
+    if fw.saved_activations != "fused" or not fw.moe_grouped_gemm:
+        return (f"--recompute norm+act is Megatron-Core's recompute_modules layernorm and moe_act, which the {fw.name} "
+                "stack does not run; price --framework megatron-core")
+    if not getattr(spec, "num_experts", 0):
+        return f"--recompute norm+act recomputes the routed experts' activation (moe_act): {spec.name} has no experts"
+    if dtype == "fp8" and fw.fp8_scaling == "delayed":
+        return ("--recompute norm+act under FP8 needs a recipe other than delayed scaling (Megatron-Core refuses "
+                "moe_act and layernorm recompute with it): add --fp8-recipe tensorwise")
+    return None
+
+
 def validate_layout(model: CostModel, lay: Layout) -> None:
     """Raise InvalidLayout (with the reason) for a layout this model and cluster cannot run."""
     work = model.work
     lay.validate(work.spec, len(work.profile(lay.dtype).layers), work.cluster.num_gpus)
+    if lay.recompute == "norm+act":
+        why = norm_act_refusal(work, lay.dtype)
+        if why:
+            raise InvalidLayout(why, "recompute")
     try:
         work.cluster.gpu.peak_flops(lay.dtype)
     except ValueError as e:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fused_moe
-from .layout import recomputes_mlp
+from .layout import recomputes_mlp, recomputes_norm_act
 
 # bytes moved per element quantised (see the module docstring)
 CAST_BYTES = {"delayed": 2 + 1 + 1, "current": 2 + 2 + 1 + 1, "dynamic": 2 + 2 + 1}
@@ -150,4 +150,9 @@ def saved_bytes_saving(spec, framework, tokens: float, tp: int, sp: bool, recomp
         shapes = layer_linears(spec, tp, sp, True, False)
     else:
         shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)
-    return 0.0 if shapes is None else tokens * shapes.saved_inputs * 1.0
+    if shapes is None:
+        return 0.0
+    saved = shapes.saved_inputs
+    if recomputes_norm_act(recompute) and moe_layer and framework.fp8_experts:  # moe_act keeps no second-GEMM input
+        saved -= spec.top_k * fused_moe.expert_widths(spec)[0] / tp
+    return tokens * saved * 1.0

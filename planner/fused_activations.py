@@ -22,7 +22,10 @@ matrix, and the kernel's inputs and output are kept by the linears around it (bu
 attention, whose up-projections selective recomputation repeats too: see :func:`mla_bytes`). MLP recomputation
 (Megatron-Core's recompute_modules ``mlp``/``moe``: the sublayer runs under tensor_parallel.checkpoint) keeps the
 sublayer's input (2h: for a dense MLP the residual its fused norm + linear takes; for an MoE block the
-separate pre-MLP norm's output, beside that norm's input) instead of the sublayer's tensors. Full
+separate pre-MLP norm's output, beside that norm's input) instead of the sublayer's tensors. "norm+act"
+(recompute_modules layernorm and moe_act: output-discarding checkpoints) frees the outputs of the norms that are
+modules of their own — an MoE layer's pre-MLP norm, MLA's input norm; the others are fused into TE's norm + linear
+modules — and the routed experts' activation outputs (2f per token copy). Full
 recomputation keeps the layer's input only. A layer whose MLP is a mixture of experts keeps its attention's
 part as above, the pre-MLP norm's input (2h) and what planner/fused_moe.py counts for the MoE block.
 Multi-head latent attention (DeepSeek) keeps what Megatron-Core's MLA modules save instead (:func:`mla_bytes`).
@@ -31,7 +34,7 @@ Multi-head latent attention (DeepSeek) keeps what Megatron-Core's MLA modules sa
 from __future__ import annotations
 
 from . import fused_moe
-from .layout import recomputes_core, recomputes_mlp
+from .layout import recomputes_core, recomputes_mlp, recomputes_norm_act
 
 
 def mla_bytes(spec, recompute: str = "none") -> tuple[float, float]:
@@ -45,11 +48,12 @@ def mla_bytes(spec, recompute: str = "none") -> tuple[float, float]:
     Without SP the latents and norms are replicated (the down projections run on every rank).
     ``recompute`` "selective" (and "selective+mlp") recomputes the up-projections too (recompute_modules
     ``mla_up_proj``: output-discarding checkpointing frees the kernel's query, key and value after the forward and
-    rebuilds them from the latents in backward): the kernel's output alone stays of the sharded part."""
+    rebuilds them from the latents in backward): the kernel's output alone stays of the sharded part. "norm+act"
+    (recompute_modules layernorm) discards the input norm's output, a module of its own here, and rebuilds it."""
     h, a = spec.hidden_size, spec.num_attention_heads
     q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
     latents = 4 * ((spec.q_lora_rank or 0) + spec.kv_lora_rank)
-    replicated = 2 * h + 2 * h + latents
+    replicated = (2 * h if recomputes_norm_act(recompute) else 4 * h) + latents
     qkv = 0 if recomputes_core(recompute) else 2 * a * (2 * q_head + spec.v_head_dim)
     return replicated, qkv + 2 * a * spec.v_head_dim
 
@@ -80,6 +84,9 @@ def _mlp_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer
         # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP). Recomputing the MoE
         # block (recompute_modules moe) keeps its input, the norm's output, instead of what the block saves.
         block = 2 * h if recomputes_mlp(recompute) else fused_moe.saved_bytes(spec)
+        if recomputes_norm_act(recompute):  # recompute_modules layernorm and moe_act discard the pre-MLP norm's
+            # output (2h: the router's and the dispatch's input) and each routed copy's activation output (2f)
+            block -= 2 * h + 2 * spec.top_k * fused_moe.expert_widths(spec)[0]
         return tokens * ((replicated + 2 * h) / (tp if sp else 1) + (attention + block) / tp)
     ffn = spec.ffn_size
     up = 2 * ffn if spec.family == "llama" else ffn

@@ -55,6 +55,7 @@ from .costmodel import (
     inner_chunk_order,
     least_recompute_prediction,
     lighter_end_stages,
+    norm_act_refusal,
     pipeline_makespan,
     stages_from_counts,
 )
@@ -142,9 +143,10 @@ class Partition:
     ilp_objective: float | None
 
 
-def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None, dtype: str = "bf16") -> tuple[str, ...]:
     """The recomputation modes a layout's stages may use: ``allowed`` (any of RECOMPUTE) where given, else the
-    defaults above; only "none" for models without transformer layers."""
+    defaults above; only "none" for models without transformer layers. "norm+act" (searched on request only)
+    where the stack runs it in ``dtype`` (costmodel.norm_act_refusal)."""
     spec = model.work.spec
     if not spec.is_transformer:
         modes = MODES_OTHER
@@ -152,7 +154,8 @@ def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None) -> tuple
         modes = RECOMPUTE
     else:
         modes = MODES_MOE if getattr(spec, "num_experts", 0) else MODES_TRANSFORMER
-    return tuple(u for u in modes if allowed is None or u in allowed)
+    return tuple(u for u in modes if (allowed is None or u in allowed)
+                 and (u != "norm+act" or norm_act_refusal(model.work, dtype) is None))
 
 
 def _exposure_expression(prob: pulp.LpProblem, items: list[Exposure], load: RankLoad, guess: RankLoad, p: int,
@@ -553,7 +556,7 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
     is — no bubble refinement, no local search (the search's heuristic mode: it cannot reach the top plans).
     Raises InvalidLayout("out of memory by X GiB") when no split fits.
     """
-    modes = modes_for(model, allowed_modes)
+    modes = modes_for(model, allowed_modes, lay.dtype)
     if lay.num_stages == 1:  # one stage: no boundary to choose, only the recomputation mode
         return _single_stage(model, lay, modes)
     ilp = StageILP(model, lay, modes, time_limit_s)
@@ -698,7 +701,7 @@ def polished_quick_split(model: CostModel, lay: Layout, start: Prediction, allow
     such layouts: equal on 17, faster on 12 (up to 3.1%: the ILP does not start from a layer moved off an end
     chunk), slower on 1 (1.0%); on the 1T GPT's 4, equal; the ILPs time-limited on 28 of the 30, at 0.3 s each.
     ``plan --exhaustive`` runs the ILP."""
-    modes = modes_for(model, allowed_modes)
+    modes = modes_for(model, allowed_modes, lay.dtype)
     if lay.virtual_stages > 1 and len({c.recompute for c in start.stages}) > 1:
         # memory forces recomputation on some stages, not all: a layer off an end chunk may spare it (where every
         # stage needs the same mode, one layer moved spares none)

@@ -14,7 +14,7 @@ from paraplan.models import ModelSpec, TransformerSpec
 from .errors import InvalidLayout
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
-RECOMPUTE = ("none", "selective", "mlp", "selective+mlp", "full")  # weakest to strongest (memory kept)
+RECOMPUTE = ("none", "norm+act", "selective", "mlp", "selective+mlp", "full")  # weakest to strongest (memory kept)
 
 
 def recomputes_core(mode: str) -> bool:
@@ -27,6 +27,13 @@ def recomputes_core(mode: str) -> bool:
 def recomputes_mlp(mode: str) -> bool:
     """Does recomputation ``mode`` rerun the MLP sublayer (dense MLP or MoE block) under its own checkpoint?"""
     return mode in ("mlp", "selective+mlp")
+
+
+def recomputes_norm_act(mode: str) -> bool:
+    """Does recomputation ``mode`` rerun the separate norms and the routed experts' activation ("norm+act":
+    Megatron-Core's recompute_modules layernorm and moe_act, output-discarding checkpoints, as NVIDIA's GPT-OSS
+    H100 recipe runs)? planner/fused_activations.py says what they free, planner/costmodel.py what they cost."""
+    return mode == "norm+act"
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: GEMMs in FP8, everything else in bf16 (planner/fp8.py)
 DP_MODES = ("allreduce", "ps")
 
@@ -91,8 +98,8 @@ class Layout:
         if self.zero:
             parts.append(f"z{self.zero}")
         if self.recompute != "none":
-            parts.append({"selective": "sel", "mlp": "mlp-rc", "selective+mlp": "sel+mlp-rc", "full": "full"}[
-                self.recompute])
+            parts.append({"norm+act": "norm+act-rc", "selective": "sel", "mlp": "mlp-rc", "selective+mlp": "sel+mlp-rc",
+                          "full": "full"}[self.recompute])
         if self.sequence_parallel:
             parts.append("sp")
         if self.dp_mode == "ps":

@@ -243,6 +243,33 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
                                mlp_dropped_bytes_sharded=layer.mlp_dropped_bytes)
 
 
+def norm_act_recompute_seconds(spec, lay: Layout, framework, tokens: float, moe_layer: bool, hbm_Bps: float,
+                               kernel_s: float) -> float:
+    """Seconds a transformer layer's ``--recompute norm+act`` reruns in backward on a rank holding ``tokens`` tokens
+    of the micro-batch (Megatron-Core's recompute_modules layernorm and moe_act: output-discarding checkpoints,
+    transformer_layer.py and experts.py): each norm that is a module of its own — the pre-MLP norm of an MoE layer
+    (its router and dispatch read it) and multi-head latent attention's input norm (before its down projections);
+    the other norms are fused into Transformer Engine's norm + linear modules and are not recomputed — reads 2h and
+    writes 2h per token of the rank's sequence shard; the routed experts' fused activation reads 2·up and writes 2f
+    per token copy it holds (fused_moe's accounting), and under FP8 its output is cast again for the second GEMM's
+    weight gradient (planner/fp8.py's bytes per element cast). One kernel each (plus the casts')."""
+    from . import fp8
+
+    h = spec.hidden_size
+    shard = tokens / (lay.tp if lay.sequence_parallel else 1)
+    norms = (1 if moe_layer else 0) + (1 if getattr(spec, "mla", False) else 0)
+    moved, kernels = norms * 4 * h * shard, norms
+    if moe_layer:
+        f, up, _, _ = fused_moe.expert_widths(spec)
+        copies = tokens / lay.tp * spec.top_k * routed_load(framework)
+        moved += copies * (2 * up + 2 * f)
+        kernels += 1
+        if lay.dtype == "fp8" and framework.fp8_experts:
+            moved += copies * f * fp8.CAST_BYTES[framework.fp8_scaling]
+            kernels += fp8.CAST_KERNELS[framework.fp8_scaling]
+    return moved / hbm_Bps + kernels * kernel_s
+
+
 def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float) -> tuple[float, float]:
     """(forward, backward) seconds of the fused MoE kernels' memory traffic (planner/fused_moe.py) on a rank
     routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (:func:`routed_load`)."""

@@ -676,7 +676,13 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         raise PlanError(str(e)) from None
     if model is None or model.work is not work:
         model = CostModel(work)
-    modes = modes_for(model, allowed_modes)
+    if allowed_modes and "norm+act" in allowed_modes:  # asked for by name: say why it cannot be, not drop it
+        from .costmodel import norm_act_refusal
+
+        why = norm_act_refusal(work, dtype)
+        if why:
+            raise PlanError(why)
+    modes = modes_for(model, allowed_modes, dtype)
     layouts = layouts if layouts is not None else enumerate_layouts(work, gpus, dtype)
     candidates: list[Candidate] = []
     valid: list[Candidate] = []
@@ -825,7 +831,7 @@ def _accept(cand: Candidate, part, best_times: list[float], top_k: int) -> None:
 
 def _summary_mode(modes: list[str]) -> str:
     """The layout's recompute label: the heaviest mode any stage uses (the plan lists each stage's)."""
-    return next((u for u in ("full", "selective+mlp", "mlp", "selective") if u in modes), "none")
+    return next((u for u in ("full", "selective+mlp", "mlp", "selective", "norm+act") if u in modes), "none")
 
 
 __all__ = ["Candidate", "SearchResult", "enumerate_layouts", "lower_bound", "modes_for", "search"]

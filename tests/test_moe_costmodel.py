@@ -547,6 +547,11 @@ def test_fidelity_rows_take_their_own_published_switches():
     assert fid.recipe(rows["mbridge-25.09-h100-qwen3_235b_a22b-tokendrop-fp8-256gpu"]) == dict(
         grad_reduce_in_fp32=False, fp8_recipe="tensorwise", moe_capacity_factor=1.0, moe_pad_to_capacity=True)
     assert "fp8_recipe" not in fid.recipe(rows["mbridge-26.04-h100-gpt-oss-120b-bf16-64gpu"])
+    # GPT-OSS-120B's H100 recipe names its recomputation (layernorm, moe_act); 25.11's table cells (MBS 4) contradict
+    # the release's recipe (MBS 1): priced as run
+    (lay, _), _ = fid.predict(rows["mbridge-26.04-h100-gpt-oss-120b-bf16-64gpu"])
+    assert lay.recompute == "norm+act"
+    assert fid.layout_of(rows["mbridge-25.11-h100-gpt-oss-120b-bf16-64gpu"]).micro_batch == 1
     spec, _ = fid.model_of(rows["dgxc-v25.05-llama4-maverick-400b-bf16-512gpu"])
     assert spec.num_layers == 48 and spec.num_moe_layers == 24 and spec.seq_length == 8192
 

@@ -20,7 +20,7 @@ from paraplan.profiler.errors import ProfileError
 from ..errors import InvalidLayout, PlanError
 from ..plan import Plan
 
-RECOMPUTE_STRENGTH = {"none": 0, "selective": 1, "mlp": 2, "selective+mlp": 3, "full": 4}
+RECOMPUTE_STRENGTH = {"none": 0, "norm+act": 1, "selective": 2, "mlp": 3, "selective+mlp": 4, "full": 5}
 
 
 class ExportRefused(PlanError):

@@ -84,7 +84,7 @@ def ds_config(plan: Plan) -> tuple[dict, list[str]]:
     if mode != "none":
         config["activation_checkpointing"] = {"partition_activations": lay.tp > 1,
                                               "contiguous_memory_optimization": False, "cpu_checkpointing": False}
-        if mode in ("selective", "mlp", "selective+mlp"):
+        if mode in ("norm+act", "selective", "mlp", "selective+mlp"):
             notes.append(f"{mode} recomputation is the model code's choice (e.g. Megatron-DeepSpeed "
                          "--recompute-granularity selective); the JSON configures deepspeed.checkpointing only")
         if lay.pp > 1:

@@ -14,7 +14,8 @@ Mapping (plan -> Megatron-LM):
   otherwise --pipeline-model-parallel-layout, which states every (virtual) stage exactly.
 - ZeRO 1 -> --use-distributed-optimizer; ZeRO 2 / 3 -> Megatron-FSDP (--use-megatron-fsdp
   --data-parallel-sharding-strategy optim_grads / optim_grads_params, which needs --ckpt-format fsdp_dtensor).
-- recompute selective -> --recompute-granularity selective; full -> full, uniform, one layer per checkpoint.
+- recompute selective -> --recompute-granularity selective; norm+act -> selective with --recompute-modules layernorm
+  moe_act; full -> full, uniform, one layer per checkpoint.
 - dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid (and --fp8-recipe tensorwise where priced with
   per-tensor current scaling; Megatron's default is delayed scaling); fp32 -> Megatron's default.
 - the stack the plan was priced for (its framework and framework_switches), where Megatron's defaults run
@@ -206,6 +207,8 @@ def training_args(plan: Plan, notes: list[str], spec=None) -> Args:
         a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("core_attn", "mla_up_proj"))]
     elif mode == "selective":
         a.append(("--recompute-granularity", "selective"))
+    elif mode == "norm+act":  # the separate norms and the routed experts' activation (output-discarding)
+        a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("layernorm", "moe_act"))]
     elif mode == "mlp":  # Megatron-Core's per-module recomputation: dense MLPs and MoE blocks
         a += [("--recompute-granularity", "selective"), ("--recompute-modules", ("mlp", "moe"))]
     elif mode == "selective+mlp":  # both (NVIDIA's DeepSeek-V3 recipes: mla_up_proj with mlp and moe)

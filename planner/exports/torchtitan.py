@@ -187,9 +187,9 @@ def activation_checkpoint(plan: Plan, notes: list[str]) -> dict:
         notes.append(note)
     if mode == "selective":
         return {"mode": "selective", "selective_ac_option": "op"}
-    if mode in ("mlp", "selective+mlp"):  # torchtitan checkpoints whole blocks or ops, not one sublayer
-        notes.append(f"torchtitan has no MLP-only recomputation ({mode}): full recomputation is used (fits, but "
-                     "slower than predicted)")
+    if mode in ("norm+act", "mlp", "selective+mlp"):  # torchtitan checkpoints whole blocks or ops, not one sublayer
+        notes.append(f"torchtitan has no recomputation of one sublayer or module ({mode}): full recomputation is "
+                     "used (fits, but slower than predicted)")
         return {"mode": "full"}
     return {"mode": mode}
 
