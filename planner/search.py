@@ -510,15 +510,16 @@ def slowest_rank_bound(times: dict[str, float], acts: dict[str, float], states: 
 
 
 @lru_cache(maxsize=4096)
-def _rank_profiles(schedule: str, p: int, v: int, m: int) -> tuple[tuple[bool, int, int], ...]:
+def _rank_profiles(schedule: str, p: int, v: int, m: int) -> tuple[tuple[bool, int, int, bool, bool], ...]:
     """Per pipeline rank: whether gradients meet its activation peak, the fewest micro-batches any of its stages
-    holds at that peak (as _rank_kinds) and how many of the pipeline's two end stages it holds."""
-    ends = {0, p * v - 1}
+    holds at that peak (as _rank_kinds), how many of the pipeline's two end stages it holds, and whether it holds
+    the first (the embedding's) and the last (the head's)."""
+    last = p * v - 1
     out = []
     for r, d in enumerate(in_flight(schedule, p, v, m)):
         stages = rank_stages(schedule, r, p, v)
         out.append((grads_meet_peak(schedule, p, v, m, stages, d), min(d.values()) if d else 1,
-                    sum(s in ends for s in stages)))
+                    (0 in stages) + (last in stages), 0 in stages, last in stages))
     return tuple(out)
 
 
@@ -530,7 +531,9 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     Each layer costs T_u seconds per micro-batch in mode u and, on rank r, D_ru = s_r + f_r·a_u bytes at the rank's
     peak (its model states, and its activations times the fewest micro-batches any of its stages holds then); the
     rank's room is the GPU's memory less the framework allowance, as in _bound_parts. The embedding, the head, the
-    working set and every send are left out (each only adds). Rank r holds n whole layers in time t_r(n) at least:
+    working set and every send are left out (each only adds), but for the embedding and the head: the rank holding
+    the first stage holds the embedding, the one holding the last the head, each at its least time over the modes
+    and its activations' least bytes (its parameters left out). Rank r holds n whole layers in time t_r(n) at least:
     with one stage (v = 1) in a single mode, the least n·T_u whose n·D_ru fits; with v stages the least of the LP
     that mixes modes (two at most: it has two rows). Every layer is held, each t_r grows with n, so the slowest
     rank's time is at least the L-th smallest of all t_r(n), n = 1..L: exact for this relaxation, no grid.
@@ -550,19 +553,28 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
     grads = plain * per.grads + experts * per_e.grads
     ranks = _rank_profiles(lay.schedule if p > 1 else "1f1b", p, v, m)
-    states = np.array([held + (grads if g else 0.0) for g, _, _ in ranks])  # (R,)
-    D = states[:, None] + np.outer([f for _, f, _ in ranks], [c.act_bytes for c in layer])  # (R, U)
+    states = np.array([held + (grads if g else 0.0) for g, *_ in ranks])  # (R,)
+    fewest = np.array([f for _, f, *_ in ranks])  # (R,)
+    D = states[:, None] + np.outer(fewest, [c.act_bytes for c in layer])  # (R, U)
     gpu = work.cluster.gpu
     room = (gpu.memory_bytes - untracked_bytes(gpu, 0.0)) / (1 + FRAGMENTATION)
+    # the embedding (first stage) and the head (last stage) on the ranks that hold them: least time and bytes
+    tables = [model.block_table(lay, place, u, key).costs for u in modes]
+    end_time = [min(c[j].fwd + c[j].bwd_input + c[j].bwd_weight + c[j].recompute + c[j].tp_fwd + c[j].tp_bwd
+                    for c in tables) for j in (0, -1)]
+    end_acts = [min(c[j].act_bytes for c in tables) for j in (0, -1)]
+    holds = np.array([[first, last] for *_, first, last in ranks], dtype=float)  # (R, 2)
+    offset = holds @ np.array(end_time)  # (R,)
+    room = room - fewest * (holds @ np.array(end_acts))  # (R,): what the rank's layers may use
     L = len(work.profile(lay.dtype).layers) - 2
     mix = v > 1 and len(T) > 1
     if p == 1:
         least = np.array([L])
     elif v > 1:
-        least = np.array([max(0, v * (-(-L // lay.num_stages) - 1) - ends) for _, _, ends in ranks])
+        least = np.array([max(0, v * (-(-L // lay.num_stages) - 1) - ends) for _, _, ends, _, _ in ranks])
     else:
         least = np.zeros(len(ranks), dtype=int)
-    times = _hold_times(np.arange(L + 1), T, D, room, mix)  # (R, L + 1): rank r holding n layers
+    times = _hold_times(np.arange(L + 1), T, D, room, mix) + offset[:, None]  # (R, L + 1): rank r holding n layers
     need = float(times[np.arange(len(ranks)), least].max())
     if not np.isfinite(need):
         return 0.0  # some rank cannot hold its least layers: the memory bound's business, not this one's
@@ -575,11 +587,12 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
 
 
 def _hold_times(counts: np.ndarray, T: np.ndarray, D: np.ndarray, room: float, mix: bool) -> np.ndarray:
-    """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers within its memory (one mode,
-    or where ``mix`` two: the faster, larger one on as many layers as memory leaves room for); inf where it cannot
-    (whole_stage_bound). Never falling as the count grows (what whole_stage_bound's L-th smallest needs): for one
-    more layer each mode takes longer and fewer fit."""
+    """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers within its memory ``room``
+    (per rank, (R,)) (one mode, or where ``mix`` two: the faster, larger one on as many layers as memory leaves room
+    for); inf where it cannot (whole_stage_bound). Never falling as the count grows (what whole_stage_bound's L-th
+    smallest needs): for one more layer each mode takes longer and fewer fit."""
     n = counts[None, :, None]  # (1, N, 1)
+    room = np.asarray(room, dtype=float).reshape(-1, 1, 1)  # (R, 1, 1)
     best = np.where(n * D[:, None, :] <= room * (1 + 1e-12), n * T, np.inf).min(axis=2)  # (R, N)
     if mix:
         i, j = (x.ravel() for x in np.meshgrid(np.arange(len(T)), np.arange(len(T)), indexing="ij"))

@@ -13,7 +13,7 @@ from paraplan.planner.costmodel import CostModel, validate_layout
 from paraplan.planner.errors import InvalidLayout
 from paraplan.planner.ilp import best_partition, chunks_balanced, modes_for
 from paraplan.planner.layout import Layout
-from paraplan.planner.placement import placement
+from paraplan.planner.placement import layout_placement, placement
 from paraplan.planner.schedules import stage_rank
 from paraplan.planner.search import enumerate_layouts, lower_bound, search
 from paraplan.planner.workload import Workload
@@ -376,6 +376,32 @@ def test_lower_bound_never_exceeds_the_best_split(small):
         whole += parts.coupled is not None and parts.coupled > max(relaxed, parts.total / lay.pp) * (1 + 1e-6)
         sends += parts.least_sends > 0  # the sends no split avoids (_send_floor), charged to the slowest rank too
     assert checked > 50 and forced > 5 and waits > 5 and whole > 20 and sends > 20
+
+
+def test_whole_stage_bound_charges_the_head_to_the_rank_that_holds_it():
+    """A rank holding the last stage holds the head too (the first, the embedding), whatever the split: with a
+    vocabulary that makes the head dearer than all layers together, no split's slowest rank takes less than the
+    head, and the bound says so; it still never exceeds the best split (brute force over every split and mode),
+    for 1F1B, interleaved and V pipelines (where one rank holds both ends)."""
+    from paraplan.planner.search import whole_stage_bound
+
+    spec = spec_from_mapping(dict(name="big-vocab", family="llama", num_layers=4, hidden_size=256,
+                                  num_attention_heads=4, num_kv_heads=4, ffn_hidden_size=704, vocab_size=400_000,
+                                  seq_length=512), "test")
+    work = Workload.create(spec, "dgx-h100", 16)
+    model = CostModel(work)
+    modes = modes_for(model)
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)):
+        lay = Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=16, schedule=schedule, virtual_stages=v)
+        validate_layout(model, lay)
+        head = min(c.fwd + c.bwd_input + c.bwd_weight + c.recompute + c.tp_fwd + c.tp_bwd
+                   for c in (model.block_cost(5, lay, layout_placement(work.cluster, lay), u) for u in modes))
+        layers = sum(model.block_cost(i, lay, layout_placement(work.cluster, lay), "none").fwd for i in range(1, 5))
+        assert head > layers  # the instance is what it says
+        bound = whole_stage_bound(model, lay, modes)  # the slowest rank's seconds per micro-batch
+        assert bound >= head, schedule
+        # every split's step runs m micro-batches through its slowest rank at least
+        assert bound * lay.num_micro_batches <= brute_force(model, lay) * (1 + 1e-9), schedule
 
 
 def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(small):
