@@ -523,6 +523,11 @@ def _rank_profiles(schedule: str, p: int, v: int, m: int) -> tuple[tuple[bool, i
     return tuple(out)
 
 
+def _busy_seconds(cost) -> float:
+    """A block's seconds per micro-batch on its rank: both passes, its recomputation, its tensor-parallel sends."""
+    return cost.fwd + cost.bwd_input + cost.bwd_weight + cost.recompute + cost.tp_fwd + cost.tp_bwd
+
+
 def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> float:
     """A lower bound on the slowest pipeline rank's time per micro-batch for a model of identical layers (between
     an embedding and a head), from what slowest_rank_bound relaxes away: layers are whole and a stage has one
@@ -546,8 +551,9 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
     place = layout_placement(work.cluster, lay)
     key = model._table_key(lay, place)
-    layer = [model.block_table(lay, place, u, key).costs[1] for u in modes]
-    T = np.array([c.fwd + c.bwd_input + c.bwd_weight + c.recompute + c.tp_fwd + c.tp_bwd for c in layer])  # (U,)
+    tables = [model.block_table(lay, place, u, key).costs for u in modes]  # per mode: every block's costs
+    layer = [c[1] for c in tables]
+    T = np.array([_busy_seconds(c) for c in layer])  # (U,)
     per, per_e = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
     plain, experts = layer[0].params - layer[0].experts, layer[0].experts
     held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
@@ -559,9 +565,7 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     gpu = work.cluster.gpu
     room = (gpu.memory_bytes - untracked_bytes(gpu, 0.0)) / (1 + FRAGMENTATION)
     # the embedding (first stage) and the head (last stage) on the ranks that hold them: least time and bytes
-    tables = [model.block_table(lay, place, u, key).costs for u in modes]
-    end_time = [min(c[j].fwd + c[j].bwd_input + c[j].bwd_weight + c[j].recompute + c[j].tp_fwd + c[j].tp_bwd
-                    for c in tables) for j in (0, -1)]
+    end_time = [min(_busy_seconds(c[j]) for c in tables) for j in (0, -1)]
     end_acts = [min(c[j].act_bytes for c in tables) for j in (0, -1)]
     holds = np.array([[first, last] for *_, first, last in ranks], dtype=float)  # (R, 2)
     offset = holds @ np.array(end_time)  # (R,)
