@@ -376,7 +376,7 @@ class CostModel:
         mode = recompute if 0 < i < n - 1 else "none"  # embeddings and the head are never recomputed
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
                place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay),
-               lay.pp > 1 and i == n - 1, lay.cp, lay.ep, lay.etp, moe.a2a_overlap_possible(work.framework, lay))
+               lay.pp > 1 and i == n - 1, lay.cp, lay.ep, lay.etp, moe.paired_share(work.framework, lay))
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -604,7 +604,7 @@ class CostModel:
         """What a layout's block table depends on besides the recomputation mode (block_cost's key)."""
         return (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, place.tp, place.gpus_per_node_busy,
                 lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp,
-                moe.a2a_overlap_possible(self.work.framework, lay))
+                moe.paired_share(self.work.framework, lay))
 
     def block_table(self, lay: Layout, place: Placement, mode: str, key: tuple | None = None) -> _BlockTable:
         """Prefix sums of every block's costs, so a stage of contiguous blocks is priced in O(1). ``key``:

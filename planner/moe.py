@@ -379,7 +379,9 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
         a2a_fwd = a2a_bwd = 2 * one
         if a2a_overlap_applies(fw, lay, mode):  # each exchange beside a stretch of another micro-batch's other pass
-            a2a_fwd, a2a_bwd = overlapped_layer_exchanges(one, times, cluster.gpu.sm_count)
+            q = paired_share(fw, lay)  # the passes that have one; the rest (warm-up, cool-down) run theirs alone
+            hidden_fwd, hidden_bwd = overlapped_layer_exchanges(one, times, cluster.gpu.sm_count)
+            a2a_fwd, a2a_bwd = q * hidden_fwd + (1 - q) * a2a_fwd, q * hidden_bwd + (1 - q) * a2a_bwd
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
         traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
@@ -481,6 +483,25 @@ def tp_summed_exposure(model, lay: Layout, place: Placement) -> Exposure | None:
 def a2a_overlap_possible(fw, lay: Layout) -> bool:
     """a2a_overlap_applies before the recomputation mode: a block's cost depends on this (CostModel's block keys)."""
     return fw.moe_a2a_overlap and lay.ep > 1 and lay.num_micro_batches >= 2 and (lay.pp == 1 or lay.virtual_stages > 1)
+
+
+def paired_share(fw, lay: Layout) -> float:
+    """Of a rank's passes of a layer, the share that runs beside another micro-batch's other pass under
+    overlap_moe_expert_parallel_comm (0 where the overlap is impossible), as a mean over the pipeline's ranks (one
+    block cost serves them all). Megatron-Core pairs a forward with a backward only in the steady state:
+    without a pipeline (combined_1f1b_schedule_for_no_pipelining) the first micro-batch's forward and the last
+    one's backward run alone, so (m - 1) / m; in an interleaved pipeline rank r's warm-up forwards and as many
+    cool-down backwards run alone, w_r = 2 (p - r - 1) + (v - 1) g + 1 of its m·v chunk passes
+    (schedules.get_pp_rank_microbatches: the +1 is the extra warm-up micro-batch the overlap schedules; g, the
+    micro-batch group per virtual stage, defaults to p)."""
+    if not a2a_overlap_possible(fw, lay):
+        return 0.0
+    p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+    if p == 1:
+        return (m - 1) / m
+    passes = m * v
+    alone = [min(passes, 2 * (p - r - 1) + (v - 1) * p + 1) for r in range(p)]
+    return 1.0 - sum(alone) / (p * passes)
 
 
 def a2a_overlap_applies(fw, lay: Layout, recompute: str | None = None) -> bool:

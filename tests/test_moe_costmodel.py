@@ -502,6 +502,40 @@ def test_overlapped_exchanges_pair_with_the_stretches_megatron_schedules_beside_
     assert moe.overlapped_layer_exchanges(one, None, 132) == (2 * one, 2 * one)  # no compute beside: all shows
 
 
+def test_warm_up_and_cool_down_passes_run_their_exchanges_alone():
+    """Megatron-Core pairs a forward with another micro-batch's backward only in the steady state. Without a
+    pipeline (combined_1f1b.py, combined_1f1b_schedule_for_no_pipelining) the first forward and the last backward
+    run alone: of m = 8 micro-batches, 7/8 of the passes are paired. Interleaved (schedules.py,
+    get_pp_rank_microbatches with the overlap): rank r's warm-up is 2(p - r - 1) + (v - 1)p + 1 forwards, with as
+    many cool-down backwards; p 4, v 2, m 8: 11, 9, 7, 5 of each rank's 16 chunk passes, so half of all are paired.
+    A block's exchanges then cost that share hidden (overlapped_layer_exchanges) and the rest in full."""
+    from paraplan.planner.compute import PassTimes
+    from paraplan.planner.framework import framework
+
+    fw = framework("megatron-core", moe_a2a_overlap=True)
+    flat = Layout(dp=32, tp=1, pp=1, micro_batch=1, global_batch=256, ep=8, dtype="bf16", zero=1)
+    assert moe.paired_share(fw, flat) == pytest.approx(7 / 8)
+    deep = Layout(dp=8, tp=1, pp=4, micro_batch=1, global_batch=64, ep=8, dtype="bf16", zero=1,
+                  schedule="interleaved-1f1b", virtual_stages=2)
+    assert deep.num_micro_batches == 8
+    assert moe.paired_share(fw, deep) == pytest.approx(1 - (11 + 9 + 7 + 5) / (4 * 16))
+    assert moe.paired_share(fw, deep.replace(global_batch=8)) == 0.0  # m 1: nothing to pair (no overlap at all)
+    assert moe.paired_share(framework("megatron-core"), flat) == 0.0  # the overlap off
+    # the priced exchanges: the paired share hidden, the rest whole
+    work = Workload.create("mixtral-8x7b", "dgx-h100", 64, nodes=8, framework=fw)
+    model = CostModel(work)
+    layer = next(x for x in work.profile("bf16").layers if moe.is_moe(x))
+    place = layout_placement(work.cluster, deep)
+    times = PassTimes(fwd=4e-3, bwd_input=8e-3, bwd_weight=4e-3, core_fwd=5e-4, mlp_fwd=3e-3)
+    got = moe.layer_cost(model, layer, deep, place, 1.0, "none", times)
+    alone = moe.layer_cost(model, layer, deep, place, 1.0, "none", None)  # no compute beside: every exchange whole
+    one = alone.bwd / 2
+    hidden_fwd, hidden_bwd = moe.overlapped_layer_exchanges(one, times, 132)
+    q = moe.paired_share(fw, deep)
+    assert got.fwd == pytest.approx(alone.fwd - 2 * one + q * hidden_fwd + (1 - q) * 2 * one)
+    assert got.bwd == pytest.approx(q * hidden_bwd + (1 - q) * 2 * one)
+
+
 def test_fp8_experts_behind_the_all_to_all_dispatcher_pad_their_tokens():
     """Megatron-Core's grouped FP8 GEMM wants each expert's tokens in multiples of 16 rows: behind the all-to-all
     dispatcher TE's Fp8Padding copies the permuted tokens into a padded buffer and Fp8Unpadding copies the
