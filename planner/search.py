@@ -543,8 +543,10 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     that mixes modes (two at most: it has two rows). Every layer is held, each t_r grows with n, so the slowest
     rank's time is at least the L-th smallest of all t_r(n), n = 1..L: exact for this relaxation, no grid.
     With v > 1 the chunk rule (ilp.chunks_balanced: chunks within a layer of each other, an end chunk one fewer)
-    also gives each rank at least v·(ceil(L/S) - 1) layers less its end chunks, S stages in all; a single rank
-    (pp 1) holds all L: the least time to hold those within memory bounds it too. 0.0: not such a model."""
+    also gives each of a rank's chunks at least ceil(L/S) - 1 layers (an end chunk one fewer), S stages in all, so
+    a rank's activations are counted chunk by chunk, each at the micro-batches it holds at the rank's peak
+    (_chunk_hold_times), not all at its least; a single rank (pp 1) holds all L: the least time to hold those
+    within memory bounds it too. 0.0: not such a model."""
     if not model.repeated_blocks(lay):
         return 0.0
     work = model.work
@@ -558,27 +560,39 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     plain, experts = layer[0].params - layer[0].experts, layer[0].experts
     held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
     grads = plain * per.grads + experts * per_e.grads
-    ranks = _rank_profiles(lay.schedule if p > 1 else "1f1b", p, v, m)
+    schedule = lay.schedule if p > 1 else "1f1b"
+    ranks = _rank_profiles(schedule, p, v, m)
     states = np.array([held + (grads if g else 0.0) for g, *_ in ranks])  # (R,)
     fewest = np.array([f for _, f, *_ in ranks])  # (R,)
-    D = states[:, None] + np.outer(fewest, [c.act_bytes for c in layer])  # (R, U)
+    A = np.array([c.act_bytes for c in layer])  # (U,)
     gpu = work.cluster.gpu
     room = (gpu.memory_bytes - untracked_bytes(gpu, 0.0)) / (1 + FRAGMENTATION)
-    # the embedding (first stage) and the head (last stage) on the ranks that hold them: least time and bytes
+    # the embedding (first stage) and the head (last stage) on the ranks that hold them: least time and bytes,
+    # the activations as many times as their stage holds micro-batches at the rank's peak
     end_time = [min(_busy_seconds(c[j]) for c in tables) for j in (0, -1)]
     end_acts = [min(c[j].act_bytes for c in tables) for j in (0, -1)]
     holds = np.array([[first, last] for *_, first, last in ranks], dtype=float)  # (R, 2)
     offset = holds @ np.array(end_time)  # (R,)
-    room = room - fewest * (holds @ np.array(end_acts))  # (R,): what the rank's layers may use
+    room = room - _end_holdings(schedule, p, v, m) @ np.array(end_acts)  # (R,): what the rank's layers may use
     L = len(work.profile(lay.dtype).layers) - 2
-    mix = v > 1 and len(T) > 1
+    counts = np.arange(L + 1)
     if p == 1:
         least = np.array([L])
     elif v > 1:
         least = np.array([max(0, v * (-(-L // lay.num_stages) - 1) - ends) for _, _, ends, _, _ in ranks])
     else:
         least = np.zeros(len(ranks), dtype=int)
-    times = _hold_times(np.arange(L + 1), T, D, room, mix) + offset[:, None]  # (R, L + 1): rank r holding n layers
+    if p > 1 and v > 1:  # each chunk's layers at its own micro-batches in flight
+        held_at_peak, base, spare = _chunk_shape(schedule, p, v, m, L)
+        # only the counts the chunk rule allows a rank (each holds at least its least: below, that time)
+        lo, hi = int(base.sum(axis=1).min()), min(L, int((base + spare).sum(axis=1).max()))
+        times = np.full((p, L + 1), np.inf)
+        times[:, lo:hi + 1] = _chunk_hold_times(np.arange(lo, hi + 1), T, A, states, held_at_peak, base, spare, room)
+        times[:, :lo] = times[:, lo:lo + 1]
+    else:
+        D = states[:, None] + np.outer(fewest, A)  # (R, U)
+        times = _hold_times(counts, T, D, room)
+    times = times + offset[:, None]  # (R, L + 1): rank r holding n layers
     need = float(times[np.arange(len(ranks)), least].max())
     if not np.isfinite(need):
         return 0.0  # some rank cannot hold its least layers: the memory bound's business, not this one's
@@ -590,24 +604,104 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     return max(need, float(np.partition(steps, L - 1)[L - 1]))
 
 
-def _hold_times(counts: np.ndarray, T: np.ndarray, D: np.ndarray, room: float, mix: bool) -> np.ndarray:
-    """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers within its memory ``room``
-    (per rank, (R,)) (one mode, or where ``mix`` two: the faster, larger one on as many layers as memory leaves room
-    for); inf where it cannot (whole_stage_bound). Never falling as the count grows (what whole_stage_bound's L-th
-    smallest needs): for one more layer each mode takes longer and fewer fit."""
+@lru_cache(maxsize=4096)
+def _end_holdings(schedule: str, p: int, v: int, m: int) -> np.ndarray:
+    """(R, 2): the micro-batches the pipeline's first and last stage hold at their rank's peak (in_flight's moment),
+    on the rank holding each (0 elsewhere). Shared: read-only."""
+    last = p * v - 1
+    return np.array([[d.get(0, 0) if 0 in rank_stages(schedule, r, p, v) else 0,
+                      d.get(last, 0) if last in rank_stages(schedule, r, p, v) else 0]
+                     for r, d in enumerate(in_flight(schedule, p, v, m))], dtype=float)
+
+
+@lru_cache(maxsize=4096)
+def _chunk_shape(schedule: str, p: int, v: int, m: int, L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pipeline rank, its chunks ordered by the micro-batches they hold at the rank's peak (in_flight's moment),
+    fewest first: those counts (R, v), and by the chunk rule with L layers over S stages each chunk's least layers
+    (some low has inner chunks of low or low + 1, end chunks one fewer at least, so S·(low + 1) >= L: low >=
+    ceil(L/S) - 1) and how many more it may take (S·low - 2 <= L: at most floor((L + 2)/S) + 1 in all), (R, v)
+    each. Shared: read-only."""
+    S = p * v
+    low, top = -(-L // S) - 1, (L + 2) // S + 1
+    held, base = [], []
+    for r, d in enumerate(in_flight(schedule, p, v, m)):
+        chunks = sorted((d.get(s, 0), max(0, low - (s in (0, S - 1)))) for s in rank_stages(schedule, r, p, v))
+        held.append([h for h, _ in chunks])
+        base.append([b for _, b in chunks])
+    held_a, base_a = np.array(held, dtype=float), np.array(base)
+    return held_a, base_a, np.maximum(top - base_a, 0)
+
+
+def _frontier(T: np.ndarray, A: np.ndarray) -> list[int]:
+    """The modes on the lower convex hull of (activation bytes, time) from the fastest: those a least-time mix
+    within a memory budget uses (any other is beaten by a mix of two of them). Along it the bytes fall and the
+    time per byte saved grows."""
+    order = sorted(range(len(T)), key=lambda u: (T[u], A[u]))
+    hull = [order[0]]
+    for u in order[1:]:
+        if A[u] >= A[hull[-1]]:
+            continue  # slower and no smaller
+        while len(hull) >= 2 and (T[hull[-1]] - T[hull[-2]]) * (A[hull[-1]] - A[u]) >= \
+                (T[u] - T[hull[-1]]) * (A[hull[-2]] - A[hull[-1]]):
+            hull.pop()  # above the chord from the one before to u
+        hull.append(u)
+    return hull
+
+
+def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: np.ndarray, held: np.ndarray,
+                      base: np.ndarray, spare: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers over its v chunks within
+    its memory ``room`` (R,) (whole_stage_bound, v > 1). A layer costs T_u seconds in mode u and, in chunk c of rank
+    r, states[r] + held[r, c]·A_u bytes; by the chunk rule chunk c holds at least base[r, c] layers and at most
+    ``spare[r, c]`` more. Chunks come fewest micro-batches first (_chunk_shape), and the layers beyond the least fill
+    them in that order (relaxed: the rule would also keep them within a layer of each other); inf beyond what the
+    rule allows. Each chunk may mix modes (relaxed: the ILP gives a stage one): the least time is then a fractional
+    knapsack, solved greedily — every chunk in the fastest mode, then steps down the modes' frontier (_frontier),
+    cheapest time per byte saved first (a step's rate in chunk c is its frontier slope over held[r, c]), until the
+    rank fits; inf where even the smallest modes do not. Never falling as the count grows."""
+    R, V = held.shape
+    N = len(counts)
+    hull = _frontier(T, A)
+    t0, a0 = T[hull[0]], A[hull[0]]
+    least = base.sum(axis=1)  # (R,)
+    n = np.maximum(counts[None, :], least[:, None])  # (R, N): a rank holds its chunks' least at the least
+    extra = n - least[:, None]  # (R, N): layers beyond those, to the chunks in order, each up to its spare
+    before = np.cumsum(spare, axis=1) - spare  # (R, V)
+    k = base[:, None, :] + np.clip(extra[:, :, None] - before[:, None, :], 0, spare[:, None, :])  # (R, N, V)
+    over = n * states[:, None] + (k * held[:, None, :]).sum(axis=2) * a0 - room[:, None]  # (R, N): bytes to save
+    over[extra > spare.sum(axis=1)[:, None]] = np.inf  # more than the chunk rule lets the rank hold
+    fastest = n * t0
+    K = len(hull) - 1
+    if K == 0 or not (over > 0).any():  # one mode, or the fastest fits everywhere
+        return np.where(over <= 0, fastest, np.inf)
+    dT = np.diff(T[hull])  # (K,): time each step down the frontier adds per layer
+    dA = -np.diff(A[hull])  # (K,): bytes per micro-batch it saves per layer
+    with np.errstate(divide="ignore"):
+        rate = ((dT / dA)[None, None, :] / held[:, :, None]).reshape(R, V * K)  # (R, S): seconds per byte saved
+    order = np.argsort(rate, axis=1, kind="stable")  # (R, S): the steps, cheapest first
+    rows = np.arange(R)[:, None]
+    rate = rate[rows, order]
+    chunk, step = np.divmod(order, K)  # (R, S)
+    layers = k[rows[:, :, None], np.arange(N)[None, :, None], chunk[:, None, :]]  # (R, N, S)
+    saved = np.zeros((R, N, V * K + 1))
+    added = np.zeros((R, N, V * K + 1))
+    np.cumsum(layers * (held[rows, chunk] * dA[step])[:, None, :], axis=2, out=saved[:, :, 1:])
+    np.cumsum(layers * dT[step][:, None, :], axis=2, out=added[:, :, 1:])
+    whole = (saved[:, :, 1:] < over[:, :, None]).sum(axis=2)  # (R, N): steps taken whole before one taken in part
+    ri, ni = np.ogrid[:R, :N]
+    part = rate[ri, np.minimum(whole, V * K - 1)]  # (R, N)
+    with np.errstate(invalid="ignore"):
+        mixed = fastest + added[ri, ni, whole] + (over - saved[ri, ni, whole]) * part
+    return np.where(over <= 0, fastest, np.where(whole < V * K, mixed, np.inf))
+
+
+def _hold_times(counts: np.ndarray, T: np.ndarray, D: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers of one stage in one mode
+    within its memory ``room`` (R,) (whole_stage_bound, v = 1: a layer costs T_u seconds and D[r, u] bytes); inf
+    where it cannot. Never falling as the count grows (what whole_stage_bound's L-th smallest needs)."""
     n = counts[None, :, None]  # (1, N, 1)
     room = np.asarray(room, dtype=float).reshape(-1, 1, 1)  # (R, 1, 1)
-    best = np.where(n * D[:, None, :] <= room * (1 + 1e-12), n * T, np.inf).min(axis=2)  # (R, N)
-    if mix:
-        i, j = (x.ravel() for x in np.meshgrid(np.arange(len(T)), np.arange(len(T)), indexing="ij"))
-        keep = T[i] < T[j]
-        i, j = i[keep], j[keep]  # (P,): faster i, slower j
-        Di, Dj = D[:, None, i], D[:, None, j]  # (R, 1, P)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            n_i = np.clip((room - n * Dj) / (Di - Dj), 0.0, n)  # (R, N, P)
-        mixed = np.where((Di > Dj) & (n * Dj <= room), n_i * T[i] + (n - n_i) * T[j], np.inf)
-        best = np.minimum(best, mixed.min(axis=2, initial=np.inf))
-    return best
+    return np.where(n * D[:, None, :] <= room * (1 + 1e-12), n * T, np.inf).min(axis=2)  # (R, N)
 
 
 def _layout_key(x: Layout) -> tuple:

@@ -476,18 +476,43 @@ def test_slowest_rank_bound_couples_time_and_memory():
 def test_whole_layers_in_one_mode_take_longer_than_the_relaxation():
     """search._hold_times on a rank solved by hand: a layer takes 1 s (4 bytes) without recomputation or 4/3 s
     (0.5 bytes) with it, the rank has 8 bytes. One stage, one mode: 1 or 2 layers without (1 s, 2 s), 3 only with
-    (4 s). Two stages may mix: 3 layers as 13/7 without and 8/7 with (both rows tight: n_none·4 + n_full·0.5 = 8),
-    13/7 + 32/21 = 71/21 s. Two such ranks holding 6 layers, one mode each: the slowest needs 4 s, the 6th smallest
-    of their times to hold 1, 2, 3 layers (1, 1, 2, 2, 4, 4), as whole_stage_bound takes it."""
+    (4 s). Two such ranks holding 6 layers, one mode each: the slowest needs 4 s, the 6th smallest of their times
+    to hold 1, 2, 3 layers (1, 1, 2, 2, 4, 4), as whole_stage_bound takes it."""
     import numpy as np
 
     from paraplan.planner.search import _hold_times
 
     T, D = np.array([1.0, 4 / 3]), np.array([[4.0, 0.5]])
-    assert _hold_times(np.arange(4), T, D, 8.0, mix=False)[0].tolist() == pytest.approx([0, 1, 2, 4])
-    assert _hold_times(np.arange(4), T, D, 8.0, mix=True)[0].tolist() == pytest.approx([0, 1, 2, 71 / 21])
-    both = _hold_times(np.arange(4), T, np.vstack([D, D]), 8.0, mix=False)[:, 1:].ravel()
+    assert _hold_times(np.arange(4), T, D, np.array([8.0]))[0].tolist() == pytest.approx([0, 1, 2, 4])
+    both = _hold_times(np.arange(4), T, np.vstack([D, D]), np.array([8.0, 8.0]))[:, 1:].ravel()
     assert float(np.partition(both, 5)[5]) == pytest.approx(4.0)
+
+
+def test_chunks_count_their_own_micro_batches_in_flight():
+    """search._chunk_hold_times (v > 1) on a rank solved by hand: two chunks holding 1 and 3 micro-batches at the
+    rank's peak, at least 1 layer and at most 2 each (the chunk rule); a layer takes 1 s and 4 bytes per
+    micro-batch without recomputation, 4/3 s and 0.5 bytes with it; the rank has 20 bytes. 2 layers: 1·4 + 3·4 =
+    16 bytes fit, 2 s; 3: the third goes to the chunk holding fewer, 2·4 + 3·4 = 20 fit, 3 s; 4: 32 bytes, 12 too
+    many, saved cheapest per second in the chunk holding 3 (a layer recomputed there saves 3 x 3.5 bytes for 1/3
+    s): 12 / 10.5 of a layer, 4 + 8/21 s; 5: more than the rule allows. With 5 bytes, 2 layers need 11 saved: the
+    layer of the chunk holding 3 whole (10.5 bytes, 1/3 s), then half a byte from the other (1/21 s); with 1 byte,
+    15 > 14, none fits. Where each chunk was charged the fewest micro-batches (the bound before), 4 layers would fit in
+    16 bytes, without recomputation."""
+    import numpy as np
+
+    from paraplan.planner.search import _chunk_hold_times, _frontier
+
+    T, A = np.array([1.0, 4 / 3]), np.array([4.0, 0.5])
+    held, base, spare = np.array([[1.0, 3.0]]), np.array([[1, 1]]), np.array([[1, 1]])
+    got = _chunk_hold_times(np.arange(2, 6), T, A, np.zeros(1), held, base, spare, np.array([20.0]))[0]
+    assert got.tolist() == pytest.approx([2, 3, 4 + 8 / 21, np.inf])
+    tight = _chunk_hold_times(np.arange(2, 3), T, A, np.zeros(1), held, base, spare, np.array([5.0]))[0]
+    assert tight.tolist() == pytest.approx([2 + 1 / 3 + 1 / 21])
+    assert _chunk_hold_times(np.arange(2, 3), T, A, np.zeros(1), held, base, spare, np.array([1.0]))[0, 0] == np.inf
+    # the frontier leaves out a mode slower and no smaller, and one above the chord of its neighbours
+    assert _frontier(np.array([1.0, 1.2, 4 / 3]), np.array([4.0, 4.5, 0.5])) == [0, 2]
+    assert _frontier(np.array([1.0, 1.3, 4 / 3]), np.array([4.0, 2.0, 0.5])) == [0, 2]
+    assert _frontier(np.array([1.0, 1.05, 4 / 3]), np.array([4.0, 2.0, 0.5])) == [0, 1, 2]
 
 
 def _scaling_summary(points):
