@@ -119,6 +119,10 @@ RECIPES = {
     # keeps itself under FP8 parameters (the default FP8 recipe "ds" sets fp8_param_gather): 4 + 2 + 2 bytes
     ("deepseek-v3 (dropless)", 2, 8, 64): dict(moe_dispatcher="hybridep", moe_a2a_overlap=True,
                                                optimizer_states="bf16-moments"),
+    # Llama 4 Maverick in dgxc-benchmarking v25.05 (NeMo's scripts/performance/llm/pretrain_llama4_e128.py): NeMo's
+    # Llama4Config (nemo/collections/llm/gpt/model/llama.py) sets moe_shared_expert_overlap True with the alltoall
+    # dispatcher, which the performance script keeps
+    ("llama4-maverick-400b-a17b", 4, 1, 128): dict(moe_shared_expert_overlap=True),
 }
 # Megatron-Bridge's 25.09 release (commit a28844195, "Cherry pick perf 2509") ran Qwen3 without the all-to-all
 # overlap the later recipes above turn on: its run_script.py builds both Qwen3 recipes with

@@ -94,6 +94,9 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
                         "remote node, forwarded over NVLink) (overrides the framework)")
     p.add_argument("--moe-a2a-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="hide each MoE all-to-all behind another micro-batch's compute (overrides the framework)")
+    p.add_argument("--moe-shared-expert-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the MoE shared experts' GEMMs beside the dispatch and combine all-to-alls, on a stream "
+                        "of their own (overrides the framework)")
     p.add_argument("--moe-capacity-factor", type=float,
                    help="MoE token dropping: each expert takes at most this many times its mean share of a rank's "
                         "routed tokens, the rest are dropped (default: dropless) (overrides the framework)")

@@ -82,10 +82,14 @@ class PassTimes:
         return self.bwd_input + self.bwd_weight
 
 
-def _gemm(flops: float, gpu: GPUSpec, dtype: str) -> float:
+def gemm_seconds(flops: float, gpu: GPUSpec, dtype: str) -> float:
+    """One GEMM of ``flops`` on ``gpu`` in ``dtype``: its peak at the efficiency a GEMM of that size reaches."""
     if flops <= 0:
         return 0.0
     return flops / (gpu.peak_flops(dtype) * gpu.efficiency.matmul_fraction(flops, dtype))
+
+
+_gemm = gemm_seconds
 
 
 def gemm_dtype(dtype: str, layer_kind: str, core: bool, bf16_expert: bool = False) -> str:

@@ -106,9 +106,11 @@ class Framework:
     # the token dispatcher: "alltoall" (one copy per routed expert, this executor's; Megatron-Core's alltoall),
     # "hybridep" (DeepEP / HybridEP: one copy per remote node, forwarded over NVLink; Megatron-Core's flex
     # dispatcher); moe_a2a_overlap: each pass's all-to-alls hidden behind another micro-batch's compute
-    # (Megatron-Core's overlap_moe_expert_parallel_comm)
+    # (Megatron-Core's overlap_moe_expert_parallel_comm); moe_shared_expert_overlap: the shared experts' GEMMs run
+    # on a stream of their own beside the dispatch and combine all-to-alls (Megatron-Core's moe_shared_expert_overlap)
     moe_dispatcher: str = "alltoall"
     moe_a2a_overlap: bool = False
+    moe_shared_expert_overlap: bool = False
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
     # of a rank's routed tokens, the rest are dropped (None: dropless); moe_pad_to_capacity fills every expert up
     # to that capacity (moe_pad_expert_input_to_capacity: fixed shapes, c times the mean work and traffic)
@@ -243,9 +245,11 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
               overlap_tp: bool | None = None, moe_dispatcher: str | None = None, moe_a2a_overlap: bool | None = None,
               grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None,
               fused_softmax: str | None = None, moe_capacity_factor: float | None = None,
-              moe_pad_to_capacity: bool | None = None, fp8_recipe: str | None = None) -> Framework:
+              moe_pad_to_capacity: bool | None = None, fp8_recipe: str | None = None,
+              moe_shared_expert_overlap: bool | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
-    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--grad-reduce-in-fp32``,
+    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--moe-shared-expert-overlap``,
+    ``--grad-reduce-in-fp32``,
     ``--optimizer-states``, ``--fused-softmax``, ``--moe-capacity-factor``, ``--moe-pad-to-capacity``,
     ``--fp8-recipe``: the settings
     of a recipe, Megatron-Bridge's names where it has them). Switches a stack cannot run are refused, not priced:
@@ -260,7 +264,8 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
     changes = {k: v for k, v in (("attention", attention), ("overlap_dp", overlap_dp), ("overlap_tp", overlap_tp),
                                  ("moe_dispatcher", moe_dispatcher), ("moe_a2a_overlap", moe_a2a_overlap),
                                  ("fused_softmax", fused_softmax), ("moe_capacity_factor", moe_capacity_factor),
-                                 ("moe_pad_to_capacity", moe_pad_to_capacity))
+                                 ("moe_pad_to_capacity", moe_pad_to_capacity),
+                                 ("moe_shared_expert_overlap", moe_shared_expert_overlap))
                if v is not None}
     if grad_reduce_in_fp32 is not None:
         changes["grad_bytes"] = 4 if grad_reduce_in_fp32 else 2
@@ -295,9 +300,15 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
         raise PlanError(f"--moe-capacity-factor must be a positive number, got {capacity!r}")
     if changes.get("moe_pad_to_capacity", fw.moe_pad_to_capacity) and capacity is None:
         raise PlanError("--moe-pad-to-capacity pads each expert to its capacity: give --moe-capacity-factor too")
+    if changes.get("moe_shared_expert_overlap", fw.moe_shared_expert_overlap) and \
+            changes.get("moe_a2a_overlap", fw.moe_a2a_overlap):
+        raise PlanError("--moe-shared-expert-overlap and --moe-a2a-overlap cannot both be on: Megatron-Core refuses "
+                        "the pair (TransformerConfig: disable moe_shared_expert_overlap when enabling "
+                        "overlap_moe_expert_parallel_comm)")
     if fw.states == "executor":
         for flag, key, runs in (("--moe-dispatcher hybridep", "moe_dispatcher", "alltoall"),
                                 ("--moe-a2a-overlap", "moe_a2a_overlap", False),
+                                ("--moe-shared-expert-overlap", "moe_shared_expert_overlap", False),
                                 ("--moe-capacity-factor", "moe_capacity_factor", None),
                                 ("--moe-pad-to-capacity", "moe_pad_to_capacity", False),
                                 ("--no-grad-reduce-in-fp32", "grad_bytes", fw.grad_bytes),
@@ -312,7 +323,7 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
 
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
 SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
-            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity", "fp8_recipe")
+            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity", "fp8_recipe", "moe_shared_expert_overlap")
 NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax", "fp8_recipe")
 NUMBER_SWITCHES = ("moe_capacity_factor",)  # the rest are on/off
 
@@ -322,7 +333,8 @@ def switches_of(fw: Framework) -> dict:
     validating it or exporting it sees the stack the planner priced. Empty for a profile as it stands."""
     base = FRAMEWORKS[fw.name]
     out: dict = {k: getattr(fw, k) for k in ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap",
-                                             "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity")
+                                             "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity",
+                                             "moe_shared_expert_overlap")
                  if getattr(fw, k) != getattr(base, k)}
     if fw.grad_bytes != base.grad_bytes:
         out["grad_reduce_in_fp32"] = fw.grad_bytes == 4

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from paraplan.profiler import LayerProfile
 
-from . import comm, fused_moe
+from . import comm, compute, fused_moe
 from .concerns import Affine, Exposure, Sync
 from .layout import Layout, recomputes_mlp
 from .memory import StateBytes, state_bytes
@@ -100,6 +100,30 @@ def overlapped_layer_exchanges(one: float, times, sm_count: int) -> tuple[float,
         mlp_dw = share * times.bwd_weight
     fwd = overlapped_exposure(one, mlp_b, sm_count) + overlapped_exposure(one, pre_b, sm_count)
     bwd = overlapped_exposure(one, pre_f, sm_count) + overlapped_exposure(one, mlp_dw + mlp_f, sm_count)
+    return fwd, bwd
+
+
+def shared_expert_gemms(spec, tokens: float, gpu, dtype: str) -> tuple[float, float]:
+    """Seconds of the shared experts' two forward GEMMs (h -> up_s, then f_s -> h) on a rank for ``tokens``, its
+    1/tp share of the micro-batch's tokens (the GEMMs split their width over tp: the same FLOPs); FP8 where the
+    layer's linears are."""
+    _, _, f_s, up_s = fused_moe.expert_widths(spec)
+    h, dt = spec.hidden_size, compute.gemm_dtype(dtype, "transformer_layer", False)
+    return compute.gemm_seconds(2 * tokens * h * up_s, gpu, dt), compute.gemm_seconds(2 * tokens * f_s * h, gpu, dt)
+
+
+def shared_expert_exchanges(one: float, gemms: tuple[float, float], sm_count: int) -> tuple[float, float]:
+    """(forward, backward) seconds a MoE layer's four exchanges of ``one`` second each add under Megatron-Core's
+    moe_shared_expert_overlap, which runs the shared experts on a stream of their own beside the token dispatcher's
+    all-to-alls (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher: the first GEMM
+    and its activation, linear_fc1_forward_and_act, after the dispatch is launched; the second, linear_fc2_forward,
+    after the combine). Their backward keeps the pairing (shared_experts.py orders the backward so the exchange is
+    launched first): the combine's beside the second GEMM's input and weight gradients, the dispatch's beside the
+    first's. Each exchange hides behind its own GEMMs only (:func:`overlapped_exposure`). ``gemms``: the two
+    forward GEMMs' seconds (:func:`shared_expert_gemms`); each backward is twice its forward."""
+    fc1, fc2 = gemms
+    fwd = overlapped_exposure(one, fc1, sm_count) + overlapped_exposure(one, fc2, sm_count)
+    bwd = overlapped_exposure(one, 2 * fc2, sm_count) + overlapped_exposure(one, 2 * fc1, sm_count)
     return fwd, bwd
 
 
@@ -382,6 +406,9 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
             q = paired_share(fw, lay)  # the passes that have one; the rest (warm-up, cool-down) run theirs alone
             hidden_fwd, hidden_bwd = overlapped_layer_exchanges(one, times, cluster.gpu.sm_count)
             a2a_fwd, a2a_bwd = q * hidden_fwd + (1 - q) * a2a_fwd, q * hidden_bwd + (1 - q) * a2a_bwd
+        elif fw.moe_shared_expert_overlap and spec.num_shared_experts:  # each exchange beside a shared GEMM
+            a2a_fwd, a2a_bwd = shared_expert_exchanges(one, shared_expert_gemms(spec, tokens, cluster.gpu, lay.dtype),
+                                                       cluster.gpu.sm_count)
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
         traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)

@@ -1048,6 +1048,21 @@ def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     assert any("priced with it on the stages recomputing less: slower than predicted" in n for n in notes)
 
 
+def test_shared_expert_overlap_reaches_the_plan_and_megatron(tmp_path):
+    """--moe-shared-expert-overlap (Megatron-Core's moe_shared_expert_overlap, on in NeMo's Llama 4 recipes) is
+    recorded among the plan's framework switches, prices the exchanges faster where the model has shared experts,
+    and exports as Megatron-LM's --moe-shared-expert-overlap."""
+    base = ["simulate", "--model", "llama4-maverick", "--cluster", "dgx-h100", "--nodes", "1", "--seq-len", "1024",
+            "--global-batch", "16", "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1",
+            "--zero", "1", "--recompute", "full", "--framework", "megatron-core", "--json"]
+    plain = json.loads(cli(*base).stdout)
+    over = json.loads(cli(*base, "--moe-shared-expert-overlap", "--write-plan", str(tmp_path / "p.json")).stdout)
+    assert over["time_s"]["ep_comm"] < plain["time_s"]["ep_comm"]
+    plan = Plan.read(str(tmp_path / "p.json"))
+    assert plan.framework_switches == {"moe_shared_expert_overlap": True}
+    assert "--moe-shared-expert-overlap" in export_plan(plan, "megatron").text
+
+
 def test_mla_selective_recomputation_exports_the_up_projections_and_keeps_the_overlap(tmp_path):
     """Selective recomputation of a multi-head latent attention model repeats its up-projections too (priced so:
     planner/fused_activations.mla_bytes, executor/checkpointing.py): Megatron gets recompute_modules core_attn and

@@ -9,9 +9,10 @@ import itertools
 import pytest
 
 from conftest import run_cli, run_cli_json
+from paraplan.models import load_model_spec
 from paraplan.planner import comm, moe
 from paraplan.planner.costmodel import CostModel, default_stages, validate_layout
-from paraplan.planner.errors import InvalidLayout
+from paraplan.planner.errors import InvalidLayout, PlanError
 from paraplan.planner.framework import FRAMEWORKS
 from paraplan.planner.ilp import best_partition, modes_for
 from paraplan.planner.layout import Layout
@@ -534,6 +535,50 @@ def test_warm_up_and_cool_down_passes_run_their_exchanges_alone():
     q = moe.paired_share(fw, deep)
     assert got.fwd == pytest.approx(alone.fwd - 2 * one + q * hidden_fwd + (1 - q) * 2 * one)
     assert got.bwd == pytest.approx(q * hidden_bwd + (1 - q) * 2 * one)
+
+
+def test_shared_experts_run_beside_the_exchanges_where_megatron_overlaps_them():
+    """Megatron-Core's moe_shared_expert_overlap (token_dispatcher.py, MoEAlltoAllTokenDispatcher) runs the shared
+    experts' first GEMM beside the dispatch all-to-all and their second beside the combine, on a stream of their
+    own; the backward keeps the pairing (combine beside the second GEMM's two gradient GEMMs, dispatch beside the
+    first's). Each exchange then adds what overlapped_exposure says of it beside its GEMMs. Llama 4 Maverick (h
+    5120, one shared expert of 8192, gated: its GEMMs 2·t·5120·16384 and 2·t·8192·5120 FLOPs for t tokens) at
+    ep 8: the layer's exchanges cost that, not four whole ones; a model without shared experts, and the switch
+    off, keep four whole ones. Megatron-Core refuses the switch beside overlap_moe_expert_parallel_comm, and this
+    executor runs neither: both refused in one line."""
+    from paraplan.hardware_specs import load_gpu
+    from paraplan.planner.compute import gemm_seconds
+    from paraplan.planner.framework import framework
+
+    gpu = load_gpu("h100-sxm-80gb")
+    fc1, fc2 = moe.shared_expert_gemms(load_model_spec("llama4-maverick"), 4096.0, gpu, "bf16")
+    assert fc1 == pytest.approx(gemm_seconds(2 * 4096 * 5120 * 16384, gpu, "bf16"))
+    assert fc2 == pytest.approx(gemm_seconds(2 * 4096 * 8192 * 5120, gpu, "bf16"))
+    ov = lambda a, c: moe.overlapped_exposure(a, c, 132)  # noqa: E731
+    assert moe.shared_expert_exchanges(1e-3, (fc1, fc2), 132) == pytest.approx(
+        (ov(1e-3, fc1) + ov(1e-3, fc2), ov(1e-3, 2 * fc2) + ov(1e-3, 2 * fc1)))
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, ep=8, dtype="bf16", zero=1)
+    for name, shared in (("llama4-maverick", True), ("mixtral-8x7b", False)):
+        costs = {}
+        for on in (False, True):
+            work = Workload.create(name, "dgx-h100", 64, nodes=1, seq_length=4096,
+                                   framework=framework("megatron-core", moe_shared_expert_overlap=on))
+            layer = next(x for x in work.profile("bf16").layers if moe.is_moe(x))
+            costs[on] = moe.layer_cost(CostModel(work), layer, lay, layout_placement(work.cluster, lay), 1.0, "none")
+        one = costs[False].bwd / 2  # without the switch: both backward exchanges whole
+        if shared:
+            tokens = 4096.0  # one sequence of 4096 on this rank (tp 1)
+            gemms = moe.shared_expert_gemms(work.spec, tokens, gpu, "bf16")
+            fwd, bwd = moe.shared_expert_exchanges(one, gemms, 132)
+            assert costs[True].bwd == pytest.approx(bwd) and costs[True].fwd == pytest.approx(
+                costs[False].fwd - 2 * one + fwd)
+            assert costs[True].seconds < costs[False].seconds
+        else:
+            assert costs[True] == costs[False]
+    with pytest.raises(PlanError, match="cannot both be on"):
+        framework("megatron-core", moe_shared_expert_overlap=True, moe_a2a_overlap=True)
+    with pytest.raises(PlanError, match="--moe-shared-expert-overlap"):
+        framework("paraplan", moe_shared_expert_overlap=True)
 
 
 def test_fp8_experts_behind_the_all_to_all_dispatcher_pad_their_tokens():

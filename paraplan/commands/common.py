@@ -17,7 +17,8 @@ def workload_from_args(args, global_batch: int | None = None) -> Workload:
                            moe_dispatcher=args.moe_dispatcher, moe_a2a_overlap=args.moe_a2a_overlap,
                            grad_reduce_in_fp32=args.grad_reduce_in_fp32, optimizer_states=args.optimizer_states,
                            fused_softmax=args.fused_softmax, moe_capacity_factor=args.moe_capacity_factor,
-                           moe_pad_to_capacity=args.moe_pad_to_capacity, fp8_recipe=args.fp8_recipe)
+                           moe_pad_to_capacity=args.moe_pad_to_capacity, fp8_recipe=args.fp8_recipe,
+                           moe_shared_expert_overlap=args.moe_shared_expert_overlap)
 
 
 def ensure_calibrated(args, work: Workload, validating: bool = False) -> Workload:

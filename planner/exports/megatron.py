@@ -240,6 +240,8 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
             a.append(("--moe-expert-capacity-factor", fw.moe_capacity_factor))
             if fw.moe_pad_to_capacity:
                 a.append(("--moe-pad-expert-input-to-capacity", None))
+        if fw.moe_shared_expert_overlap and getattr(spec, "num_shared_experts", 0):
+            a.append(("--moe-shared-expert-overlap", None))
         if a2a_overlap_applies(fw, lay):
             a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
         elif fw.moe_a2a_overlap:
