@@ -728,27 +728,36 @@ class CostModel:
         the rank's peak — the most over ``holdings`` (schedules.peak_matrices, per rank its stages and the
         micro-batches each holds at every moment that may be the peak; default: ``flights``' one moment), or the
         simulated peak — and the largest working set. A rank's memory depends only on its own stages."""
-        work = self.work
-        states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
+        states = (state_bytes(self.work.framework, lay), moe.expert_states(self.work.framework, lay))
         out = []
         for r, stages in enumerate(ranks):
-            if sim is not None and sim.peak_activation_bytes:
-                acts = sim.peak_activation_bytes[r]
-            elif holdings is not None and len(holdings[r][1]) > 1:
-                order, held = holdings[r]
-                acts = float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
-            else:
-                acts = sum(flights[r].get(s, 0) * costs[s].act_bytes for s in stages)
-            acts += max(costs[s].act_working for s in stages)
-            unit = max(costs[s].largest_unit for s in stages)
-            first_freed = None if self.grads_at_activation_peak(lay, stages, flights[r]) else \
-                sum(costs[s].act_bytes for s in stages)
-            experts = sum(costs[s].experts for s in stages)
-            breakdown = rank_memory(states, sum(costs[s].params for s in stages) - experts, unit, acts,
-                                    work.cluster.gpu, first_freed, experts=experts, expert_states=expert_states,
-                                    root_params=sum(costs[s].root_params for s in stages))
+            simulated = sim.peak_activation_bytes[r] if sim is not None and sim.peak_activation_bytes else None
+            held = holdings[r] if holdings is not None else None
+            breakdown = self._rank_bytes(costs, stages, flights[r], held, states,
+                                         self.grads_at_activation_peak(lay, stages, flights[r]), simulated)
             out.append({k: x / GiB for k, x in breakdown.items()})
         return out
+
+    def _rank_bytes(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
+                    states: tuple, grads_at_peak: bool, simulated: float | None = None) -> dict[str, float]:
+        """Bytes by kind on one pipeline rank (rank_memory_breakdowns' per rank): ``holding`` its peak moments
+        (schedules.peak_matrices' entry, or None for ``flights``' one), ``states`` the layout's (state_bytes,
+        moe.expert_states), ``grads_at_peak`` grads_at_activation_peak of the rank, ``simulated`` its simulated
+        activation peak where there is one."""
+        if simulated is not None:
+            acts = simulated
+        elif holding is not None and len(holding[1]) > 1:
+            order, held = holding
+            acts = float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
+        else:
+            acts = sum(flights.get(s, 0) * costs[s].act_bytes for s in stages)
+        acts += max(costs[s].act_working for s in stages)
+        unit = max(costs[s].largest_unit for s in stages)
+        first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
+        experts = sum(costs[s].experts for s in stages)
+        return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, acts, self.work.cluster.gpu,
+                           first_freed, experts=experts, expert_states=states[1],
+                           root_params=sum(costs[s].root_params for s in stages))
 
     def least_recompute(self, lay: Layout, stages: list[list[int]], modes: tuple[str, ...] | list[str]
                         ) -> tuple[list[str], list[StageCost]] | None:
@@ -766,14 +775,15 @@ class CostModel:
         by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
         chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
         cap = self.work.cluster.gpu.memory_GiB
+        states = (state_bytes(self.work.framework, lay), moe.expert_states(self.work.framework, lay))
+        grads_at_peak = [self.grads_at_activation_peak(lay, ranks[r], flights[r]) for r in range(p)]
 
-        def fits(r: int) -> bool:
-            return sum(self.rank_memory_breakdowns(lay, current, [ranks[r]], [flights[r]],
-                                                   holdings=[holdings[r]])[0].values()) <= cap
+        def fits(r: int) -> bool:  # a rank's memory depends on its own stages alone: only they are priced again
+            got = self._rank_bytes(current, ranks[r], flights[r], holdings[r], states, grads_at_peak[r])
+            return sum(x / GiB for x in got.values()) <= cap
 
-        first = self.rank_memory_breakdowns(lay, current, ranks, list(flights), holdings=list(holdings))
         for r in range(p):
-            if sum(first[r].values()) <= cap:
+            if fits(r):
                 continue
             order = sorted(ranks[r], key=lambda s: (-flights[r].get(s, 0), s))
             for u in modes[1:]:

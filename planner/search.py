@@ -667,7 +667,8 @@ def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: 
     n = np.maximum(counts[None, :], least[:, None])  # (R, N): a rank holds its chunks' least at the least
     extra = n - least[:, None]  # (R, N): layers beyond those, to the chunks in order, each up to its spare
     before = np.cumsum(spare, axis=1) - spare  # (R, V)
-    k = base[:, None, :] + np.clip(extra[:, :, None] - before[:, None, :], 0, spare[:, None, :])  # (R, N, V)
+    taken = np.minimum(np.maximum(extra[:, :, None] - before[:, None, :], 0), spare[:, None, :])  # (R, N, V)
+    k = base[:, None, :] + taken  # (R, N, V): layers per chunk (np.clip's checks cost more than the rest)
     over = n * states[:, None] + (k * held[:, None, :]).sum(axis=2) * a0 - room[:, None]  # (R, N): bytes to save
     over[extra > spare.sum(axis=1)[:, None]] = np.inf  # more than the chunk rule lets the rank hold
     fastest = n * t0
