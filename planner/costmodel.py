@@ -298,15 +298,27 @@ def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: 
 class _LayoutStages:
     """What pricing a stage of one layout needs, looked up once (CostModel.stage_costs), and its stages priced."""
 
-    def __init__(self, model: CostModel, lay: Layout):
-        self.model, self.lay = model, lay
-        self.place = layout_placement(model.work.cluster, lay)
+    def __init__(self, model: CostModel, lay: Layout, place: Placement, key: tuple, fixed: float):
+        self.model, self.lay, self.place, self.key, self.fixed = model, lay, place, key, fixed
         prof = model.work.profile(lay.dtype)
         self.n_blocks, self.last_layer = len(prof.layers), prof.layers[-1]
-        self.key = model._table_key(lay, self.place)
-        self.fixed = model.stage_host_overhead(lay)
         self.tables: dict[str, _BlockTable] = {}
         self.stages: dict[tuple, StageCost] = {}
+
+    @staticmethod
+    def of(model: CostModel, lay: Layout) -> _LayoutStages:
+        """The stages of ``lay``, shared with every layout whose stages cost the same: the same block tables
+        (CostModel._table_key), stage-to-rank map, sends across nodes or not, and host cost per stage — what
+        stage() reads of a layout — so layouts apart only in ZeRO stage or data-parallel degree (where neither
+        moves those) price each stage once."""
+        place = layout_placement(model.work.cluster, lay)
+        key = model._table_key(lay, place)
+        fixed = model.stage_host_overhead(lay)
+        group = (key, lay.schedule, lay.pp, lay.num_stages, place.pp_cross_node, fixed)
+        got = model._stage_groups.get(group)
+        if got is None:
+            got = model._stage_groups[group] = _LayoutStages(model, lay, place, key, fixed)
+        return got
 
     def stage(self, s: int, blocks: list[int], mode: str, sends: bool) -> StageCost:
         """Stage ``s`` holding ``blocks`` (contiguous: stage s - 1 ends at the block before) in recomputation
@@ -362,6 +374,7 @@ class CostModel:
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         self._p2p: dict[tuple, float] = {}  # p2p_seconds by what it depends on
         self._stage_memo: dict[Layout, _LayoutStages] = {}  # stage_costs' stages, per layout
+        self._stage_groups: dict[tuple, _LayoutStages] = {}  # the same, per kind of layout (_LayoutStages.of)
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
         self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
         fw = work.cluster.gpu.efficiency
@@ -647,7 +660,7 @@ class CostModel:
         read-only to every caller."""
         memo = self._stage_memo.get(lay)
         if memo is None:
-            memo = self._stage_memo[lay] = _LayoutStages(self, lay)
+            memo = self._stage_memo[lay] = _LayoutStages.of(self, lay)
         priced = memo.stages
         last = len(stages) - 1
         out = []
