@@ -533,20 +533,18 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     an embedding and a head), from what slowest_rank_bound relaxes away: layers are whole and a stage has one
     recomputation mode (the ILP's and the quick split's space; Partition.recompute is per stage).
 
-    Each layer costs T_u seconds per micro-batch in mode u and, on rank r, D_ru = s_r + f_r·a_u bytes at the rank's
-    peak (its model states, and its activations times the fewest micro-batches any of its stages holds then); the
-    rank's room is the GPU's memory less the framework allowance, as in _bound_parts. The embedding, the head, the
-    working set and every send are left out (each only adds), but for the embedding and the head: the rank holding
-    the first stage holds the embedding, the one holding the last the head, each at its least time over the modes
-    and its activations' least bytes (its parameters left out). Rank r holds n whole layers in time t_r(n) at least:
-    with one stage (v = 1) in a single mode, the least n·T_u whose n·D_ru fits; with v stages the least of the LP
-    that mixes modes (two at most: it has two rows). Every layer is held, each t_r grows with n, so the slowest
-    rank's time is at least the L-th smallest of all t_r(n), n = 1..L: exact for this relaxation, no grid.
-    With v > 1 the chunk rule (ilp.chunks_balanced: chunks within a layer of each other, an end chunk one fewer)
-    also gives each of a rank's chunks at least ceil(L/S) - 1 layers (an end chunk one fewer), S stages in all, so
-    a rank's activations are counted chunk by chunk, each at the micro-batches it holds at the rank's peak
-    (_chunk_hold_times), not all at its least; a single rank (pp 1) holds all L: the least time to hold those
-    within memory bounds it too. 0.0: not such a model."""
+    Each layer costs T_u seconds per micro-batch in mode u and, on rank r, s_r + f·a_u bytes at the rank's peak (its
+    model states, and its activations times the f micro-batches its stage holds then, in_flight's moment); the
+    rank's room is the GPU's memory less the framework allowance, as in _bound_parts. The working set and every send
+    are left out (each only adds), but for the embedding and the head: the rank holding the first stage holds the
+    embedding, the one holding the last the head, each at its least time over the modes and its activations' least
+    bytes times its stage's micro-batches (its parameters left out). Rank r holds n whole layers in time t_r(n) at
+    least: with one stage (v = 1) in a single mode, the least n·T_u whose bytes fit; with v stages, by the chunk
+    rule (ilp.chunks_balanced: chunks within a layer of each other, an end chunk one fewer), each chunk at its own
+    micro-batches with at least ceil(L/S) - 1 layers (an end chunk one fewer), S stages in all, modes mixed per
+    chunk (_chunk_hold_times); a single rank (pp 1) holds all L. Every layer is held, each t_r grows with n, so the
+    slowest rank's time is at least the L-th smallest of all t_r(n), n = 1..L, and at least each rank's time for
+    its least layers: exact for this relaxation, no grid. 0.0: not such a model."""
     if not model.repeated_blocks(lay):
         return 0.0
     work = model.work
