@@ -81,8 +81,13 @@ MODES_OTHER = ("none",)  # recomputation is modelled and executed for transforme
 SOLVER_TIME_LIMIT_S = 0.2
 EXHAUSTIVE_TIME_LIMIT_S = 2.0
 # Solvers tried in this order for each ILP; the next takes over when one fails to run (benchmarks/bench_plan.py
-# --solvers compares them on the benchmark workloads).
+# --solvers compares them on the benchmark workloads). SOLVER_ORDER for models of identical layers (a handful of
+# integer counts per stage); BLOCK_SOLVER_ORDER for the others (a binary per block, stage and mode: thousands), where
+# CBC's root LP ignores its time limit: one of DeepSeek-V3's on 1024 H100s (pp4 v8, ~10,000 binaries) ran 35 s
+# before its first branch under a 0.2 s limit, HiGHS 0.75 s; that plan's search 76-88 s with CBC first, 30 s with
+# HiGHS, the same top-5. `plan --solver` puts its choice first in both.
 SOLVER_ORDER = ("cbc", "highs")
+BLOCK_SOLVER_ORDER = ("highs", "cbc")
 
 
 class SolverFailed(Exception):
@@ -441,7 +446,7 @@ class StageILP:
             # benchmarks/bench_plan.py)
             options += ["cuts off", "heuristics off"]
         failures = []
-        for name in SOLVER_ORDER:
+        for name in SOLVER_ORDER if assign[0] == "counts" else BLOCK_SOLVER_ORDER:
             try:
                 _run_solver(prob, name, warm=start is not None, cutoff=cutoff_s * scale if cutoff_s else None,
                             cbc_options=options, time_limit_s=self.time_limit_s)

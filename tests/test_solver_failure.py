@@ -66,6 +66,33 @@ def test_cbc_failing_falls_back_to_highs(monkeypatch):
     assert "highs" in used and not part.ilp_status.startswith("solver failed")
 
 
+def test_each_formulation_tries_its_own_solver_first(monkeypatch):
+    """Models of identical layers get a few integer counts per stage, where CBC goes first; others a binary per
+    block, stage and mode, where CBC's root LP can outrun its time limit by minutes, so HiGHS goes first
+    (ilp.BLOCK_SOLVER_ORDER); plan --solver puts its choice first in both."""
+    from paraplan.models import spec_from_mapping
+
+    real = ilp._run_solver
+    first: list[str] = []
+
+    def record(prob, name, **kwargs):
+        first.append(name)
+        return real(prob, name, **kwargs)
+
+    monkeypatch.setattr(ilp, "_run_solver", record)
+    layered = Workload.create("gpt3-1.3b", "dgx-a100-80gb", 64, nodes=1)
+    ilp.best_partition(CostModel(layered), Layout(dp=2, tp=1, pp=4, micro_batch=1, global_batch=64))
+    # one dense layer before the MoE ones: no longer identical layers
+    mixed = spec_from_mapping(dict(name="dense-then-moe", family="llama", num_layers=4, hidden_size=256,
+                                   num_attention_heads=4, num_kv_heads=4, ffn_hidden_size=704, vocab_size=1000,
+                                   seq_length=256, num_experts=4, experts_per_token=2, dense_layers=1), "test")
+    work = Workload.create(mixed, "dgx-a100-80gb", 16, nodes=1)
+    model = CostModel(work)
+    assert not model.repeated_blocks(Layout(dp=4, tp=1, pp=2, micro_batch=1, global_batch=16))
+    ilp.best_partition(model, Layout(dp=4, tp=1, pp=2, micro_batch=1, global_batch=16))
+    assert first == ["cbc", "highs"]
+
+
 def test_highs_prints_nothing_beside_the_json(tmp_path):
     """highspy writes a banner on stdout (from C) with the first solver a process makes; `--json` must still print
     exactly one JSON object (DESIGN.md's CLI contract)."""

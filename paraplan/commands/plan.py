@@ -64,7 +64,7 @@ def run(args) -> int:
     if args.solver:
         from paraplan.planner import ilp
 
-        ilp.SOLVER_ORDER = (args.solver, *(x for x in ilp.SOLVER_ORDER if x != args.solver))
+        ilp.SOLVER_ORDER = ilp.BLOCK_SOLVER_ORDER = (args.solver, *(x for x in ilp.SOLVER_ORDER if x != args.solver))
     work = workload_from_args(args)
     gpus = args.gpus or work.cluster.num_gpus
     if args.train_tokens is not None and args.train_tokens <= 0:
