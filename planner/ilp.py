@@ -84,7 +84,7 @@ EXHAUSTIVE_TIME_LIMIT_S = 2.0
 # --solvers compares them on the benchmark workloads). SOLVER_ORDER for models of identical layers (a handful of
 # integer counts per stage); BLOCK_SOLVER_ORDER for the others (a binary per block, stage and mode: thousands), where
 # CBC's root LP ignores its time limit: one of DeepSeek-V3's on 1024 H100s (pp4 v8, ~10,000 binaries) ran 35 s
-# before its first branch under a 0.2 s limit, HiGHS 0.75 s; that plan's search 76-88 s with CBC first, 30 s with
+# before its first branch under a 0.2 s limit, HiGHS 0.75 s; that plan's search 76-88 s with CBC first, 21-30 s with
 # HiGHS, the same top-5. `plan --solver` puts its choice first in both.
 SOLVER_ORDER = ("cbc", "highs")
 BLOCK_SOLVER_ORDER = ("highs", "cbc")
