@@ -89,9 +89,6 @@ def gemm_seconds(flops: float, gpu: GPUSpec, dtype: str) -> float:
     return flops / (gpu.peak_flops(dtype) * gpu.efficiency.matmul_fraction(flops, dtype))
 
 
-_gemm = gemm_seconds
-
-
 def gemm_dtype(dtype: str, layer_kind: str, core: bool, bf16_expert: bool = False) -> str:
     """The dtype a GEMM runs in: under ``fp8`` only the transformer layers' linears run in FP8; the attention
     core, the embedding and the output layer stay bf16 (planner/fp8.py), and so do routed experts a stack does
@@ -123,7 +120,7 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     def gemm(done: float, dt: str) -> float:
         t = memo.get((done, dt))
         if t is None:
-            t = memo[(done, dt)] = _gemm(done, gpu, dt)
+            t = memo[(done, dt)] = gemm_seconds(done, gpu, dt)
         return t
 
     gemm_all = gemm_core = gemm_mlp = last_mlp = 0.0

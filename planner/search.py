@@ -510,16 +510,17 @@ def slowest_rank_bound(times: dict[str, float], acts: dict[str, float], states: 
 
 
 @lru_cache(maxsize=4096)
-def _rank_profiles(schedule: str, p: int, v: int, m: int) -> tuple[tuple[bool, int, int, bool, bool], ...]:
+def _rank_profiles(schedule: str, p: int, v: int, m: int) -> tuple[tuple[bool, int, bool, bool, int, int], ...]:
     """Per pipeline rank: whether gradients meet its activation peak, the fewest micro-batches any of its stages
-    holds at that peak (as _rank_kinds), how many of the pipeline's two end stages it holds, and whether it holds
-    the first (the embedding's) and the last (the head's)."""
+    holds at that peak (as _rank_kinds), whether it holds the pipeline's first stage (the embedding's) and its last
+    (the head's), and the micro-batches each of those holds at the peak (0 where the rank does not hold it)."""
     last = p * v - 1
     out = []
     for r, d in enumerate(in_flight(schedule, p, v, m)):
         stages = rank_stages(schedule, r, p, v)
-        out.append((grads_meet_peak(schedule, p, v, m, stages, d), min(d.values()) if d else 1,
-                    (0 in stages) + (last in stages), 0 in stages, last in stages))
+        first_held, last_held = 0 in stages, last in stages
+        out.append((grads_meet_peak(schedule, p, v, m, stages, d), min(d.values()) if d else 1, first_held,
+                    last_held, d.get(0, 0) if first_held else 0, d.get(last, 0) if last_held else 0))
     return tuple(out)
 
 
@@ -569,27 +570,23 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     # the activations as many times as their stage holds micro-batches at the rank's peak
     end_time = [min(_busy_seconds(c[j]) for c in tables) for j in (0, -1)]
     end_acts = [min(c[j].act_bytes for c in tables) for j in (0, -1)]
-    holds = np.array([[first, last] for *_, first, last in ranks], dtype=float)  # (R, 2)
+    holds = np.array([[first, last] for _, _, first, last, _, _ in ranks], dtype=float)  # (R, 2)
+    end_flights = np.array([[f, g] for *_, f, g in ranks], dtype=float)  # (R, 2): their micro-batches at the peak
     offset = holds @ np.array(end_time)  # (R,)
-    room = room - _end_holdings(schedule, p, v, m) @ np.array(end_acts)  # (R,): what the rank's layers may use
+    room = room - end_flights @ np.array(end_acts)  # (R,): what the rank's layers may use
     L = len(work.profile(lay.dtype).layers) - 2
-    counts = np.arange(L + 1)
-    if p == 1:
-        least = np.array([L])
-    elif v > 1:
-        least = np.array([max(0, v * (-(-L // lay.num_stages) - 1) - ends) for _, _, ends, _, _ in ranks])
-    else:
-        least = np.zeros(len(ranks), dtype=int)
     if p > 1 and v > 1:  # each chunk's layers at its own micro-batches in flight
         held_at_peak, base, spare = _chunk_shape(schedule, p, v, m, L)
+        least = base.sum(axis=1)  # (R,): the chunk rule's least layers per rank
         # only the counts the chunk rule allows a rank (each holds at least its least: below, that time)
-        lo, hi = int(base.sum(axis=1).min()), min(L, int((base + spare).sum(axis=1).max()))
+        lo, hi = int(least.min()), min(L, int((base + spare).sum(axis=1).max()))
         times = np.full((p, L + 1), np.inf)
         times[:, lo:hi + 1] = _chunk_hold_times(np.arange(lo, hi + 1), T, A, states, held_at_peak, base, spare, room)
         times[:, :lo] = times[:, lo:lo + 1]
-    else:
+    else:  # one stage per rank; a single rank (pp 1) holds every layer
+        least = np.array([L]) if p == 1 else np.zeros(len(ranks), dtype=int)
         D = states[:, None] + np.outer(fewest, A)  # (R, U)
-        times = _hold_times(counts, T, D, room)
+        times = _hold_times(np.arange(L + 1), T, D, room)
     times = times + offset[:, None]  # (R, L + 1): rank r holding n layers
     need = float(times[np.arange(len(ranks)), least].max())
     if not np.isfinite(need):
@@ -600,16 +597,6 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     if np.isfinite(steps).sum() < L:
         return need
     return max(need, float(np.partition(steps, L - 1)[L - 1]))
-
-
-@lru_cache(maxsize=4096)
-def _end_holdings(schedule: str, p: int, v: int, m: int) -> np.ndarray:
-    """(R, 2): the micro-batches the pipeline's first and last stage hold at their rank's peak (in_flight's moment),
-    on the rank holding each (0 elsewhere). Shared: read-only."""
-    last = p * v - 1
-    return np.array([[d.get(0, 0) if 0 in rank_stages(schedule, r, p, v) else 0,
-                      d.get(last, 0) if last in rank_stages(schedule, r, p, v) else 0]
-                     for r, d in enumerate(in_flight(schedule, p, v, m))], dtype=float)
 
 
 @lru_cache(maxsize=4096)

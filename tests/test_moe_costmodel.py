@@ -401,7 +401,7 @@ def test_fp8_reaches_the_experts_only_where_the_stack_converts_them():
     assert len(routed) == 3  # one expert per rank (8 / ep 8), its three SwiGLU GEMMs
     fp8 = compute.estimate_pass_times(view, 1, 1, False, gpu, "fp8", "flash", fp8_experts=True)
     bf16 = compute.estimate_pass_times(view, 1, 1, False, gpu, "fp8", "flash", fp8_experts=False)
-    gap = sum(compute._gemm(f, gpu, "bf16") - compute._gemm(f, gpu, "fp8") for f in routed)
+    gap = sum(compute.gemm_seconds(f, gpu, "bf16") - compute.gemm_seconds(f, gpu, "fp8") for f in routed)
     assert gap > 0
     assert bf16.fwd - fp8.fwd == pytest.approx(gap)
     assert bf16.bwd_weight - fp8.bwd_weight == pytest.approx(gap)  # one weight-gradient GEMM per forward GEMM
