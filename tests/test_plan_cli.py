@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import assert_one_line_error, run_cli
+from conftest import ROOT, assert_one_line_error, run_cli
 
 SIM_KEYS = {"num_parameters", "iteration_time_s", "tokens_per_s", "mfu", "hfu", "fits", "peak_memory_gib",
             "memory_gib", "time_s", "plan"}
@@ -135,3 +135,22 @@ def test_plan_file_that_is_a_folder_is_a_one_line_error(tmp_path):
     p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "local", "--global-batch", "8", "--dp", "1",
                 "--tp", "1", "--pp", "1", "--micro-batch", "1", "--write-plan", str(tmp_path))
     assert_one_line_error(p, "--write-plan", "is a folder")
+
+
+def test_first_plan_in_a_fresh_folder_makes_its_default_report_folder(tmp_path):
+    """A user's first `paraplan plan` in a folder without reports/ writes its report there (the default folder is
+    the tool's to make); a mistyped --out is still an error, no folders made for it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = ["--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "64", "--no-charts"]
+    p = subprocess.run([sys.executable, "-m", "paraplan", "plan", *args], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "reports" / "gpt3-1.3b-dgx-a100-80gb-8gpus" / "report.md").is_file()
+    p = subprocess.run([sys.executable, "-m", "paraplan", "plan", *args, "--out", "typo/report"], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=600)
+    assert_one_line_error(p, "--out typo/report", "does not exist")
+    assert not (tmp_path / "typo").exists()

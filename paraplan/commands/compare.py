@@ -11,7 +11,7 @@ from paraplan.planner.errors import PlanError
 from paraplan.planner.framework import describe as describe_framework
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
-from .output import output_path_problem, print_json, stderr, stdout, table
+from .output import print_json, report_folder, stderr, stdout, table
 
 
 def _row_json(row) -> dict:
@@ -126,9 +126,7 @@ def run(args) -> int:
     gpus = args.gpus or work.cluster.num_gpus
     if gpus > work.cluster.num_gpus:
         raise PlanError(f"--gpus {gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus} GPUs; use --nodes")
-    out = args.out or os.path.join("reports", f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
-    if problem := output_path_problem(out, "--out", folder=True):
-        raise PlanError(problem)
+    out = report_folder(args.out, f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     work = ensure_calibrated(args, work)
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
     workers, series = ps_vs_ring(work, dtype, max(gpus, 2))

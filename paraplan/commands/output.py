@@ -29,6 +29,24 @@ def output_path_problem(path: str, flag: str, folder: bool) -> str | None:
     return None
 
 
+def report_folder(given: str | None, name: str) -> str:
+    """The report folder a command writes: ``given`` (its --out, whose parent must exist: a mistyped path is an
+    error, not a new tree), else ``reports/<name>`` under the working directory, ``reports/`` made when missing (a
+    user's first command in a fresh folder must not fail for want of it). Raises PlanError with the user's line."""
+    from paraplan.planner.errors import PlanError
+
+    if given is None:
+        try:
+            os.makedirs("reports", exist_ok=True)
+        except OSError as e:
+            raise PlanError(f"--out: cannot make the default report folder {os.path.abspath('reports')} "
+                             f"({e.strerror}); give --out") from None
+    out = given or os.path.join("reports", name)
+    if problem := output_path_problem(out, "--out", folder=True):
+        raise PlanError(problem)
+    return out
+
+
 def _clean(value: Any) -> Any:
     """JSON has no NaN/inf: map them to null; tuples to lists; numpy scalars to Python."""
     if isinstance(value, dict):

@@ -16,7 +16,7 @@ from paraplan.planner.search import SearchResult, search
 from paraplan.planner.workload import Workload
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
-from .output import output_path_problem, print_json, stderr, stdout, table
+from .output import print_json, report_folder, stderr, stdout, table
 
 DEFAULT = {"model": "llama2-70b", "cluster": "dgx-h100", "global_batch": 512}
 SCALING_WAIT_S = 3.0  # the scaling re-plans' least time: as long as the main search, at least this
@@ -69,9 +69,7 @@ def run(args) -> int:
     gpus = args.gpus or work.cluster.num_gpus
     if args.train_tokens is not None and args.train_tokens <= 0:
         raise PlanError(f"--train-tokens must be positive, got {args.train_tokens:g}")
-    out = args.out or os.path.join("reports", f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
-    if problem := output_path_problem(out, "--out", folder=True):
-        raise PlanError(problem)
+    out = report_folder(args.out, f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     work = ensure_calibrated(args, work)
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing

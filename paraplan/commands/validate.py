@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 from paraplan.executor.validate import summary, to_json, update_spec, validate, write_outputs
@@ -11,16 +10,14 @@ from paraplan.planner.errors import PlanError
 from paraplan.planner.framework import other_stack_note
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
-from .output import output_path_problem, print_json, stderr, stdout, table
+from .output import print_json, report_folder, stderr, stdout, table
 
 
 def run(args) -> int:
     work = workload_from_args(args)
     if args.gpus > work.cluster.num_gpus:
         raise PlanError(f"--gpus {args.gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus}")
-    out = args.out or os.path.join("reports", f"validate-{work.spec.name}-{work.cluster.name}-{args.gpus}gpus")
-    if problem := output_path_problem(out, "--out", folder=True):
-        raise PlanError(problem)
+    out = report_folder(args.out, f"validate-{work.spec.name}-{work.cluster.name}-{args.gpus}gpus")
     work = ensure_calibrated(args, work, validating=True)
     show = not args.json and sys.stderr.isatty()
     progress = (lambda i, n, name: stderr.print(f"[{i + 1}/{n}] {name}") if i < n else None) if show else None
