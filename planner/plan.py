@@ -68,6 +68,17 @@ class Plan:
             out["prediction"] = self.prediction
         return out
 
+    def memory_warning(self) -> str | None:
+        """Why this plan will run out of GPU memory, by its own prediction (``simulate --write-plan`` writes plans
+        that do not fit, on request), as one line for the commands that launch or export it; None when it fits
+        or says nothing."""
+        pred = self.prediction or {}
+        peak, capacity = pred.get("peak_memory_gib"), pred.get("memory_capacity_gib")
+        if pred.get("fits") is not False or not isinstance(peak, int | float) or not isinstance(capacity, int | float):
+            return None
+        return (f"the plan does not fit: its prediction needs {peak:.1f} GiB per GPU of {capacity:.0f} on "
+                f"{self.cluster}; expect the run to fail out of memory (paraplan plan finds a layout that fits)")
+
     def write(self, path: str) -> None:
         try:
             with open(path, "w") as f:

@@ -1112,3 +1112,21 @@ def test_every_target_refuses_a_plan_of_a_python_callable_model(piped, target):
         p = cli("export", "--plan", str(bad), "--to", target)
         assert_one_line_error(p, str(bad), "python callable")
         assert p.returncode == 2 and not p.stdout
+
+
+def test_a_plan_that_does_not_fit_is_exported_with_a_warning(tmp_path, plans):
+    """simulate --write-plan writes a layout that does not fit when asked; exporting it still works (the user may
+    know better) but says, on stderr, that its own prediction runs out of memory — and a plan that fits says
+    nothing of the kind."""
+    path = tmp_path / "big.json"
+    # llama3-8b without ZeRO, recomputation or tensor parallelism at micro-batch 8: far over 80 GiB
+    plan = _simulate(path, "--dp", "16", "--tp", "1", "--pp", "1", "--micro-batch", "4", "--zero", "0")
+    pred = plan.prediction
+    assert pred["fits"] is False and pred["peak_memory_gib"] > pred["memory_capacity_gib"] == 80
+    p = cli("export", "--plan", str(path), "--to", "megatron", "--out", str(tmp_path / "args.sh"))
+    assert p.returncode == 0 and (tmp_path / "args.sh").exists()
+    warning = [line for line in p.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "does not fit" in warning[0] and f"{pred['peak_memory_gib']:.1f} GiB" in warning[0]
+    _, fitting = plans["3d"]
+    p = cli("export", "--plan", str(fitting), "--to", "megatron", "--out", str(tmp_path / "ok.sh"))
+    assert p.returncode == 0 and "does not fit" not in p.stderr

@@ -42,6 +42,8 @@ def run(args) -> int:
     if args.to.startswith("torchtitan") and args.out:
         options["filename"] = args.out  # names the flavor module written beside it
     result = export_plan(plan, args.to, args.plan, **options)
+    if warning := plan.memory_warning():
+        sys.stderr.write(f"paraplan export: warning: {warning}\n")
     for note in result.notes:
         sys.stderr.write(f"paraplan export: note: {note}\n")
     # files the main one needs go beside it (torchtitan's flavor module); without --out they are not written
