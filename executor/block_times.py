@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from paraplan.hardware_specs.identity import threads_per_rank
 from paraplan.models import ModelSpec
 
 ROUNDS = 3
@@ -26,7 +27,7 @@ REPEATS = 5  # timed runs per block and round (after warm-up)
 
 
 def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype: str, gpu_name: str, threads: int,
-                    device: str, directory: str | None, out: str) -> None:
+                    device: str, directory: str | None, out: str, procs: int) -> None:
     import torch
 
     from paraplan.models import spec_from_mapping
@@ -49,7 +50,8 @@ def _profile_worker(rank: int, spec_dict: dict, micro_batches: list[int], dtype:
         if rank == 0:
             from pathlib import Path
 
-            paths.append(str(save_measurements(prof, gpu=gpu_name, directory=Path(directory) if directory else None)))
+            paths.append(str(save_measurements(prof, gpu=gpu_name, directory=Path(directory) if directory else None,
+                                               ranks=procs)))
     if rank == 0:
         with open(out, "w") as f:
             f.write("\n".join(paths))
@@ -63,10 +65,10 @@ def measure_block_times(spec: ModelSpec, micro_batches: set[int], dtype: str, gp
     from paraplan.hardware_specs import measurements_dir
 
     procs = max(1, ranks) if device == "cpu" else 1
-    threads = max(1, (os.cpu_count() or 1) // procs)
+    threads = threads_per_rank(procs)
     out = tempfile.mktemp(prefix="paraplan-blocks-")
     mp.start_processes(_profile_worker, args=(spec.to_dict(), sorted(micro_batches), dtype, gpu_name, threads, device,
-                                              str(measurements_dir()), out), nprocs=procs, start_method="spawn")
+                                              str(measurements_dir()), out, procs), nprocs=procs, start_method="spawn")
     with open(out) as f:
         paths = f.read().split("\n")
     os.unlink(out)

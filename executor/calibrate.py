@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from paraplan.hardware_specs import SPEC_DIR, ClusterSpec, load_cluster, measurements_dir
-from paraplan.hardware_specs.identity import describe, machine_identity
+from paraplan.hardware_specs.identity import describe, machine_identity, threads_per_rank
 from paraplan.hardware_specs.loader import cluster_from_mapping
 
 from .errors import ExecutionError
@@ -278,7 +278,7 @@ def calibrate(ranks: int = 2, quick: bool = False, device_type: str | None = Non
         raise ExecutionError("--ranks must be at least 1")
     cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
-    threads = max(1, (os.cpu_count() or 1) // ranks) if not cuda else torch.get_num_threads()
+    threads = threads_per_rank(ranks) if not cuda else torch.get_num_threads()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     repeats = 3 if quick else 5
@@ -329,7 +329,9 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
     inter = dataclasses.asdict(base.inter_node)
     out = {"name": base.name, "gpu": gpu_map, "nodes": base.nodes, "gpus_per_node": base.gpus_per_node,
            "intra_node": intra, "inter_node": inter, "nics_per_node": base.nics_per_node,
-           "machine": dict(cal.machine or machine_identity(cal.device))}
+           "machine": {**(cal.machine or machine_identity(cal.device)),
+                       # the GEMMs, bandwidth and kernel overhead were timed in one process alone (cpu_share.py)
+                       **({"threads": cal.threads, "ranks": 1} if cal.device == "cpu" else {})}}
     if base.cost_per_gpu_hour_usd is not None:
         out["cost_per_gpu_hour_usd"] = base.cost_per_gpu_hour_usd
     cluster_from_mapping(out, "calibrated spec")  # it must load back

@@ -19,7 +19,6 @@ typical one (Huber weights), so one run disturbed by another process does not mo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
+from paraplan.hardware_specs.identity import threads_per_rank
 from paraplan.models import load_model_spec
 from paraplan.planner.api import plan_for
 from paraplan.planner.costmodel import CostModel
@@ -135,7 +135,7 @@ def _fit_in(tmp: Path, mapping: dict, ranks: int, steps: int, passes: int,
         plans.append(plan_path)
         priced.append((text, t0, counts))
     outs = [str(tmp / f"run-{k}-{i}") for k in range(passes) for i in range(len(plans))]
-    threads = max(1, (os.cpu_count() or 1) // ranks)
+    threads = threads_per_rank(ranks)
     clock = time.perf_counter()
     try:  # every layout, every pass, in one launch: torchrun and torch start once
         launch(plans * passes, outs, LaunchOptions(nproc_per_node=ranks, master_port=free_port("127.0.0.1"),

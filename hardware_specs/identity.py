@@ -24,7 +24,9 @@ import sys
 from typing import Any
 
 KEYS = {"cpu": ("cpu", "cores", "torch"), "cuda": ("gpu", "gpus", "torch")}
-FIELDS = ("device", "cpu", "cores", "gpu", "gpus", "torch")
+# threads, ranks: how a CPU measured (each process's threads, processes sharing the cores): not compared, but a
+# rank's speed depends on them (cores_per_rank)
+FIELDS = ("device", "cpu", "cores", "gpu", "gpus", "torch", "threads", "ranks")
 
 
 @functools.cache
@@ -81,6 +83,29 @@ def machine_identity(device: str = "cpu") -> dict[str, Any]:
         names = gpus()
         out.update(gpu=names[0] if names else None, gpus=len(names))
     return out
+
+
+def threads_per_rank(ranks: int, cores: int | None = None) -> int:
+    """The CPU threads paraplan gives each of ``ranks`` processes sharing this machine (execute, calibrate, block
+    timing): the cores dealt out, at least one each."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, ranks))
+
+
+def cores_per_rank(ranks: int, threads: int | None = None, cores: int | None = None) -> float:
+    """The cores one of ``ranks`` processes running ``threads`` threads each (default: threads_per_rank) keeps
+    busy on a machine of ``cores`` cores: its threads, or its time slice where the processes' threads outnumber
+    the cores (four one-thread ranks on two cores: half a core each)."""
+    cores = cores or os.cpu_count() or 1
+    threads = threads if threads is not None else threads_per_rank(ranks, cores)
+    return min(float(threads), cores / max(1, ranks))
+
+
+def recorded_cores_per_rank(identity: dict[str, Any], default_ranks: int) -> float:
+    """The cores per process a CPU's recorded timings had (:func:`cores_per_rank` of the identity's threads and
+    ranks); files written before those were recorded: ``default_ranks`` processes with threads_per_rank each."""
+    cores = identity.get("cores") or os.cpu_count() or 1
+    ranks = identity.get("ranks") or default_ranks
+    return cores_per_rank(ranks, identity.get("threads") or threads_per_rank(default_ranks, cores), cores)
 
 
 def describe(identity: dict[str, Any]) -> str:

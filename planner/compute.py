@@ -20,6 +20,7 @@ the cast back, each a pass over the score matrix of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paraplan.hardware_specs import GPUSpec
@@ -80,6 +81,12 @@ class PassTimes:
     @property
     def bwd(self) -> float:
         return self.bwd_input + self.bwd_weight
+
+    def scaled(self, factor: float) -> PassTimes:
+        """Every time ``factor`` times as long (a CPU rank with a smaller or larger share of the cores)."""
+        if factor == 1.0:
+            return self
+        return PassTimes(**{f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)})
 
 
 def gemm_seconds(flops: float, gpu: GPUSpec, dtype: str) -> float:

@@ -33,6 +33,7 @@ from paraplan.profiler.tp_view import region_collectives
 from . import comm, context_parallel, fp8, moe
 from .compute import estimate_pass_times, measured_pass_times, softmax_falls_back
 from .concerns import RankLoad, exposed_seconds, traffic
+from .cpu_share import CpuShare
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .fused_activations import fused_layer_bytes
@@ -379,6 +380,7 @@ class CostModel:
         self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
+        self.cpu_share = CpuShare(work.cluster)  # a CPU cluster's ranks share this machine's cores (cpu_share.py)
 
     # ---- per block ----
     def block_cost(self, i: int, lay: Layout, place: Placement, recompute: str) -> BlockCost:
@@ -466,6 +468,7 @@ class CostModel:
             host += work.tp_module_calls(i, sp) * host_costs["tp_module"] * (1 + rerun)
         if self._fsdp_units(lay) and layer.kind == "transformer_layer":
             host += host_costs["fsdp_unit"]
+        host *= self.cpu_share.host(busy)
         tp_fwd += host / 2
         tp_bwd += host / 2
         tp_traffic = tuple(sum(c.bytes * b for c in colls + again if c.op == kind)
@@ -537,6 +540,9 @@ class CostModel:
             base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
                                        causal, fw.fp8_experts, falls_back(1))
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
+        if self.cpu_share.cpu:  # the cores this rank gets beside the others on the machine, against its figures'
+            ref = self.cpu_share.measured_ref(measured) if measured is not None else None
+            times = times.scaled(self.cpu_share.compute(place.gpus_per_node_busy, ref))
         tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
         moe_layer = moe.is_moe(layer)
         hbm_Bps = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
@@ -575,6 +581,8 @@ class CostModel:
         t = 2 * fw["pp_action"] if lay.pp > 1 else fw["micro_batch"]
         if lay.data_ranks > 1 and (lay.zero >= 2 or lay.pp > 1 or lay.tp > 1) and lay.head_parallel == 1:
             t += fw["fsdp_unit"]
+        if self.cpu_share.cpu and t:
+            t *= self.cpu_share.host(layout_placement(self.work.cluster, lay).gpus_per_node_busy)
         return t
 
     def _sharded_head_cost(self, layer, lay: Layout, place: Placement) -> BlockCost:

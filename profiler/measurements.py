@@ -24,23 +24,31 @@ from .records import ModelProfile
 FORMAT = "paraplan-block-times/1"
 
 
-def measurement_record(profile: ModelProfile, gpu: str) -> dict[str, Any]:
+def measurement_record(profile: ModelProfile, gpu: str, ranks: int = 1) -> dict[str, Any]:
+    """The file's contents; ``ranks``: how many processes were timing blocks at once on this machine (on a CPU,
+    with the threads each had, what a rank's share of the cores was: planner/cpu_share.py)."""
     if profile.device == "meta":
         raise ProfileError("--save-measurements needs measured times: profile with --device cpu or cuda")
+    machine = machine_identity("cuda" if profile.device == "cuda" else "cpu")
+    if profile.device != "cuda":
+        import torch  # imported already: the profile was measured with it
+
+        machine.update(threads=torch.get_num_threads(), ranks=ranks)
     return {
         "format": FORMAT, "gpu": gpu, "device_name": profile.device_name, "model": profile.model,
         "spec": profile.spec, "micro_batch": profile.micro_batch, "seq_length": profile.seq_length,
-        "dtype": profile.dtype, "machine": machine_identity("cuda" if profile.device == "cuda" else "cpu"),
+        "dtype": profile.dtype, "machine": machine,
         "layers": [{"name": x.name, "kind": x.kind, "signature": x.signature, "fwd_ms": x.fwd_ms, "bwd_ms": x.bwd_ms,
                     "fwd_flops": x.fwd_flops} for x in profile.layers],
     }
 
 
 def save_measurements(profile: ModelProfile, gpu: str, name: str | None = None,
-                      directory: Path | None = None) -> Path:
-    """Write the profile's measured times as ``<directory>/<name>.json`` (default name from the key)."""
+                      directory: Path | None = None, ranks: int = 1) -> Path:
+    """Write the profile's measured times as ``<directory>/<name>.json`` (default name from the key); ``ranks``:
+    as measurement_record's."""
     directory = directory or measurements_dir()
-    record = measurement_record(profile, gpu)
+    record = measurement_record(profile, gpu, ranks)
     name = name or f"{gpu}--{profile.model}--mb{profile.micro_batch}--s{profile.seq_length}--{profile.dtype}"
     if os.sep in name or name.startswith("."):
         raise ProfileError(f"--save-measurements: {name!r} must be a plain file name")

@@ -101,7 +101,8 @@ def test_calibrate_records_the_machine_and_the_spec_loads_back_calibrated():
     cal = Calibration(device="cpu", threads=1, ranks=2, gemm={"fp32": [(1e6, 2e10), (1e9, 6e10)]},
                       bandwidth_GBps=15.0, op_overhead_us=7.5, machine=machine_identity("cpu"))
     mapping = calibrated_spec(load_cluster("local"), cal)
-    assert mapping["machine"] == machine_identity("cpu")
+    # the machine, and the share of its cores the figures were timed with: one process alone, 1 thread
+    assert mapping["machine"] == {**machine_identity("cpu"), "threads": 1, "ranks": 1}
     from paraplan.hardware_specs.loader import cluster_from_mapping
 
     assert cluster_from_mapping(mapping, "x").calibrated

@@ -18,6 +18,7 @@ from paraplan.executor.errors import ExecutionError, JobFailed
 from paraplan.executor.job import Job
 from paraplan.executor.launch import LaunchOptions, TrainingOptions, launch, quote
 from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_device_type
+from paraplan.hardware_specs.identity import threads_per_rank
 
 from .output import print_json
 
@@ -143,7 +144,7 @@ def run(args) -> int:
     if out and args.node_rank == 0:
         _check_out(out)
     port = _rendezvous_port(args)
-    threads = max(1, (os.cpu_count() or 1) // nproc) if plan_device_type(job.plan) == "cpu" else None
+    threads = threads_per_rank(nproc) if plan_device_type(job.plan) == "cpu" else None
     with open(args.plan, "rb") as f:
         run_id = f"paraplan-{zlib.crc32(f.read()):08x}"
     opts = LaunchOptions(nproc_per_node=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
