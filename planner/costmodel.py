@@ -535,13 +535,14 @@ class CostModel:
         times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
                                     fw.fp8_experts, softmax_fallback)
         measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
+        ref = None  # the share of a CPU's cores the times below were taken with (None: the cluster's figures')
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
             m = measured["layers"][i]
             base = estimate_pass_times(layer, b, 1, False, gpu, lay.dtype, work.attention, fw.elementwise_traffic,
                                        causal, fw.fp8_experts, falls_back(1))
             times = measured_pass_times(m["fwd_ms"], m["bwd_ms"], base, times)
+            ref = self.cpu_share.measured_ref(measured)
         if self.cpu_share.cpu:  # the cores this rank gets beside the others on the machine, against its figures'
-            ref = self.cpu_share.measured_ref(measured) if measured is not None else None
             times = times.scaled(self.cpu_share.compute(place.gpus_per_node_busy, ref))
         tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
         moe_layer = moe.is_moe(layer)
@@ -598,6 +599,7 @@ class CostModel:
         work, k, b = self.work, lay.head_parallel, lay.micro_batch
         gpu, cluster = work.cluster.gpu, work.cluster
         times = estimate_pass_times(layer, b * k, k, False, gpu, lay.dtype, work.attention)
+        times = times.scaled(self.cpu_share.compute(place.gpus_per_node_busy))  # 1 but on a CPU (cpu_share.py)
         group = consecutive_group(cluster, k)
         busy = place.gpus_per_node_busy
         feats = sum(ib for style, ib, _, _ in layer.region_io if style == "class_sharded") * b * k

@@ -30,7 +30,7 @@ from __future__ import annotations
 from . import comm
 from .concerns import Affine, Exposure, Sync
 from .layout import Layout
-from .placement import Placement, consecutive_group
+from .placement import Placement, consecutive_group, layout_placement
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -207,7 +207,11 @@ def optimizer_step(model, lay: Layout) -> Affine:
     else:
         share = 1.0 / lay.data_ranks if lay.zero >= 1 else 1.0
     per_param = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
-    return Affine(const=gpu.efficiency.framework("step"), params=per_param)
+    const = gpu.efficiency.framework("step")
+    if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
+        busy = layout_placement(work.cluster, lay).gpus_per_node_busy
+        per_param, const = per_param * model.cpu_share.compute(busy), const * model.cpu_share.host(busy)
+    return Affine(const=const, params=per_param)
 
 
 def sequence_parallel_weight_sync(model, lay: Layout, place: Placement) -> Exposure:

@@ -59,7 +59,7 @@ from . import comm, compute, fused_moe
 from .concerns import Affine, Exposure, Sync
 from .layout import Layout, recomputes_mlp
 from .memory import StateBytes, state_bytes
-from .placement import Placement, consecutive_group
+from .placement import Placement, consecutive_group, layout_placement
 
 COUNT_BYTES = 8  # one int64 token count per expert in the executor's split-size exchange
 AUX_BYTES = 4  # the auxiliary loss's tokens per expert, fp32 (models/moe.py sequence_aux_loss)
@@ -551,5 +551,7 @@ def expert_optimizer_step(model, lay: Layout) -> Affine:
     if lay.dp_mode == "ps" or not getattr(work.spec, "is_moe", False):
         return Affine()
     share = 1.0 / edp(lay) if lay.zero >= 1 else 1.0
-    return Affine(experts=share * adam_bytes_per_param(work.framework)
-                  / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound))
+    per_expert = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+    if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
+        per_expert *= model.cpu_share.compute(layout_placement(work.cluster, lay).gpus_per_node_busy)
+    return Affine(experts=per_expert)

@@ -10,6 +10,7 @@ import pytest
 from paraplan.hardware_specs import load_cluster
 from paraplan.hardware_specs.identity import cores_per_rank, recorded_cores_per_rank, threads_per_rank
 from paraplan.planner.costmodel import CostModel
+from paraplan.planner.dp_sync import optimizer_step
 from paraplan.planner.layout import Layout
 from paraplan.planner.placement import layout_placement
 from paraplan.planner.workload import Workload
@@ -38,8 +39,9 @@ def test_older_records_are_read_as_two_processes_sharing_the_machine():
 
 def _model(machine: dict) -> tuple[CostModel, Workload]:
     cluster = load_cluster("local")
-    # host costs as calibrate fits them: a micro-batch's handling and an FSDP unit, 100 and 1000 us
-    eff = dataclasses.replace(cluster.gpu.efficiency, framework_us={"micro_batch": 100.0, "fsdp_unit": 1000.0})
+    # host costs as calibrate fits them: a micro-batch's handling, an FSDP unit and a step, 100, 1000 and 500 us
+    eff = dataclasses.replace(cluster.gpu.efficiency, framework_us={"micro_batch": 100.0, "fsdp_unit": 1000.0,
+                                                                              "step": 500.0})
     cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, efficiency=eff), machine=machine)
     work = Workload.create("gpt-tiny", cluster, global_batch=16)
     return CostModel(work), work
@@ -65,6 +67,17 @@ def test_kernels_follow_the_cores_and_host_work_only_the_time_slices():
     # figures timed with both cores' threads (threads 2): a one-core rank takes twice their seconds
     faster, _ = _model({**TWO_CORES, "threads": 2})
     assert _block(faster, 2)[0] == pytest.approx(2 * fwd2)
+
+
+def test_the_optimizer_step_runs_at_the_rank_s_share_too():
+    model, _ = _model(TWO_CORES)
+
+    def step(dp: int):
+        return optimizer_step(model, Layout(dp=dp, tp=1, pp=1, micro_batch=1, global_batch=16, dtype="fp32"))
+
+    two, four = step(2), step(4)  # without ZeRO every rank updates all its parameters: the same traffic
+    assert two.const == pytest.approx(500e-6) and four.const == pytest.approx(2 * two.const)
+    assert four.params == pytest.approx(2 * two.params)
 
 
 def test_gpus_are_not_cpu_shares():
