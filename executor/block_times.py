@@ -4,8 +4,11 @@ The cost model prices a block from its FLOPs and bytes unless a measurement of e
 (GPU spec, model, micro-batch, sequence length, dtype) exists (profiler/measurements.py); then it uses
 the measured forward and backward times. `validate` and `calibrate` measure the micro-batch sizes their
 layouts use the way `paraplan execute` will run them: on a CPU, ``ranks`` processes profile at once,
-each with one rank's share of the cores, so the times include what the ranks cost each other (shared
-caches and memory bandwidth); the first process's times are saved.
+each with one rank's threads, so the times include what the ranks cost each other (shared caches and
+memory bandwidth); the first process's times are saved, with the threads and processes they were taken
+with. Never more processes than cores: time-sliced processes would each record whatever slice its fastest
+round happened to get (4 ranks on 2 cores timed at about one core each, not half); the cost model
+stretches the times to the run's share of the cores instead (planner/cpu_share.py).
 
 Every size is timed in ``ROUNDS`` rounds that go over all the sizes in turn (each round a median of
 ``REPEATS`` runs), and a block's time is its fastest round: on a shared machine a burst of other work
@@ -64,7 +67,7 @@ def measure_block_times(spec: ModelSpec, micro_batches: set[int], dtype: str, gp
 
     from paraplan.hardware_specs import measurements_dir
 
-    procs = max(1, ranks) if device == "cpu" else 1
+    procs = min(max(1, ranks), os.cpu_count() or 1) if device == "cpu" else 1
     threads = threads_per_rank(procs)
     out = tempfile.mktemp(prefix="paraplan-blocks-")
     mp.start_processes(_profile_worker, args=(spec.to_dict(), sorted(micro_batches), dtype, gpu_name, threads, device,
