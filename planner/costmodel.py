@@ -945,7 +945,8 @@ class CostModel:
         recompute_flops = sum(c.recompute_flops for c in costs) * lay.cp / lay.micro_batch  # per sample
         hw_flops = model_flops + recompute_flops * lay.global_batch
         n_gpus = lay.num_gpus
-        peak_flops = gpu.peak_flops(lay.dtype)
+        # a CPU rank's peak is its share of the machine's cores (one rank alone runs every core: cpu_share.py)
+        peak_flops = gpu.peak_flops(lay.dtype) / self.cpu_share.compute(place.gpus_per_node_busy)
         model_tflops = model_flops / iteration / n_gpus / 1e12
         hw_tflops = hw_flops / iteration / n_gpus / 1e12
         tokens = lay.global_batch * work.tokens_per_sample

@@ -9,7 +9,7 @@ import pytest
 
 from paraplan.hardware_specs import load_cluster
 from paraplan.hardware_specs.identity import cores_per_rank, recorded_cores_per_rank, threads_per_rank
-from paraplan.planner.costmodel import CostModel
+from paraplan.planner.costmodel import CostModel, default_stages
 from paraplan.planner.dp_sync import optimizer_step
 from paraplan.planner.layout import Layout
 from paraplan.planner.placement import layout_placement
@@ -78,6 +78,17 @@ def test_the_optimizer_step_runs_at_the_rank_s_share_too():
     two, four = step(2), step(4)  # without ZeRO every rank updates all its parameters: the same traffic
     assert two.const == pytest.approx(500e-6) and four.const == pytest.approx(2 * two.const)
     assert four.params == pytest.approx(2 * two.params)
+
+
+def test_utilisation_is_against_the_cores_a_rank_has():
+    """One rank alone runs both cores' threads: its MFU is against both cores' peak, never above 100% for running
+    twice as fast as the one-core figures."""
+    model, _ = _model(TWO_CORES)
+    lays = [Layout(dp=dp, tp=1, pp=1, micro_batch=2, global_batch=16, dtype="fp32") for dp in (1, 2, 4)]
+    preds = [model.evaluate(lay, default_stages(model, lay)) for lay in lays]
+    peak = model.work.cluster.gpu.peak_flops("fp32")
+    for pred, cores in zip(preds, (2.0, 1.0, 0.5), strict=True):
+        assert pred.mfu == pytest.approx(pred.model_tflops_per_gpu * 1e12 / (peak * cores))
 
 
 def test_gpus_are_not_cpu_shares():
