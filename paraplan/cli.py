@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
     p.add_argument("--out", help="folder for the table and charts")
     p.add_argument("--no-optimum", action="store_true", help="skip the search for the optimum")
+    p.add_argument("--no-charts", action="store_true", help="skip the charts (faster; the table is still written)")
     _add_common(p)
 
     p = sub.add_parser("execute", help="train a plan with torch.distributed")

@@ -67,6 +67,14 @@ def test_compare_strategies_and_classic_comparisons(tmp_path):
     assert ps1[-1] / ps1[0] > 4 > ring[-1] / ring[0]  # PS grows with the workers, ring stays nearly flat
     for name in ("time_breakdown.png", "memory.png", "ps_vs_ring.png"):
         assert (out / name).exists()
+    # --no-charts (as plan's): the same table, no charts drawn
+    quick = tmp_path / "quick"
+    p = run_cli("compare", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",
+                "256", "--strategy", "dp=16", "--no-optimum", "--no-charts", "--out", str(quick), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["charts"] == {"table": str(quick / "comparison.md")} and not list(quick.glob("*.png"))
+    assert (quick / "comparison.md").is_file()
 
 
 @pytest.mark.parametrize("strategy,fragment", [

@@ -141,7 +141,8 @@ def run(args) -> int:
     dp_rows = dp_optimisations(work, synced[0]) if synced else []
     os.makedirs(out, exist_ok=True)
     calibrated, notes, suffix = calibration_labels(work)
-    files = _draw_charts(work, gpus, rows, workers, series, out, notes)  # a chart that fails leaves a note
+    # a chart that fails leaves a note
+    files = {} if args.no_charts else _draw_charts(work, gpus, rows, workers, series, out, notes)
     files["table"] = os.path.join(out, "comparison.md")
     _write_markdown(files["table"], work, gpus, rows, workers, series, dp_layouts, dp_rows, dp_base, notes)
     if args.json:
@@ -185,5 +186,5 @@ def run(args) -> int:
                            [dp_opt_cells(d) for d in dp_rows]))
     for note in notes:
         stdout.print(f"note: {note}", markup=False)
-    stderr.print(f"charts in {out}/")
+    stderr.print(f"table in {files['table']}" if args.no_charts else f"charts in {out}/")
     return 0
