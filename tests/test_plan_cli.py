@@ -74,7 +74,8 @@ def test_compare_strategies_and_classic_comparisons(tmp_path):
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["charts"] == {"table": str(quick / "comparison.md")} and not list(quick.glob("*.png"))
-    assert (quick / "comparison.md").is_file()
+    assert "](" not in (quick / "comparison.md").read_text()  # no links to charts not drawn
+    assert "![time breakdown](time_breakdown.png)" in (out / "comparison.md").read_text()
 
 
 @pytest.mark.parametrize("strategy,fragment", [

@@ -59,7 +59,8 @@ def _all_to_all(time_s: dict) -> str:
 
 
 def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layouts, dp_rows, dp_base,
-                    notes: list[str]) -> None:
+                    notes: list[str], charts: dict[str, str]) -> None:
+    """comparison.md: the tables, and the ``charts`` drawn ({key: path}; none with --no-charts or where one failed)."""
     lines = [f"# {work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
              f"{work.global_batch}", "",
              f"Priced for framework {describe_framework(work.framework)}.", "",
@@ -90,8 +91,11 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
         lines += ["", f"Gradient accumulation (more samples per sync) and 16-bit gradients (half the bytes) on "
                   f"{dp_base}:", ""]
         lines += _md_table(DP_OPT_COLUMNS, [dp_opt_cells(d) for d in dp_rows])
-    lines += ["", "![time breakdown](time_breakdown.png)", "", "![memory](memory.png)", "",
-              "![parameter server vs ring](ps_vs_ring.png)", ""]
+    for key, what in (("breakdown", "time breakdown"), ("memory", "memory"),
+                      ("ps_vs_ring", "parameter server vs ring")):
+        if key in charts:
+            lines += ["", f"![{what}]({os.path.basename(charts[key])})"]
+    lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -144,7 +148,7 @@ def run(args) -> int:
     # a chart that fails leaves a note
     files = {} if args.no_charts else _draw_charts(work, gpus, rows, workers, series, out, notes)
     files["table"] = os.path.join(out, "comparison.md")
-    _write_markdown(files["table"], work, gpus, rows, workers, series, dp_layouts, dp_rows, dp_base, notes)
+    _write_markdown(files["table"], work, gpus, rows, workers, series, dp_layouts, dp_rows, dp_base, notes, files)
     if args.json:
         print_json({"calibrated": calibrated, "notes": notes, "strategies": [_row_json(r) for r in rows],
                     "ps_vs_ring": {"workers": workers, "sync_time_s": series},
