@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -42,6 +43,8 @@ def names(kind: str) -> list[str]:
 def _number(where: str, key: str, value: Any, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise HardwareSpecError(f"{where}: '{key}' must be a number, got {value!r}")
+    if not math.isfinite(value):  # YAML's .nan and .inf
+        raise HardwareSpecError(f"{where}: '{key}' must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise HardwareSpecError(f"{where}: '{key}' must be positive, got {value}")
     return float(value)

@@ -74,6 +74,8 @@ def test_inline_cluster(write):
     (("gpus_per_node: 4", "gpus_per_node: 0"), "gpus_per_node"),
     (("gpu: {", "gpu: no-such-gpu\nx: {"), "unknown"),
     (("hbm_GBps: 900", "hbm_GBps: 900, sm_count: 1.5"), "'sm_count' must be a whole number"),
+    (("bf16: 100", "bf16: .nan"), "'peak_tflops.bf16' must be a finite number"),  # was an AssertionError
+    (("memory_GiB: 16", "memory_GiB: .inf"), "'memory_GiB' must be a finite number"),  # every layout "fit"
 ])
 def test_loader_refuses_bad_specs(write, edit, fragment):
     path = _cluster_yaml(write, GOOD.replace(*edit))

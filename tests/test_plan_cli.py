@@ -40,6 +40,13 @@ def test_plan_json_and_report_folder(tmp_path):
     assert "## The chosen layout" in report and "time to train" in report and "$" in report
 
 
+@pytest.mark.parametrize("tokens", ["nan", "inf", "0"])
+def test_train_tokens_must_be_a_positive_number(tokens):
+    p = run_cli("plan", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--global-batch", "64",
+                "--train-tokens", tokens, "--no-charts")
+    assert_one_line_error(p, "--train-tokens must be a positive number")
+
+
 def test_nothing_fits_is_one_line_with_advice():
     p = run_cli("plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "16",
                 "--no-charts")

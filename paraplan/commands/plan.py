@@ -67,8 +67,8 @@ def run(args) -> int:
         ilp.SOLVER_ORDER = ilp.BLOCK_SOLVER_ORDER = (args.solver, *(x for x in ilp.SOLVER_ORDER if x != args.solver))
     work = workload_from_args(args)
     gpus = args.gpus or work.cluster.num_gpus
-    if args.train_tokens is not None and args.train_tokens <= 0:
-        raise PlanError(f"--train-tokens must be positive, got {args.train_tokens:g}")
+    if args.train_tokens is not None and not 0 < args.train_tokens < float("inf"):  # nan and inf too
+        raise PlanError(f"--train-tokens must be a positive number, got {args.train_tokens:g}")
     out = report_folder(args.out, f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     work = ensure_calibrated(args, work)
     model = CostModel(work)
