@@ -668,3 +668,22 @@ def test_breakdown_has_no_negative_float_residue_where_only_experts_communicate(
                        "--micro-batch", "1", "--zero", "3")
     assert out["time_s"]["ep_comm"] > 0 and all(v >= 0 for v in out["time_s"].values()), out["time_s"]
     assert out["time_s"]["tp_comm"] == 0.0
+
+
+def test_dropped_tokens_do_no_model_work():
+    """With a capacity factor c < 1 the routed experts compute at most c of their tokens: the model FLOPs (and the
+    MFU) count that share of their work, 2·s·k·(3·h·f) per MoE layer per sample for Mixtral's SwiGLU experts
+    (before, c = 0.1 showed an MFU of 128%)."""
+    spec = load_model_spec("mixtral-8x7b")
+    lay = Layout(dp=16, tp=1, pp=1, micro_batch=1, global_batch=64, zero=3, ep=8)
+
+    def model_flops(**switches) -> float:
+        work = Workload.create("mixtral-8x7b", "dgx-h100", 64, nodes=2, framework="megatron-core", **switches)
+        model = CostModel(work)
+        pred = model.evaluate(lay, default_stages(model, lay))
+        assert pred.mfu < 1
+        return pred.model_tflops_per_gpu * 1e12 * pred.iteration_time_s * lay.num_gpus
+
+    routed = 2 * spec.seq_length * spec.top_k * 3 * spec.hidden_size * spec.ffn_hidden_size * spec.num_layers
+    dropless, dropping = model_flops(), model_flops(moe_capacity_factor=0.1)
+    assert dropless - dropping == pytest.approx(3 * 64 * routed * 0.9, rel=1e-6)
