@@ -688,8 +688,12 @@ def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
     plan, _ = plans["z3"]
     bert_spec = load_model_spec("bert-large")
     bert = plan.replace(model="bert-large", model_spec=bert_spec.to_dict(), stages=even_stages(bert_spec, 1))
-    with pytest.raises(ExportRefused, match="bert model .* causal decoders only"):
+    with pytest.raises(ExportRefused, match="bert model .* causal decoders only; export --to deepspeed ") as e:
         export_plan(bert, "torchtitan")
+    assert "--to megatron" not in str(e.value)  # which refuses a bert model too
+    with pytest.raises(ExportRefused, match="bert model"):
+        export_plan(bert, "megatron")
+    assert export_plan(bert, "deepspeed").text  # the target it advises takes it
     dense_first = {"name": "dense-first", **{k: v for k, v in load_model_spec("mixtral-tiny").to_dict().items()
                                              if k != "name"}, "dense_layers": 1}
     with pytest.raises(ExportRefused, match=r"dense first layers .* without latent attention"):

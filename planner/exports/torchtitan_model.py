@@ -111,8 +111,8 @@ def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
                             "export --to megatron or deepspeed, or plan a llama-family model")
     if spec.family != "llama":
         raise ExportRefused(TARGET, f"a {spec.family} model ({spec.name}: a bidirectional encoder with a masked-LM "
-                            "head)", f"{TORCHTITAN_SOURCE} trains causal decoders only; export --to megatron or "
-                            "deepspeed")
+                            "head)", f"{TORCHTITAN_SOURCE} trains causal decoders only; export --to deepspeed "
+                            "(Megatron-LM's pretrain_gpt.py trains decoders too)")
     registered = _registered_flavor(spec)
     if registered:
         return TitanModel("llama3", registered, FLAVORS[registered][1])
