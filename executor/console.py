@@ -73,7 +73,9 @@ class TrainingDisplay:
         table.add_column("")
         table.add_column("measured", justify="right")
         table.add_column("predicted", justify="right")
-        note = " (mean without step 1)" if len(s.step_time_s) > 1 else ""
+        first, last = s.timed_steps
+        note = "" if first == last == 1 else " (mean without step 1)" if first == 2 else \
+            f" (mean of steps {first}-{last})" if first < last else f" (step {first})"
         table.add_row("step time" + note, f"{s.mean_step_time_s:.4g} s",
                       f"{predicted:.4g} s" if predicted else "-")
         tps = s.job.layout.global_batch * s.job.tokens_per_sample / predicted if predicted else None

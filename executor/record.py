@@ -7,7 +7,9 @@ attempt started from; null when it started from step 0). ``losses`` and ``step_t
 step of the run, those before a resume included (they travel in the checkpoint). A few more keys help
 calibration: the mean step time without the first (warm-up) step, the throughput it implies, the
 plan's prediction beside it, and each rank's optimizer state (what ZeRO shards); ``data`` names the
-token file (null: the bundled corpus).
+token file (null: the bundled corpus). After a resume that mean covers only the steps this attempt ran (the
+checkpoint's steps may have run another plan, another batch: execute --resume under a new plan), again without
+its first.
 """
 
 from __future__ import annotations
@@ -52,8 +54,15 @@ class RunSummary:
     data: dict | None = None
 
     @property
+    def timed_steps(self) -> tuple[int, int]:
+        """(first, last) step numbers, from 1, that the mean step time covers: this attempt's, less its first."""
+        start = self.resumed_from_step or 0
+        first = start + 1 if len(self.step_time_s) - start <= 1 else start + 2
+        return first, len(self.step_time_s)
+
+    @property
     def mean_step_time_s(self) -> float:
-        return steady_mean(self.step_time_s)
+        return steady_mean(self.step_time_s[self.resumed_from_step or 0:])
 
     @property
     def samples_per_s(self) -> float:

@@ -63,6 +63,9 @@ def test_a_dp2_checkpoint_resumes_under_another_plan(reference, case, tmp_path):
     run = _launch(case, str(tmp_path), TrainingOptions(resume=os.path.join(ck, "step-3")))
     assert run["resumed_from_step"] == 3 and run["steps"] == STEPS and run["plan"]["dp"] == 1
     assert run["losses"][:3] == ref["losses"][:3]  # carried in the checkpoint
+    # the summary's step time is this plan's: the steps after the resume, without its first (not the dp2 steps)
+    assert run["step_time_s"][:3] == ref["step_time_s"][:3]
+    assert run["mean_step_time_s"] == pytest.approx(sum(run["step_time_s"][4:]) / (STEPS - 4))
     for k in range(3, STEPS):
         got, want = run["losses"][k], ref["losses"][k]
         assert abs(got - want) <= 1e-4 * abs(want), f"{case.name} step {k + 1}: {got} vs uninterrupted {want}"
