@@ -606,6 +606,9 @@ def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, tor
     deepseek = _tiny_plan(tmp_path / "d.json", "deepseek-tiny", "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "2")
     p, cfg = export_torchtitan(tmp_path, deepseek, "deepseek", torchtitan_config)
     assert cfg.model.name == "paraplan_deepseek_v3" and "multi-token-prediction" in p.stderr
+    # Megatron-LM leaves the module out too, saying so (it would build parameters the plan never priced)
+    m = cli("export", "--plan", str(tmp_path / "d.json"), "--to", "megatron")
+    assert m.returncode == 0 and "--mtp-num-layers" not in m.stdout and "multi-token-prediction" in m.stderr
     spec = load_model_spec("deepseek-tiny")
     _, model = check_flavor_module(torchtitan_models, tmp_path / "deepseek_model.py", cfg, spec)
     assert [layer.moe_enabled for layer in model.layers.values()] == [i >= spec.dense_layers

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import shlex
 
-from paraplan.models import ModelSpec
+from paraplan.models import ModelSpec, mtp_params
 
 from ..plan import Plan
 from .common import (
@@ -78,6 +78,10 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
     notes: list[str] = []
     if lay.pp > 1 and lay.schedule == "gpipe":
         notes.append("Megatron-LM has no GPipe schedule: it runs 1F1B (the same bubble, less activation memory)")
+    if getattr(spec, "mtp_layers", 0):
+        notes.append(f"the model's {spec.mtp_layers} multi-token-prediction module(s) ({mtp_params(spec) / 1e9:.1f} B "
+                     "parameters) are not in the plan and are left out (its memory and time do not count them); "
+                     f"--mtp-num-layers {spec.mtp_layers} trains them, beyond the plan's figures")
     groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length),
               "PARALLEL_ARGS": parallel_args(plan, spec),
               "TRAINING_ARGS": training_args(plan, notes, spec) + stack_args(plan, spec, notes)}
@@ -122,9 +126,7 @@ def model_args(spec, seq_length: int) -> Args:
         a.append(("--kv-channels", spec.head_dim))
     if getattr(spec, "qk_norm", False):
         a.append(("--qk-layernorm", None))
-    if getattr(spec, "mtp_layers", 0):
-        a.append(("--mtp-num-layers", spec.mtp_layers))
-    a += _moe_args(spec)
+    a += _moe_args(spec)  # no --mtp-num-layers: the plan has no multi-token-prediction module (export's note)
     return a
 
 
@@ -163,32 +165,32 @@ def parallel_args(plan: Plan, spec) -> Args:
     if lay.sequence_parallel:
         a.append(("--sequence-parallel", None))
     if lay.pp > 1:
-        a += stage_args(stage_shapes(plan), spec.num_layers, lay.pp, lay.virtual_stages,
-                        getattr(spec, "mtp_layers", 0) or 0)
+        a += stage_args(stage_shapes(plan), spec.num_layers, lay.pp, lay.virtual_stages)
     return a
 
 
-def stage_args(shapes: list[StageShape], num_layers: int, pp: int, v: int, mtp_layers: int = 0) -> Args:
+def stage_args(shapes: list[StageShape], num_layers: int, pp: int, v: int) -> Args:
     """The plan's stage boundaries with the simplest Megatron flags that state them exactly."""
     counts = [s.layers for s in shapes]
     n = len(shapes)
-    if num_layers % n == 0 and all(c == num_layers // n for c in counts) and not mtp_layers:
+    if num_layers % n == 0 and all(c == num_layers // n for c in counts):
         return [("--num-virtual-stages-per-pipeline-rank", v)] if v > 1 else []
-    if v == 1 and not mtp_layers:
+    if v == 1:
         first, last, middle = counts[0], counts[-1], counts[1:-1]
         if len(set(middle)) <= 1 and all(m > 0 for m in middle) and first > 0 and last > 0:
             return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
-    return [("--pipeline-model-parallel-layout", layout_string(shapes, mtp_layers))]
+    return [("--pipeline-model-parallel-layout", layout_string(shapes))]
 
 
-def layout_string(shapes: list[StageShape], mtp_layers: int = 0) -> str:
-    """Megatron's --pipeline-model-parallel-layout: stages split by '|', E embedding, t a layer, m an MTP
-    layer, L the loss (output layer); stages listed in model order, virtual stage k on pipeline rank k % pp."""
+def layout_string(shapes: list[StageShape]) -> str:
+    """Megatron's --pipeline-model-parallel-layout: stages split by '|', E embedding, t a layer, L the loss (output
+    layer); stages listed in model order, virtual stage k on pipeline rank k % pp. (Megatron's m, an MTP layer, is
+    never written: plans have none.)"""
     stages = []
-    for i, s in enumerate(shapes):
+    for s in shapes:
         parts = (["E"] if s.embed else []) + ([f"t*{s.layers}" if s.layers > 1 else "t"] if s.layers else [])
         if s.head:
-            parts += (["m" * mtp_layers] if mtp_layers and i == len(shapes) - 1 else []) + ["L"]
+            parts.append("L")
         stages.append(",".join(parts))
     return "|".join(stages)
 
