@@ -12,6 +12,7 @@ import copy
 from paraplan.models import CallableSpec, ModelSpec, TransformerSpec, load_model_spec
 
 from . import cache
+from .errors import ProfileError
 from .records import ModelProfile
 
 
@@ -31,6 +32,13 @@ def profile_model(model: str | ModelSpec, device: str = "meta", micro_batch: int
     the MoE layers.
     """
     spec = load_model_spec(model) if isinstance(model, str) else model
+    for t in tp_degrees or []:  # what the planner accepts (planner/layout.py): whole heads and FFN columns per rank
+        if not isinstance(spec, TransformerSpec):
+            raise ProfileError(f"--tp: {spec.name} is a {spec.family} model; tensor-parallel views are of transformers")
+        for what, n in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.kv_heads),
+                        ("FFN size", spec.ffn_size)):
+            if n % t:
+                raise ProfileError(f"--tp {t} does not divide {spec.name}'s {n} {what}")
     key = None
     if device == "meta" and not isinstance(spec, CallableSpec):
         key = cache.cache_key(spec.to_dict(), micro_batch, seq_length, dtype or default_dtype(device),

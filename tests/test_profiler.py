@@ -161,6 +161,15 @@ def test_bad_models_are_one_line_errors(model, fragment):
     assert_one_line_error(p, fragment)
 
 
+@pytest.mark.parametrize("model, tp, fragment", [
+    ("llama-tiny", "3", "--tp 3 does not divide llama-tiny's 4 attention heads"),  # was fractional byte counts
+    ("llama-tiny", "4", "--tp 4 does not divide llama-tiny's 2 key/value heads"),  # as the planner refuses it
+    ("vgg16", "2", "tensor-parallel views are of transformers"),
+])
+def test_tensor_parallel_views_the_planner_would_refuse_are_errors(model, tp, fragment):
+    assert_one_line_error(run_cli("profile", "--model", model, "--tp", tp, "--json"), fragment)
+
+
 def test_absurd_micro_batch():
     p = run_cli("profile", "--model", "gpt-tiny", "--micro-batch", "10000000")
     assert_one_line_error(p, "--micro-batch 10000000 is out of range")
