@@ -62,6 +62,12 @@ def test_invalid_layouts_are_one_line_errors(args, fragment):
     assert_one_line_error(run_cli(*BASE, *args), fragment)
 
 
+def test_gantt_needs_a_png_name(tmp_path):
+    p = run_cli(*BASE, "--dp", "1", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--gantt", str(tmp_path / "g.txt"))
+    assert_one_line_error(p, "--gantt", "give a .png file name")  # a PNG was written under the .txt name
+    assert not (tmp_path / "g.txt").exists()
+
+
 def test_unsupported_dtype_and_unknown_cluster():
     p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "dgx-h1OO", "--global-batch", "8", "--dp", "1",
                 "--tp", "1", "--pp", "1", "--micro-batch", "1")

@@ -48,6 +48,8 @@ def run(args) -> int:
         _check_out(args.write_plan, "--write-plan")
     if args.gantt:
         _check_out(args.gantt, "--gantt")
+        if not args.gantt.lower().endswith(".png"):  # the timeline is drawn as a PNG, whatever the name says
+            raise PlanError(f"--gantt {args.gantt}: the timeline is a PNG image; give a .png file name")
     work = ensure_calibrated(args, work)
     pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt))
     calibrated, cal_notes, suffix = calibration_labels(work)
