@@ -11,8 +11,8 @@ report's 28.51 s and 0.3%, the closed form's uniform-stage bubble).
 Re-pricing can move a plan down: the demo's two interleaved 4-chunk layouts, 33.9 s by the closed form, simulate at
 37.5 s, behind layouts the search priced at 33.95-34.3 s that the top five had left out. So the search's other
 priced layouts come in, fastest first by their closed form, each re-priced the same way, until the next one's closed
-form cannot beat the k-th simulated time (the event simulation adds to the closed form's uniform stages; it has not
-been seen to go under it by more than float noise).
+form cannot beat the k-th simulated time. (The stop assumes a plan's simulation is not faster than its closed form:
+the simulation runs the real stage times where the closed form takes them uniform.)
 """
 
 from __future__ import annotations
