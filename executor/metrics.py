@@ -52,15 +52,13 @@ def peak_flops_total(job: Job, device: torch.device) -> float | None:
     if cluster is None:
         return None
     dtype = "fp32" if device.type == "cpu" else job.layout.dtype
-    try:
-        peak = cluster.gpu.peak_flops(dtype)
+    from paraplan.planner.cpu_share import CpuShare
+    from paraplan.planner.placement import layout_placement
+
+    try:  # on a CPU a rank's share of this machine's cores, as the prediction's MFU counts it
+        peak = CpuShare(cluster).rank_peak_flops(dtype, layout_placement(cluster, job.layout).gpus_per_node_busy)
     except HardwareSpecError:
         return None
-    if cluster.gpu.is_cpu:  # a rank's share of this machine's cores, as the prediction's MFU counts it
-        from paraplan.planner.cpu_share import CpuShare
-        from paraplan.planner.placement import layout_placement
-
-        peak /= CpuShare(cluster).compute(layout_placement(cluster, job.layout).gpus_per_node_busy)
     return peak * job.layout.num_gpus
 
 

@@ -33,12 +33,6 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def steady_mean(times: list[float]) -> float:
-    """Mean step time leaving out the first (warm-up) step when there is more than one."""
-    steady = times[1:] if len(times) > 1 else times
-    return sum(steady) / len(steady)
-
-
 @dataclass
 class RunSummary:
     job: Job
@@ -55,14 +49,17 @@ class RunSummary:
 
     @property
     def timed_steps(self) -> tuple[int, int]:
-        """(first, last) step numbers, from 1, that the mean step time covers: this attempt's, less its first."""
+        """(first, last) step numbers, from 1, that the mean step time covers: this attempt's, less its first (the
+        warm-up) when it ran more than one."""
         start = self.resumed_from_step or 0
         first = start + 1 if len(self.step_time_s) - start <= 1 else start + 2
         return first, len(self.step_time_s)
 
     @property
     def mean_step_time_s(self) -> float:
-        return steady_mean(self.step_time_s[self.resumed_from_step or 0:])
+        first, last = self.timed_steps
+        timed = self.step_time_s[first - 1:last]
+        return sum(timed) / len(timed)
 
     @property
     def samples_per_s(self) -> float:

@@ -946,7 +946,7 @@ class CostModel:
         hw_flops = model_flops + recompute_flops * lay.global_batch
         n_gpus = lay.num_gpus
         # a CPU rank's peak is its share of the machine's cores (one rank alone runs every core: cpu_share.py)
-        peak_flops = gpu.peak_flops(lay.dtype) / self.cpu_share.compute(place.gpus_per_node_busy)
+        peak_flops = self.cpu_share.rank_peak_flops(lay.dtype, place.gpus_per_node_busy)
         model_tflops = model_flops / iteration / n_gpus / 1e12
         hw_tflops = hw_flops / iteration / n_gpus / 1e12
         tokens = lay.global_batch * work.tokens_per_sample

@@ -28,6 +28,7 @@ class CpuShare:
     """Time multipliers for the ranks of a CPU cluster (all 1 on GPUs)."""
 
     def __init__(self, cluster: ClusterSpec):
+        self.gpu = cluster.gpu
         self.cpu = cluster.gpu.is_cpu
         machine = cluster.machine if cluster.machine and cluster.machine.get("device") == "cpu" else None
         self.cores = int((machine or {}).get("cores") or os.cpu_count() or 1)
@@ -47,6 +48,10 @@ class CpuShare:
         if not self.cpu:
             return 1.0
         return (ref if ref is not None else self.ref) / self.now(ranks_on_node)
+
+    def rank_peak_flops(self, dtype: str, ranks_on_node: int) -> float:
+        """A rank's dense peak FLOP/s: the GPU's, or on a CPU its share of the cores' (what MFU counts against)."""
+        return self.gpu.peak_flops(dtype) / self.compute(ranks_on_node)
 
     def host(self, ranks_on_node: int) -> float:
         """Seconds of a rank's host-side framework work per second of the calibrated figure."""
