@@ -7,6 +7,7 @@ cluster; derived facts are properties.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paraplan.models import ModelSpec, TransformerSpec
@@ -87,6 +88,25 @@ class Layout:
 
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def maker(cls, **common) -> Callable[..., Layout]:
+        """A function making layouts that share ``common`` fields, each call's own fields on top: the same objects
+        as ``Layout(**common, **fields)``, made without the frozen dataclass's field-by-field ``__init__`` (4.4 µs a
+        layout; this, 0.7 µs). The search enumerates up to a million layouts (DeepSeek-V3 on 1024 GPUs: 4 s).
+        Neither checks the values; :meth:`validate` does."""
+        base = dict(cls(dp=1, tp=1, pp=1, micro_batch=1, global_batch=1).__dict__) | common  # every field
+        new = object.__new__
+
+        def make(**fields) -> Layout:
+            assert fields.keys() <= base.keys(), f"not Layout fields: {fields.keys() - base.keys()}"
+            lay = new(cls)
+            own = lay.__dict__
+            own.update(base)
+            own.update(fields)
+            return lay
+
+        return make
 
     def short(self) -> str:
         """A compact human name: dp8 tp4 pp2 mb1 1f1b z1 sel sp."""

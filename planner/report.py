@@ -6,7 +6,6 @@ then the alternatives, then what was rejected and why.
 
 from __future__ import annotations
 
-import csv
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -68,28 +67,38 @@ CANDIDATE_COLUMNS = ["rank", "dp", "tp", "pp", "cp", "ep", "etp", "micro_batch",
 
 @without_gc_pauses
 def write_candidates_csv(result: SearchResult, path: str) -> None:
-    """Every candidate, fastest first (then by lower bound), with its status. A 1T-parameter search writes
-    ~90,000 rows, most of them invalid: each row is one tuple, the prices formatted only where there are some."""
+    """Every candidate, fastest first (then by lower bound), with its status. DeepSeek-V3 on 1024 GPUs writes
+    ~950,000 rows, most of them dominated, invalid or pruned on a bound: each line is formatted at once, the prices
+    only where there are some, as csv.writer would write it (minimal quoting, CRLF ends) in about a third of its
+    time (benchmarks/bench_plan.py)."""
+    inf = float("inf")
     ranked = sorted((c for c in result.candidates if c.status == "ok"), key=lambda c: c.time_s)
     order = {id(c): i for i, c in enumerate(ranked, 1)}
-    inf = float("inf")
 
-    def row(c):
+    def line(c) -> str:
         lay, p = c.layout, c.prediction
         recompute = "/".join(c.stage_recompute) if c.stage_recompute else lay.recompute
         bound = f"{c.lower_bound_s:.6g}" if c.lower_bound_s != inf else ""
-        head = (order.get(id(c), ""), lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.etp, lay.micro_batch,
-                lay.num_micro_batches, lay.schedule, lay.virtual_stages, lay.zero, lay.sequence_parallel, recompute,
-                c.status_text())
-        if p is None:
-            return (*head, "", "", "", "", bound)
-        return (*head, f"{p.iteration_time_s:.6g}", f"{p.tokens_per_s:.6g}", f"{p.mfu:.4f}",
-                f"{p.peak_memory_gib:.3f}", bound)
+        prices = "," * 4 if p is None else \
+            f"{p.iteration_time_s:.6g},{p.tokens_per_s:.6g},{p.mfu:.4f},{p.peak_memory_gib:.3f},"
+        return (f"{order.get(id(c), '')},{lay.dp},{lay.tp},{lay.pp},{lay.cp},{lay.ep},{lay.etp},{lay.micro_batch},"
+                f"{lay.global_batch // (lay.dp * lay.micro_batch)},{lay.schedule},{lay.virtual_stages},{lay.zero},"
+                f"{lay.sequence_parallel},{_csv_field(recompute)},{_csv_field(c.status_text())},{prices}{bound}\r\n")
 
+    rows = sorted(result.candidates, key=lambda c: (
+        c.prediction.iteration_time_s if c.prediction is not None else inf, c.lower_bound_s))
     with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CANDIDATE_COLUMNS)
-        w.writerows(map(row, sorted(result.candidates, key=lambda c: (c.time_s, c.lower_bound_s))))
+        f.write(",".join(CANDIDATE_COLUMNS) + "\r\n")
+        for at in range(0, len(rows), 20000):
+            f.write("".join(map(line, rows[at:at + 20000])))
+
+
+def _csv_field(text: str) -> str:
+    """``text`` as a CSV field the way csv.writer's minimal quoting writes it: quoted (quotes doubled) where it
+    holds a comma, a quote or a line break."""
+    if "," in text or '"' in text or "\n" in text or "\r" in text:
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 def _why(result: SearchResult) -> list[str]:

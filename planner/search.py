@@ -127,6 +127,7 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
     B = work.global_batch
     n_blocks = len(work.profile(dtype).layers)
     transformer = isinstance(work.spec, TransformerSpec)
+    make = Layout.maker(global_batch=B, dtype=dtype, cp=cp)  # Layout(global_batch=B, dtype=dtype, cp=cp, ...)
     out = []
     if not transformer:  # resnet / vgg / mlp: a data-parallel trunk, the classifier replicated or class-sharded
         for pp in _divisors(gpus):
@@ -140,8 +141,8 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                         heads = [k for k in _divisors(dp) if pp == 1 and zero == 0
                                  and work.spec.num_classes % k == 0] if dp > 1 else [1]
                         for k in heads or [1]:
-                            out.append(Layout(dp=dp, tp=1, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
-                                              virtual_stages=v, zero=zero, dtype=dtype, head_parallel=k))
+                            out.append(make(dp=dp, tp=1, pp=pp, micro_batch=mb, schedule=sched, virtual_stages=v,
+                                            zero=zero, head_parallel=k))
         return out
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
@@ -159,9 +160,8 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                     for zero in (zero_stages if dp > 1 else (0,)):
                         for sp in ((False, True) if tp > 1 and transformer else (False,)):
                             for ep, etp in experts:
-                                out.append(Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=sched,
-                                                  virtual_stages=v, zero=zero, sequence_parallel=sp, dtype=dtype,
-                                                  cp=cp, ep=ep, etp=etp))
+                                out.append(make(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual_stages=v,
+                                                zero=zero, sequence_parallel=sp, ep=ep, etp=etp))
     if context_parallel:  # a layout with cp > 1 is one of gpus/cp GPUs with each sequence split over cp ranks
         for degree in cp_degrees(work.spec, gpus):
             out += enumerate_layouts(work, gpus // degree, dtype, schedules, zero_stages, context_parallel=False,

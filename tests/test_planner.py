@@ -727,3 +727,44 @@ def test_search_pauses_the_garbage_collector_and_restores_its_state(small, monke
     finally:
         (gc.enable if was else gc.disable)()
     assert seen and not any(seen)
+
+
+def test_layout_maker_makes_the_same_layouts_as_the_constructor():
+    """The search's fast constructor (Layout.maker) must give equal, equally hashed, equally frozen layouts: the
+    search keys candidates, block costs and bounds by them."""
+    make = Layout.maker(global_batch=64, dtype="fp16", cp=2)
+    fast = make(dp=4, tp=2, pp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2, zero=1,
+                sequence_parallel=True, ep=2)
+    slow = Layout(dp=4, tp=2, pp=2, micro_batch=2, global_batch=64, schedule="interleaved-1f1b", virtual_stages=2,
+                  zero=1, sequence_parallel=True, dtype="fp16", cp=2, ep=2)
+    assert fast == slow and hash(fast) == hash(slow) and fast.short() == slow.short()
+    assert fast.recompute == "none" and fast.etp == 1  # the defaults it did not name
+    assert make(dp=1, tp=1, pp=1, micro_batch=1) != fast  # each call its own fields
+    with pytest.raises(AttributeError):
+        fast.dp = 8
+
+
+def test_candidates_csv_reads_back_as_the_csv_module_writes_it(small, tmp_path):
+    """write_candidates_csv formats its lines itself (950,000 rows for DeepSeek-V3 on 1024 GPUs): read back and
+    written again by the csv module, the file comes out byte for byte the same (minimal quoting, CRLF), a reason
+    holding a comma, quotes and a line break included, and every candidate is one row."""
+    import csv
+    import io
+
+    from paraplan.planner.report import CANDIDATE_COLUMNS, write_candidates_csv
+
+    result = search(small, 8, top_k=2)
+    odd = next(c for c in result.candidates if c.status == "invalid")
+    odd.reason = 'tp 3, "odd"\nreason'
+    path = tmp_path / "candidates.csv"
+    write_candidates_csv(result, str(path))
+    text = path.read_bytes().decode()
+    rows = list(csv.reader(io.StringIO(text, newline="")))
+    again = io.StringIO(newline="")
+    csv.writer(again).writerows(rows)
+    assert again.getvalue() == text
+    assert rows[0] == CANDIDATE_COLUMNS and len(rows) == len(result.candidates) + 1
+    assert ['invalid: tp 3, "odd"\nreason'] == [r[14] for r in rows[1:] if r[14].startswith("invalid: tp 3")]
+    ranked = [r for r in rows[1:] if r[0]]
+    assert [int(r[0]) for r in ranked] == list(range(1, len(ranked) + 1))
+    assert [float(r[15]) for r in ranked] == sorted(float(r[15]) for r in ranked)
