@@ -768,3 +768,34 @@ def test_candidates_csv_reads_back_as_the_csv_module_writes_it(small, tmp_path):
     ranked = [r for r in rows[1:] if r[0]]
     assert [int(r[0]) for r in ranked] == list(range(1, len(ranked) + 1))
     assert [float(r[15]) for r in ranked] == sorted(float(r[15]) for r in ranked)
+
+
+@pytest.mark.parametrize("model, cluster, gpus, batch, framework", [
+    ("llama2-7b", "dgx-h100", 16, 64, "megatron-core"),  # SP and ZeRO-2 twins under ZeRO's accounting
+    ("gpt3-1.3b", "dgx-a100-80gb", 16, 64, "paraplan"),  # the executor's: 1F1B twins only
+    ("mixtral-8x7b", "dgx-h100", 16, 64, "megatron-core"),  # expert degrees too
+])
+def test_search_marks_dominated_layouts_as_validating_every_layout_would(model, cluster, gpus, batch, framework):
+    """The search marks a layout dominated without validating it where one of its twins is valid (search._twins: a
+    twin only adds constraints). Against validating every enumerated layout first and then asking which valid layout
+    dominates which: the same statuses and reasons, and every layout with a valid twin valid itself."""
+    from paraplan.planner.search import _dominated_by, _layout_key, _pruning_rules, _twins, _validated
+
+    work = Workload.create(model, cluster, batch, nodes=gpus // 8, framework=framework)
+    cm = CostModel(work)
+    layouts = enumerate_layouts(work, gpus, "bf16")
+    valid, reasons = set(), {}
+    for lay in layouts:
+        try:
+            validate_layout(cm, lay)
+            valid.add(_layout_key(lay))
+        except InvalidLayout as e:
+            reasons[lay] = e.reason if e.reason != str(e) else str(e)
+    expected = [("invalid", reasons[lay]) if lay in reasons else
+                ("dominated", _dominated_by(lay, valid, cm)) if _dominated_by(lay, valid, cm) else ("pruned", "")
+                for lay in layouts]
+    got = _validated(cm, layouts)
+    assert [(c.status, c.reason) for c in got] == expected
+    assert [c.layout for c in got] == layouts
+    assert sum(s == "dominated" for s, _ in expected) > 0
+    assert all(lay not in reasons for lay in layouts if any(key in valid for key, _ in _twins(lay, _pruning_rules(cm))))
