@@ -93,17 +93,17 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
     if model_type == "qwen3_moe" and out.get("num_experts"):
         layers = out.get("num_layers", 0)
         step = _whole(_given(data, "decoder_sparse_step", 1), "decoder_sparse_step", source)
-        dense_ids = set(data.get("mlp_only_layers") or [])
+        dense_ids = _layer_ids(data.get("mlp_only_layers"), "mlp_only_layers", layers, source)
         out.update(_moe_layer_pattern([i not in dense_ids and (i + 1) % step == 0 for i in range(layers)],
                                       "mlp_only_layers / decoder_sparse_step", source))
     if model_type == "llama4_text" and out.get("num_experts"):
         layers = out.get("num_layers", 0)
         step = _whole(_given(data, "interleave_moe_layer_step", 1), "interleave_moe_layer_step", source)
         listed = data.get("moe_layers")
-        moe_ids = set(listed) if isinstance(listed, list) else set(range(step - 1, layers, step))
+        moe_ids = _layer_ids(listed, "moe_layers", layers, source) if listed is not None else \
+            set(range(step - 1, layers, step))
         out.update(_moe_layer_pattern([i in moe_ids for i in range(layers)],
-                                      "moe_layers" if isinstance(listed, list) else "interleave_moe_layer_step",
-                                      source))
+                                      "moe_layers" if listed is not None else "interleave_moe_layer_step", source))
         out.update(num_shared_experts=1, moe_score_function="sigmoid", moe_norm_topk=False)
     if model_type.startswith("deepseek"):
         if data.get("moe_layer_freq", 1) != 1:
@@ -121,6 +121,20 @@ def _given(data: dict[str, Any], key: str, default: Any) -> Any:
     """``data[key]``, or ``default`` where it is missing or null (a 0 stays 0, to be refused)."""
     value = data.get(key)
     return default if value is None else value
+
+
+def _layer_ids(value: Any, field: str, layers: int, source: str) -> set[int]:
+    """A list of layer indices (``mlp_only_layers``, ``moe_layers``), each a whole number below ``layers``; null: none.
+    Anything else is refused: read as a set of layers, a number or a layer that does not exist would pass unseen."""
+    if value is None:
+        return set()
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise ModelSpecError(f"{source}: {field} must be a list of layer indices, got {value!r}")
+    wrong = [i for i in value if not 0 <= i < layers]
+    if wrong:
+        raise ModelSpecError(f"{source}: {field} lists layer {wrong[0]}, outside 0..{layers - 1} "
+                             f"(the model has {layers} layers)")
+    return set(value)
 
 
 def _whole(value: Any, field: str, source: str) -> int:

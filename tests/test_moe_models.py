@@ -213,6 +213,12 @@ def test_hf_qwen3_dense_layer_layouts(write):
         with pytest.raises(ModelSpecError, match="mlp_only_layers") as e:
             _hf(write, {**QWEN_SMALL, **bad})
         assert "\n" not in str(e.value)
+    # not a list of layers that exist: refused, never read as some other set of layers (a number crashed; a name
+    # or a layer beyond the model was dropped, leaving every layer sparse)
+    for bad, why in ((3, "must be a list of layer indices"), (["a"], "must be a list of layer indices"),
+                     ([True], "must be a list of layer indices"), ([99], "lists layer 99, outside 0..3")):
+        with pytest.raises(ModelSpecError, match=f"mlp_only_layers {why}"):
+            _hf(write, {**QWEN_SMALL, "mlp_only_layers": bad})
 
 
 def test_hf_llama4_fields():
@@ -237,6 +243,8 @@ def test_hf_llama4_moe_layers_list(write):
     assert [spec.is_moe_layer(i) for i in range(6)] == [False, False, False, True, True, True]
     with pytest.raises(ModelSpecError, match="moe_layers"):
         _hf(write, {"model_type": "llama4", "text_config": {**small, "moe_layers": [1, 2, 5]}})
+    with pytest.raises(ModelSpecError, match="moe_layers must be a list of layer indices"):
+        _hf(write, {"model_type": "llama4", "text_config": {**small, "moe_layers": 3}})
     with pytest.raises(ModelSpecError, match="text_config"):
         _hf(write, {"model_type": "llama4"})
     for bad in (0, 1.5, "2"):  # never read as "every layer"
