@@ -1137,3 +1137,20 @@ def test_a_plan_that_does_not_fit_is_exported_with_a_warning(tmp_path, plans):
     _, fitting = plans["3d"]
     p = cli("export", "--plan", str(fitting), "--to", "megatron", "--out", str(tmp_path / "ok.sh"))
     assert p.returncode == 0 and "does not fit" not in p.stderr
+
+
+def test_slurm_script_of_an_expert_parallel_plan_leaves_checkpoints_out(tmp_path):
+    """execute refuses checkpoint flags for expert-parallel plans: the script would fail on every node as it started.
+    It runs without them, and says why (in the script and on stderr)."""
+    path = tmp_path / "plan.json"
+    p = cli("simulate", "--model", "mixtral-tiny", "--cluster", "dgx-h100", "--global-batch", "16", "--dp", "4",
+            "--tp", "1", "--pp", "1", "--ep", "2", "--micro-batch", "1", "--write-plan", str(path))
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "job.sbatch"
+    p = cli("export", "--plan", str(path), "--to", "slurm", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    assert "--checkpoint-dir" not in text and "--resume" not in text and "CKPT_DIR" not in text
+    assert "# No checkpoints: checkpoints of expert-parallel plans (ep 2)" in text
+    assert "note: no checkpoint or resume flags: checkpoints of expert-parallel plans" in p.stderr
+    check_shell(out)

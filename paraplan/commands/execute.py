@@ -42,18 +42,25 @@ def node_command(args, node_rank: int, port: int) -> list[str]:
     return cmd
 
 
+def checkpoint_refusal(lay) -> str | None:
+    """Why this executor cannot write or resume checkpoints of a plan of layout ``lay`` (None: it can). The Slurm
+    export leaves its checkpoint flags out for such a plan."""
+    if lay.dp_mode == "ps" or lay.head_parallel > 1:
+        what = "parameter servers" if lay.dp_mode == "ps" else "a class-sharded classifier (head_parallel)"
+        return (f"checkpoints are written and resumed for all-reduce data, tensor and pipeline parallelism; the plan "
+                f"uses {what}")
+    if lay.ep > 1:  # experts differ per expert-parallel rank: they need global offsets to reshard
+        return f"checkpoints of expert-parallel plans (ep {lay.ep}) are not written or resumed yet"
+    return None
+
+
 def training_options(args, job: Job) -> TrainingOptions:
     """Check --data, the checkpoint flags and --resume before any rank starts (one line, exit 2)."""
     lay, spec = job.layout, job.spec
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ExecutionError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
-    if args.checkpoint_dir or args.resume:
-        if lay.dp_mode == "ps" or lay.head_parallel > 1:
-            what = "parameter servers" if lay.dp_mode == "ps" else "a class-sharded classifier (head_parallel)"
-            raise ExecutionError(f"checkpoints are written and resumed for all-reduce data, tensor and pipeline "
-                                 f"parallelism; the plan uses {what}")
-        if lay.ep > 1:  # experts differ per expert-parallel rank: they need global offsets to reshard
-            raise ExecutionError(f"checkpoints of expert-parallel plans (ep {lay.ep}) are not written or resumed yet")
+    if (args.checkpoint_dir or args.resume) and (why := checkpoint_refusal(lay)):
+        raise ExecutionError(why)
     if args.checkpoint_dir:
         _check_folder("--checkpoint-dir", args.checkpoint_dir)
         from paraplan.executor import checkpoint_io

@@ -37,8 +37,11 @@ def run(args) -> int:
     if args.to == "slurm":
         from paraplan.executor.job import Job
 
-        Job.load(args.plan)  # what execute would refuse on every node, refused here
+        from .execute import checkpoint_refusal
+
+        job = Job.load(args.plan)  # what execute would refuse on every node, refused here
         options["execute_flags"] = execute_flags()
+        options["no_checkpoints"] = checkpoint_refusal(job.layout)  # and the flags it would refuse, left out
     if args.to.startswith("torchtitan") and args.out:
         options["filename"] = args.out  # names the flavor module written beside it
     result = export_plan(plan, args.to, args.plan, **options)

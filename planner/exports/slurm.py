@@ -4,7 +4,8 @@ One task per node (srun); each runs ``paraplan execute --nnodes N --node-rank $S
 --rdzv-endpoint <first node>:<port>``, which starts that node's ranks with torchrun. The nodes and
 processes per node come from the plan's cluster (fewest nodes that hold its ranks, the same count on
 each). Checkpoint, resume, restart and data flags are passed when ``execute`` has them (the command
-layer hands over the option strings ``execute`` accepts); a run resumes from CKPT_DIR when it holds a
+layer hands over the option strings ``execute`` accepts, and leaves the checkpoint flags out for a plan whose
+checkpoints ``execute`` refuses, e.g. expert-parallel ones); a run resumes from CKPT_DIR when it holds a
 complete checkpoint (``step-N/``). ``bash -n`` and shellcheck check the script (tests/test_export.py).
 """
 
@@ -22,7 +23,10 @@ from .common import Export, header_lines, placement
 TARGET = "slurm"
 
 
-def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset[str] = frozenset()) -> Export:
+def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset[str] = frozenset(),
+           no_checkpoints: str | None = None) -> Export:
+    """``no_checkpoints``: why ``paraplan execute`` would refuse this plan's checkpoint flags (then left out, with
+    a note in the script and the export's notes)."""
     place = placement(plan)
     if place.nodes is None:
         raise PlanError(f"slurm: cannot read the plan's cluster {plan.cluster!r} (its nodes and GPUs per node "
@@ -46,7 +50,11 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset
     node_cmd = ['"$PARAPLAN" execute --plan "$PLAN" --steps "$STEPS" --out "$OUT"',
                 f'--nnodes {place.nodes} --node-rank "$SLURM_NODEID" --rdzv-endpoint "$RDZV_ENDPOINT"']
     exports = ["PLAN", "STEPS", "OUT", "PARAPLAN", "RDZV_ENDPOINT"]
-    if "--checkpoint-dir" in execute_flags:
+    notes = []
+    if no_checkpoints and "--checkpoint-dir" in execute_flags:
+        notes.append(f"no checkpoint or resume flags: {no_checkpoints}")
+        lines.append(f"# No checkpoints: {no_checkpoints}.")
+    elif "--checkpoint-dir" in execute_flags:
         lines += ["CKPT_DIR=${CKPT_DIR:-checkpoints/$SLURM_JOB_NAME}",
                   "CKPT_EVERY=${CKPT_EVERY:-50}"]
         node_cmd.append('--checkpoint-dir "$CKPT_DIR" --checkpoint-every "$CKPT_EVERY"')
@@ -72,5 +80,6 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset
               f"srun --nodes={place.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '",
               "exec " + " \\\n    ".join(node_cmd) + "'", ""]
     return Export(target=TARGET, text="\n".join(lines), filename="paraplan.sbatch", launch="sbatch paraplan.sbatch",
-                  values={"nodes": place.nodes, "per_node": place.per_node, "world_size": place.world_size})
+                  values={"nodes": place.nodes, "per_node": place.per_node, "world_size": place.world_size},
+                  notes=notes)
 
