@@ -145,7 +145,7 @@ class Plan:
                    nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
                    layer_strategies={k: v for k, v in strategies.items() if k != "head"},
                    attention=data.get("attention", "flash"), framework=framework, framework_switches=switches,
-                   prediction=data.get("prediction"))
+                   prediction=_known_figures(data.get("prediction")))
 
     @classmethod
     def read(cls, path: str) -> Plan:
@@ -243,10 +243,18 @@ def _check_optional(data: dict, layout: Layout, source: str) -> None:
             raise PlanError(f"{source}: 'stage_recompute' must list one of {', '.join(RECOMPUTE)} for each of the "
                             f"{layout.num_stages} stages, got {modes!r}")
     pred = data.get("prediction")
-    if pred is not None:
+    if pred is not None:  # (a null figure is read as a missing one: _known_figures)
         if not isinstance(pred, dict):
             raise PlanError(f"{source}: 'prediction' must be an object or null")
         for k in ("iteration_time_s", "peak_memory_gib"):  # the figures a plan's readers print
             v = pred.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
                 raise PlanError(f"{source}: prediction '{k}' must be a number, got {v!r}")
+
+
+def _known_figures(prediction: dict | None) -> dict | None:
+    """A plan's prediction without its null figures: a reader treats a null like a figure left out (a run printed
+    every step, then failed to format a null peak memory and lost its record)."""
+    if prediction is None:
+        return None
+    return {k: v for k, v in prediction.items() if v is not None}

@@ -1016,6 +1016,19 @@ def test_plan_json_fields_out_of_range_are_one_line_errors(tmp_path):
     assert plan.layout.world_size == 8
 
 
+def test_a_null_prediction_figure_reads_as_a_missing_one(tmp_path):
+    """A plan whose prediction holds null figures loads without them (execute trained every step, then failed to
+    print a null peak memory and lost its run record)."""
+    from paraplan.planner.plan import Plan
+
+    _simulate(tmp_path / "base.json", "--dp", "2", "--tp", "1", "--pp", "1", "--micro-batch", "1")
+    data = json.loads((tmp_path / "base.json").read_text())
+    data["prediction"].update(peak_memory_gib=None, iteration_time_s=None)
+    (tmp_path / "null.json").write_text(json.dumps(data))
+    pred = Plan.read(str(tmp_path / "null.json")).prediction
+    assert "peak_memory_gib" not in pred and "iteration_time_s" not in pred and pred["mfu"] == data["prediction"]["mfu"]
+
+
 def test_moe_all_to_all_overlap_only_where_megatron_runs_it(tmp_path):
     """Megatron-Core overlaps a micro-batch's all-to-alls with another's compute only with ep > 1, two micro-batches
     or more, no full recomputation nor of the MoE blocks (TransformerConfig refuses "moe" in recompute_modules,
