@@ -965,6 +965,9 @@ class CostModel:
         tokens = lay.global_batch * work.tokens_per_sample
         if lay.dtype == "fp32" and not gpu.is_cpu:
             notes.append("fp32 matmuls priced at the fp32 (not TF32) peak, as PyTorch runs them by default")
+        if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
+            notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
+                         "not executable; --framework megatron-core runs it")
         return Prediction(
             layout=lay, num_parameters=prof.num_parameters, iteration_time_s=iteration,
             tokens_per_s=tokens / iteration, samples_per_s=lay.global_batch / iteration,

@@ -76,3 +76,22 @@ def test_unsupported_dtype_and_unknown_cluster():
                 "--tp", "1", "--pp", "1", "--micro-batch", "1", "--dtype", "fp16",
                 "--write-plan", "/no/such/dir/p.json")
     assert_one_line_error(p, "does not exist")
+
+
+def test_what_the_executor_would_not_run_is_said(tmp_path):
+    """simulate prices any layout, but a plan it writes should not surprise at execute: etp > 1 under this executor's
+    stack is noted (execute refuses it), and a written plan that does not fit is warned about (as export and execute
+    warn)."""
+    moe = ["--model", "mixtral-tiny", "--cluster", "dgx-h100", "--global-batch", "16", "--tp", "1", "--pp", "1",
+           "--micro-batch", "1"]
+    p = run_cli("simulate", *moe, "--dp", "8", "--ep", "2", "--etp", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    assert any("does not run expert tensor parallelism yet (etp 2)" in n for n in json.loads(p.stdout)["notes"])
+    p = run_cli("simulate", *moe, "--dp", "8", "--ep", "2", "--etp", "2", "--framework", "megatron-core", "--json")
+    assert not any("expert tensor parallelism" in n for n in json.loads(p.stdout)["notes"])
+    big = ["--model", "llama2-70b", "--cluster", "dgx-h100", "--global-batch", "8", "--dp", "8", "--tp", "1", "--pp",
+           "1", "--micro-batch", "1"]
+    p = run_cli("simulate", *big, "--write-plan", str(tmp_path / "p.json"))
+    assert p.returncode == 0 and "warning: the plan does not fit" in p.stderr
+    p = run_cli("simulate", *moe, "--dp", "8", "--ep", "2", "--write-plan", str(tmp_path / "q.json"))
+    assert p.returncode == 0 and "warning" not in p.stderr, p.stderr

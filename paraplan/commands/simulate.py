@@ -71,6 +71,8 @@ def run(args) -> int:
         stdout.print(f"note: {note}", markup=False)
     if args.write_plan:
         stderr.print(f"plan written to {args.write_plan}")
+        if warning := plan.memory_warning():  # as export and execute will say
+            stderr.print(f"warning: {warning}", markup=False, highlight=False)
     if drawn:
         stderr.print(f"timeline drawn to {args.gantt}")
     return 0
