@@ -246,10 +246,12 @@ def write_outputs(rows: list[Row], stats: dict, out_dir: str, title: str, calibr
                      f"{'' if r.error is None else f'{100 * r.error:+.1f}%'} | "
                      f"{_f(r.prediction.peak_memory_gib if r.prediction else None)} | {_f(r.measured_memory_gib)} | "
                      f"{r.status} |")
-    lines += ["", "Measured step time: the faster of the layout's passes (all layouts are run in turn, then again), "
-              "each pass the median of the steps after the first — as calibrate measures this machine. Measured "
-              "memory: the largest "
-              "peak over the ranks (CPU: the process's peak resident set, torch included).", "",
+    passes = max((len(r.pass_medians_s) for r in rows), default=0)
+    how = "the median of the steps after the first (one pass over the layouts)" if passes <= 1 else \
+        (f"the fastest of the layout's {passes} passes (all layouts are run in turn, {passes} times over), each pass "
+         "the median of the steps after the first — as calibrate measures this machine")
+    lines += ["", f"Measured step time: {how}. Measured memory: the largest peak over the ranks (CPU: the process's "
+              "peak resident set, torch included).", "",
               *(["![predicted vs measured](predicted_vs_measured.png)", ""] if drawn else [])]
     Path(files["report"]).write_text("\n".join(lines))
     Path(files["json"]).write_text(json.dumps({**to_json(rows, stats), "calibrated": calibrated, "notes": list(notes)},

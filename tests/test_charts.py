@@ -154,6 +154,10 @@ def test_compare_simulate_and_validate_charts_degrade_too(tmp_path, monkeypatch)
     files = write_outputs([row], stats, str(tmp_path), "gpt-tiny")
     assert "chart" not in files
     assert "predicted vs measured chart not drawn (ValueError: cannot plot)" in open(files["report"]).read()
+    assert "(one pass over the layouts)" in open(files["report"]).read()  # validate --passes 1 says so
+    row.pass_medians_s = [1.1, 1.0]
+    report = open(write_outputs([row], stats, str(tmp_path), "gpt-tiny")["report"]).read()
+    assert "the fastest of the layout's 2 passes" in report and "one pass" not in report
 
 
 def test_charts_drawn_beside_each_other_come_out_as_drawn_in_order(tmp_path):
