@@ -126,3 +126,26 @@ def test_the_readme_demo_plan_fits_by_its_trace(tmp_path):
     assert result["world_size"] == 64 and result["fits"] is True
     for rank in result["ranks"]:
         assert abs(bench.errors(rank)[0]) <= 0.10
+
+
+@pytest.mark.parametrize("flags", ["--dp 8 --tp 1 --pp 1 --ep 4 --micro-batch 1 --zero 3",  # 1 expert over 2 ranks
+                                   "--dp 8 --tp 1 --pp 1 --ep 1 --micro-batch 1 --zero 2"])  # 4 over 8 (ep 1: dense)
+def test_experts_fewer_than_their_data_parallel_ranks_are_not_padded(tmp_path, flags):
+    """FSDP2 pads the dimension it shards to a multiple of the ranks: a rank's experts sharded on dim 0 over more
+    expert-data-parallel ranks than it has experts were padded to whole experts (the README's Mixtral plan traced
+    147 GiB per GPU for 68 predicted). They shard on a dimension that divides (data_parallel.expert_shard_dim):
+    the ZeRO collectives' bytes are the cost model's, to 1%."""
+    job = Job.load(_plan(tmp_path, "mixtral-tiny", 16, flags))
+    rank = dry_run(job, "cuda").to_dict()["ranks"][0]
+    for kind in ("all_gather", "reduce_scatter"):
+        assert rank["comm_bytes"][kind] == pytest.approx(rank["predicted_comm_bytes"][kind], rel=0.01), kind
+    assert rank["peak_memory_gib"] == pytest.approx(rank["predicted_memory_gib"], rel=0.10)
+
+
+def test_expert_shard_dim_is_the_first_that_divides():
+    from paraplan.executor.data_parallel import expert_shard_dim
+
+    assert expert_shard_dim((8, 4096, 14336), 8) == 0  # 8 experts over 8 ranks: one each
+    assert expert_shard_dim((1, 4096, 14336), 8) == 1  # Mixtral ep8 over 8 ranks: the hidden dimension
+    assert expert_shard_dim((6, 4096, 14336), 4) == 1
+    assert expert_shard_dim((3, 5, 7), 2) == 0  # none divides: dim 0, padded
