@@ -236,6 +236,13 @@ def _check_optional(data: dict, layout: Layout, source: str) -> None:
         v = data.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise PlanError(f"{source}: '{k}' must be a positive whole number or null, got {v!r}")
+    spec = data.get("model_spec")
+    ref = data["model"]
+    if isinstance(spec, dict) and isinstance(spec.get("name"), str) and spec["name"] != ref \
+            and not any(c in ref for c in "/\\:") and not ref.endswith((".yaml", ".yml", ".json")):
+        # a model named (not a file): the plan trains model_spec, its exports are labelled by 'model'
+        raise PlanError(f"{source}: 'model' {ref!r} disagrees with 'model_spec', which describes {spec['name']!r} "
+                        "(the model the plan trains): edit both, or neither")
     modes = data.get("stage_recompute")
     if modes is not None:
         if not isinstance(modes, list) or len(modes) != layout.num_stages or \

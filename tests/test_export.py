@@ -1002,7 +1002,8 @@ def test_plan_json_fields_out_of_range_are_one_line_errors(tmp_path):
              ({"prediction": {"iteration_time_s": "x"}}, "prediction 'iteration_time_s' must be a number"),
              ({"sequence_parallel": "false"}, "'sequence_parallel' must be true or false"),
              ({"attention": "bogus"}, "'attention' must be one of"), ({"framework_switches": []}, "must be an object"),
-             ({"cluster": 3}, "'cluster' must be a name")]
+             ({"cluster": 3}, "'cluster' must be a name"),
+             ({"model": "llama2-7b"}, "'model' 'llama2-7b' disagrees with 'model_spec'")]
     bad = tmp_path / "bad.json"
     for change, words in cases:
         bad.write_text(json.dumps({**data, **change}))
