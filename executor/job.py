@@ -22,6 +22,7 @@ class Job:
     plan: Plan
     spec: ModelSpec
     source: str  # the plan file, for messages
+    stale_prediction: str = ""  # why the plan's prediction was left out (it prices another step than the plan runs)
 
     @property
     def layout(self) -> Layout:
@@ -77,7 +78,22 @@ class Job:
             spec = load_model_spec(plan.model)
         job = cls(plan=plan, spec=spec, source=path)
         job.check()
-        return job
+        stale = job._stale_prediction()
+        return cls(plan=plan.replace(prediction=None), spec=spec, source=path, stale_prediction=stale) if stale else job
+
+    def _stale_prediction(self) -> str:
+        """Why the plan's prediction does not price what the plan runs ("" where it does): its tokens per step
+        (tokens/s x seconds) against global batch x sequence length, as after a hand edit of ``seq_length``. A run
+        summary would have set the measured step beside another step's prediction."""
+        pred = self.plan.prediction or {}
+        seconds, rate = pred.get("iteration_time_s"), pred.get("tokens_per_s")
+        if not all(isinstance(x, int | float) and x > 0 for x in (seconds, rate)):
+            return ""
+        priced, runs = seconds * rate, self.layout.global_batch * self.tokens_per_sample
+        if abs(priced / runs - 1) <= 0.01:
+            return ""
+        return (f"{self.source}: the plan's prediction prices {priced:,.0f} tokens a step, the plan runs {runs:,.0f} "
+                "(edited after it was priced?): its predicted figures are left out (paraplan simulate prices it again)")
 
     def check(self) -> None:
         """Everything that can be refused without looking at the machine."""

@@ -172,3 +172,22 @@ def test_worker_runs_alone_as_a_module():
     p = subprocess.run([sys.executable, "-m", "paraplan.executor.worker", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert p.returncode == 0 and "--plan" in p.stdout
+
+
+def test_a_prediction_of_another_step_is_left_out(tmp_path):
+    """A plan edited after it was priced (here its sequence length) keeps a prediction of another step: the run
+    would set its measured step beside it. Job.load leaves it out and says why; an unedited plan keeps it."""
+    from paraplan.executor.job import Job
+
+    path = tmp_path / "plan.json"
+    p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "local", "--global-batch", "8", "--dp", "1", "--tp",
+                "1", "--pp", "1", "--micro-batch", "4", "--no-calibrate", "--write-plan", str(path))
+    assert p.returncode == 0, p.stderr
+    assert Job.load(str(path)).plan.prediction is not None and not Job.load(str(path)).stale_prediction
+    data = json.loads(path.read_text())
+    data["seq_length"] = data["model_spec"]["seq_length"] // 2
+    path.write_text(json.dumps(data))
+    job = Job.load(str(path))
+    assert job.plan.prediction is None and job.plan.memory_warning() is None
+    assert f"prices {8 * 2 * data['seq_length']:,} tokens a step, the plan runs {8 * data['seq_length']:,}" in \
+        job.stale_prediction

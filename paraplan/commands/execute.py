@@ -142,8 +142,9 @@ def run(args) -> int:
         raise ExecutionError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     job = Job.load(args.plan)
     nproc = check_slots(job.plan, job.world_size, args.nnodes)
-    if warning := job.plan.memory_warning():
-        sys.stderr.write(f"paraplan execute: warning: {warning}\n")
+    for warning in (job.stale_prediction, job.plan.memory_warning()):
+        if warning:
+            sys.stderr.write(f"paraplan execute: warning: {warning}\n")
     training = training_options(args, job)
     out = args.out
     if args.json and not out and args.node_rank == 0:  # the record is printed, so it is written somewhere first
