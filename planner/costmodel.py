@@ -965,6 +965,10 @@ class CostModel:
         tokens = lay.global_batch * work.tokens_per_sample
         if lay.dtype == "fp32" and not gpu.is_cpu:
             notes.append("fp32 matmuls priced at the fp32 (not TF32) peak, as PyTorch runs them by default")
+        if hw_tflops * 1e12 > peak_flops and gpu.is_cpu:  # measured blocks ran faster than the calibrated peak
+            notes.append(f"{hw_tflops * 1e12 / peak_flops:.0%} of the calibrated peak ({peak_flops / 1e12:.3g} TFLOP/s "
+                         "per rank): the measured blocks ran faster than the machine's calibration (taken while "
+                         "it was busy?); run paraplan calibrate again on an idle machine")
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")

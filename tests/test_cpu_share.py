@@ -95,3 +95,16 @@ def test_gpus_are_not_cpu_shares():
     work = Workload.create("gpt3-1.3b", "dgx-h100", global_batch=64)
     share = CostModel(work).cpu_share
     assert not share.cpu and share.compute(8) == 1.0 and share.host(8) == 1.0
+
+
+def test_a_rate_above_the_calibrated_peak_is_noted(monkeypatch):
+    """Block times measured faster than the machine's calibrated peak put MFU above 100%: the prediction says so and
+    what to do (a calibration taken while the machine was busy); within the peak, no such note."""
+    model, _ = _model(TWO_CORES)
+    lay = Layout(dp=2, tp=1, pp=1, micro_batch=2, global_batch=16, dtype="fp32")
+    pred = model.evaluate(lay, default_stages(model, lay))
+    assert pred.hfu <= 1 and not any("calibrated peak" in n for n in pred.notes)
+    monkeypatch.setattr(model.cpu_share, "rank_peak_flops", lambda dtype, busy: pred.hardware_tflops_per_gpu * 5e11)
+    noted = model.evaluate(lay, default_stages(model, lay))
+    assert noted.mfu > 1 and any(n.startswith("200% of the calibrated peak") and "calibrate again" in n
+                                 for n in noted.notes)
