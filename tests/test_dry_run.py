@@ -108,7 +108,7 @@ def test_plan_verify_drops_a_plan_whose_trace_does_not_fit(tmp_path, monkeypatch
             return {"fits": self.fits, "peak_memory_gib": 99.0 if not self.fits else 1.0}
 
     monkeypatch.setattr(dr, "dry_run", lambda job, device, progress: Traced(next(verdicts)))
-    verify_by_dry_run(result, work, quiet=True)
+    assert verify_by_dry_run(result, work, quiet=True) == [first]  # those left out, in the order tried
     assert result.best is not first and first.status == "traced oom"
     assert result.best.traced_peak_gib == 1.0
     assert "99.0 GiB" in first.status_text()

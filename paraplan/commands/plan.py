@@ -134,10 +134,10 @@ def _search_and_report(args, work: Workload, gpus: int, model: CostModel, out: s
         if bar:
             bar.stop()
     if args.verify:
-        verify_by_dry_run(result, work, args.json)
+        rejected = verify_by_dry_run(result, work, args.json)
         if result.best is None:
             raise PlanError("no plan fits by the executor's dry run: " + "; ".join(
-                c.status_text() for c in result.candidates if c.status == "traced oom"))
+                f"{c.layout.short()}: {c.status_text()}" for c in rejected))
     # the scaling chart's re-plans (started with the search, on the cores it leaves) get as long as it took,
     # at least SCALING_WAIT_S; then every chart is drawn at once, by the child forked when the command started
     wait = max(SCALING_WAIT_S, result.search_time_s)
@@ -147,9 +147,10 @@ def _search_and_report(args, work: Workload, gpus: int, model: CostModel, out: s
     return result, files
 
 
-def verify_by_dry_run(result: SearchResult, work: Workload, quiet: bool) -> None:
+def verify_by_dry_run(result: SearchResult, work: Workload, quiet: bool) -> list:
     """Dry-run the ranked plans in order (executor/dry_run.py) until one fits by its trace; each that does
-    not leaves the ranking. The winner records its traced peak for the report."""
+    not leaves the ranking. The winner records its traced peak for the report. Returns those left out, in the
+    order tried."""
     import tempfile
 
     from paraplan.executor.dry_run import dry_run
@@ -158,6 +159,7 @@ def verify_by_dry_run(result: SearchResult, work: Workload, quiet: bool) -> None
     from paraplan.planner.report import write_plan
 
     say = (lambda line: None) if quiet else (lambda line: stderr.print(line, markup=False, highlight=False))
+    rejected = []
     for cand in list(result.ranked):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "plan.json")
@@ -169,7 +171,9 @@ def verify_by_dry_run(result: SearchResult, work: Workload, quiet: bool) -> None
         if traced["fits"] is not False:
             say(f"traced peak {traced['peak_memory_gib']:.1f} GiB vs {cand.prediction.peak_memory_gib:.1f} GiB "
                 f"predicted: fits")
-            return
+            return rejected
         say(f"traced peak {traced['peak_memory_gib']:.1f} GiB exceeds the GPU's {work.cluster.gpu.memory_GiB:g} "
             "GiB: trying the next plan")
         result.reject_traced(cand, traced["peak_memory_gib"])
+        rejected.append(cand)
+    return rejected
