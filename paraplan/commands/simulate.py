@@ -15,11 +15,17 @@ def _check_out(path: str, flag: str) -> None:
         raise PlanError(problem)
 
 
+def _tflops(x: float) -> str:
+    """A GPU's 387.4; a CPU rank's 0.0352 (not 0.0)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
 def prediction_rows(d: dict) -> list[list[str]]:
     t, mem = d["time_s"], d["memory_gib"]
     rows = [["iteration time", f"{d['iteration_time_s']:.4g} s"],
             ["throughput", f"{d['tokens_per_s']:,.0f} tokens/s  ({d['samples_per_s']:.4g} samples/s)"],
-            ["TFLOP/s per GPU", f"model {d['model_tflops_per_gpu']:.1f}, hardware {d['hardware_tflops_per_gpu']:.1f}"],
+            ["TFLOP/s per GPU", f"model {_tflops(d['model_tflops_per_gpu'])}, "
+                                f"hardware {_tflops(d['hardware_tflops_per_gpu'])}"],
             ["MFU / HFU", f"{100 * d['mfu']:.1f}% / {100 * d['hfu']:.1f}%"],
             ["memory per GPU", f"{d['peak_memory_gib']:.2f} GiB of {d['memory_capacity_gib']:g} "
                                f"({'fits' if d['fits'] else 'DOES NOT FIT'})"],
@@ -28,7 +34,9 @@ def prediction_rows(d: dict) -> list[list[str]]:
     for k in ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer") + \
             (("ep_comm",) if t.get("ep_comm") else ()):  # the MoE token all-to-alls (planner/moe.py)
         share = 100 * t[k] / d["iteration_time_s"] if d["iteration_time_s"] else 0
-        rows.append([f"  time: {k.replace('_', ' ')}", f"{t[k]:.4g} s ({share:.1f}%)"])
+        # (a part below a billionth of the step is rounding, as a pp1 layout's bubble: printed as 0)
+        seconds = t[k] if abs(t[k]) > 1e-9 * d["iteration_time_s"] else 0.0
+        rows.append([f"  time: {k.replace('_', ' ')}", f"{seconds:.4g} s ({share:.1f}%)"])
     return rows
 
 
