@@ -4,7 +4,7 @@ and the whole `paraplan plan` command with its report and charts.
 `search_time_s` is the search itself (enumeration, bounds, ILPs); `wall` is the command as a user runs
 it, process start, profiling, the scaling re-plans and the charts included. The first run of a case
 fills the profile cache (a fresh one: cold start); the repeats show the spread on this noisy machine.
-Run: .venv/bin/python benchmarks/bench_plan.py [--repeats N] [--solvers]
+Run: .venv/bin/python benchmarks/bench_plan.py [--repeats N] [--solvers] [--moe]
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ import time
 from pathlib import Path
 
 ONE_T = str(Path(__file__).with_name("data") / "gpt-1t.yaml")
+# mixtures of experts multiply the layouts by their (ep, etp) choices (--moe: once each, search only)
+MOE_CASES = {
+    "DeepSeek-V3 on 1024 H100s, batch 4096, megatron-core": ["--model", "deepseek-v3", "--cluster", "dgx-h100",
+                                                             "--nodes", "128", "--global-batch", "4096",
+                                                             "--framework", "megatron-core"],
+    "Llama 4 Maverick on 512 H100s, batch 1024, megatron-core": ["--model", "llama4-maverick", "--cluster", "dgx-h100",
+                                                                 "--nodes", "64", "--global-batch", "1024",
+                                                                 "--framework", "megatron-core"],
+}
 CASES = {
     "llama2-70b on 64 H100s (8 DGX nodes), batch 512": ["--model", "llama2-70b", "--cluster", "dgx-h100",
                                                          "--global-batch", "512"],
@@ -76,8 +85,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs of each case with report and charts")
     ap.add_argument("--solvers", action="store_true", help="compare CBC and HiGHS as the first ILP solver")
+    ap.add_argument("--moe", action="store_true", help="time the two large mixture-of-experts searches instead")
     opts = ap.parse_args()
     repeats = opts.repeats
+    if opts.moe:
+        env = {**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}
+        for name, args in MOE_CASES.items():
+            out = ["--out", tempfile.mkdtemp(prefix="paraplan-report-"), "--no-charts"]
+            _run([*args, *out], env)  # the profile cache warm
+            wall, r = _run([*args, *out], env)
+            print(f"{name}: search {r['search_time_s']:.1f} s, wall {wall:.1f} s; {r['num_candidates']:,} candidates, "
+                  f"{r['ilp_solves']} ILPs; best {_layout(r['best']['plan'])} {r['best']['iteration_time_s']:.4g} s")
+        return
     if opts.solvers:
         compare_solvers({**os.environ, "PARAPLAN_CACHE": tempfile.mkdtemp(prefix="paraplan-bench-")}, repeats)
         return
