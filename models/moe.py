@@ -216,8 +216,11 @@ class GroupedExperts(nn.Module):
 
         Under expert parallelism the weights are DTensors sharded over the experts (dim 0): this rank computes
         with its own experts (``counts`` then has one entry per local expert)."""
-        w1, w2 = _local(self.w1), _local(self.w2)  # (E_local, h, f), (E_local, f, h)
-        w3 = _local(self.w3) if self.gated else None
+        # each stacked weight unbound once into its experts' (in, out) views: in backward their gradients are
+        # stacked once (w[e] per expert would write a zero-filled whole-stack gradient per expert and sum them all:
+        # traffic growing with the square of the experts)
+        w1, w2 = _local(self.w1).unbind(0), _local(self.w2).unbind(0)  # E_local x (h, f), E_local x (f, h)
+        w3 = _local(self.w3).unbind(0) if self.gated else None
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):  # xe: (n_e, h)
             hidden = xe @ w1[e]  # (n_e, f)

@@ -305,15 +305,15 @@ def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: f
 
 def stacked_grad_traffic(spec, local_experts: int, elem: int) -> float:
     """Bytes the executor's backward moves for the weight gradients of a rank's ``local_experts`` experts,
-    held as stacked (E_l, in, out) tensors and indexed per expert (models/moe.py GroupedExperts): autograd's
-    select_backward writes each expert's slice gradient into a zero-filled whole-stack tensor (E_l·in·out
-    written, the slice copied in), and AccumulateGrad sums the E_l of them (each sum reads two stacks and
-    writes one): (4·E_l² - E_l)·in·out elements per stacked weight, ``elem`` bytes each. It grows with the
-    square of the experts a rank holds — what expert parallelism divides by ep² (profiled: within 1% of the
-    traced backward's weight-sized traffic of Qwen3-30B-A3B's 128 experts, 12% of Mixtral's 8)."""
+    held as stacked (E_l, in, out) tensors and unbound into per-expert views once per forward (models/moe.py
+    GroupedExperts): autograd's unbind_backward stacks the experts' gradients into one zero-filled whole-stack
+    tensor (E_l·in·out written, each slice read and written): 3·E_l·in·out elements per stacked weight, ``elem``
+    bytes each (profiled: Qwen3-30B-A3B's 128 experts and Mixtral's 8 alike, the traced backward's weight-sized
+    traffic less the ~4 elements per expert parameter the layer's other work moves). Indexing each expert apart
+    (w[e]) wrote a whole-stack gradient per expert and summed them: (4·E_l² - E_l), 511 per element at 128 experts
+    where this is 3."""
     mats = 3 if spec.family == "llama" else 2  # SwiGLU's w1, w3, w2; GELU's w1, w2
-    n = local_experts
-    return mats * (4 * n * n - n) * spec.hidden_size * spec.moe_ffn_size * elem
+    return mats * 3 * local_experts * spec.hidden_size * spec.moe_ffn_size * elem
 
 
 # ---- communication ----

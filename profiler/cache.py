@@ -21,7 +21,8 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 6  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection
+_FORMAT = 7  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
+# experts' weights unbound once (their backward's traffic linear in the experts, not quadratic)
 
 
 def _folder() -> Path | None:

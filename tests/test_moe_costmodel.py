@@ -138,18 +138,19 @@ def test_rank_view_regroups_the_experts_and_splits_the_moe_block_over_tp(mixtral
         moe.stacked_grad_traffic(spec, 2, 2), abs=1)
 
 
-@pytest.mark.parametrize("name,rel", [("qwen3-30b-a3b", 0.01), ("mixtral-8x7b", 0.12)])
-def test_stacked_expert_gradient_traffic_is_what_the_profile_traced(name, rel):
-    """The executor's per-expert slices of stacked weights: (4 E² - E) x in x out elements per stacked weight
-    in backward (select_backward's zero-filled whole-stack gradients and their accumulation), the bulk of the
-    backward's weight-sized traffic the profiler traced (the rest: the layer's other weights)."""
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_stacked_expert_gradient_traffic_is_what_the_profile_traced(name):
+    """The executor's stacked expert weights, unbound into per-expert views once: 3 E x in x out elements per stacked
+    weight in backward (unbind_backward's zero-filled whole stack, each expert's slice copied in); with the ~4 elements
+    per expert parameter the rest of the layer's backward moves, the weight-sized traffic the profiler traced — alike
+    for 128 experts and for 8 (indexing each expert apart made it 4 E² - E: 515 x the weights at 128 experts)."""
     work = Workload.create(name, "dgx-h100", 8)
     layer, spec = _layer(work), work.spec
     traced = layer.bwd_ops.other_bytes_fixed
+    weights = 3 * spec.num_experts * spec.hidden_size * spec.moe_ffn_size * 2  # bytes of the three stacked weights
     formula = moe.stacked_grad_traffic(spec, spec.num_experts, 2)
-    assert formula == 3 * (4 * spec.num_experts ** 2 - spec.num_experts) * spec.hidden_size * spec.moe_ffn_size * 2
-    assert formula <= traced
-    assert formula == pytest.approx(traced, rel=rel)
+    assert formula == 3 * weights
+    assert 3.5 * weights < traced - formula < 4.5 * weights
 
 
 def test_model_flops_count_active_experts_only(mixtral):
