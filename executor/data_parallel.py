@@ -70,7 +70,7 @@ def shard_dp(module: nn.Module, zero: int, dp_mesh: DeviceMesh, mp_dtype: torch.
 
 
 def _wrap(module: nn.Module, zero: int, mesh: DeviceMesh, mp_dtype: torch.dtype | None,
-          stacked: set[int] = frozenset()) -> nn.Module:
+          stacked: set[int] | frozenset[int] = frozenset()) -> nn.Module:
     """ZeRO 0/1 (or one rank): replicate; ZeRO 2/3: fully_shard, resharding after forward for ZeRO 3.
     ``stacked``: the ids of the routed experts' stacked weights, sharded on :func:`expert_shard_dim`."""
     if zero <= 1 or mesh.size() == 1:
@@ -89,7 +89,7 @@ def expert_shard_dim(local_shape: tuple[int, ...], ranks: int) -> int:
     return next((d for d, size in enumerate(local_shape) if size % ranks == 0), 0)
 
 
-def _expert_placement(ranks: int, stacked: set[int]):
+def _expert_placement(ranks: int, stacked: set[int] | frozenset[int]):
     """FSDP2's shard_placement_fn: :func:`expert_shard_dim` of the local shard of each routed experts' weight (ids in
     ``stacked``: in an expert-parallel unit of their own, or in their layer's unit at ep 1); FSDP2's own (dim 0)
     for every other parameter. None where there are no experts."""

@@ -716,16 +716,24 @@ def _twins(lay: Layout, rules: tuple[bool, bool]) -> list[tuple[tuple, str]]:
     Each twin differs from ``lay`` in one field, and only adds to what the layout must satisfy (the sequence split
     over tp, 1F1B's pp micro-batches at least): a layout one of whose twins is valid is valid itself
     (tests/test_planner.py checks it over the enumerated layouts)."""
-    sp_rule, zero_rule = rules
+    sp, zero, gpipe = _twin_kinds(lay, rules)
+    if not (sp or zero or gpipe):
+        return []
     key = _layout_key(lay)  # a twin's key differs in one field (no Layout built: a million of these)
     twins = []
-    if sp_rule and lay.tp > 1 and not lay.sequence_parallel:
+    if sp:
         twins.append((key[:7] + (True,) + key[8:], "sequence parallelism on"))
-    if zero_rule and lay.zero == 1:
+    if zero:
         twins.append((key[:6] + (2,) + key[7:], "ZeRO-2"))
-    if lay.schedule == "gpipe":
+    if gpipe:
         twins.append((key[:4] + ("1f1b",) + key[5:], "1f1b"))
     return twins
+
+
+def _twin_kinds(lay: Layout, rules: tuple[bool, bool]) -> tuple[bool, bool, bool]:
+    """Which twins ``lay`` has (:func:`_twins`): with sequence parallelism on, with ZeRO-2, with 1F1B."""
+    sp_rule, zero_rule = rules
+    return sp_rule and lay.tp > 1 and not lay.sequence_parallel, zero_rule and lay.zero == 1, lay.schedule == "gpipe"
 
 
 def _dominated_by(lay: Layout, valid: set[tuple], model: CostModel) -> str | None:
@@ -753,10 +761,9 @@ def _validated(model: CostModel, layouts: list[Layout]) -> list[Candidate]:
         valid.add(_layout_key(lay))
         return Candidate(lay, "pruned")
 
-    rules = sp_rule, zero_rule = _pruning_rules(model)
-    for i, lay in enumerate(layouts):  # how many twins each has (as _twins finds them)
-        twins = (sp_rule and lay.tp > 1 and not lay.sequence_parallel) + (zero_rule and lay.zero == 1) + \
-            (lay.schedule == "gpipe")
+    rules = _pruning_rules(model)
+    for i, lay in enumerate(layouts):
+        twins = sum(_twin_kinds(lay, rules))
         if twins:
             later.append((twins, i))
         else:
