@@ -58,13 +58,14 @@ def shard_dp(module: nn.Module, zero: int, dp_mesh: DeviceMesh, mp_dtype: torch.
     from .expert_parallel import expert_modules
 
     dp = dp_mesh.size()
-    experts = expert_modules(module) if edp_mesh is not None else []
+    units = expert_modules(module)
+    stacked = {id(p) for unit in units for p in unit.parameters()}  # the routed experts' weights
+    experts = units if edp_mesh is not None else []
     if uses_ddp(zero, dp, mp_dtype, pipelined, tensor_parallel, bool(experts)) or (dp == 1 and mp_dtype is None):
         if experts and edp_mesh.size() > 1:  # only the experts have replicas
             for unit in experts:
-                _wrap(unit, zero, edp_mesh, mp_dtype)
+                _wrap(unit, zero, edp_mesh, mp_dtype, stacked)
         return module
-    stacked = {id(p) for unit in expert_modules(module) for p in unit.parameters()}  # the routed experts' weights
     return _per_layer(module, lambda m: _wrap(m, zero, dp_mesh, mp_dtype, stacked),
                       lambda m: _wrap(m, zero, edp_mesh, mp_dtype, stacked) if edp_mesh is not None else None)
 

@@ -82,7 +82,7 @@ def write_candidates_csv(result: SearchResult, path: str) -> None:
         prices = "," * 4 if p is None else \
             f"{p.iteration_time_s:.6g},{p.tokens_per_s:.6g},{p.mfu:.4f},{p.peak_memory_gib:.3f},"
         return (f"{order.get(id(c), '')},{lay.dp},{lay.tp},{lay.pp},{lay.cp},{lay.ep},{lay.etp},{lay.micro_batch},"
-                f"{lay.global_batch // (lay.dp * lay.micro_batch)},{lay.schedule},{lay.virtual_stages},{lay.zero},"
+                f"{lay.num_micro_batches},{lay.schedule},{lay.virtual_stages},{lay.zero},"
                 f"{lay.sequence_parallel},{_csv_field(recompute)},{_csv_field(c.status_text())},{prices}{bound}\r\n")
 
     rows = sorted(result.candidates, key=lambda c: (

@@ -703,10 +703,10 @@ def _pruning_rules(model: CostModel) -> tuple[bool, bool]:
     return free and not model.host_cost("tp_module"), free and not model.host_cost("fsdp_unit")
 
 
-def _twins(lay: Layout, rules: tuple[bool, bool]) -> list[tuple[tuple, str]]:
+def _twins(lay: Layout, rules: tuple[bool, bool], key: tuple | None = None) -> list[tuple[tuple, str]]:
     """The layouts that would dominate ``lay`` where valid — another layout matching it in time with less memory,
     under this cost model, only where the two cost exactly the same time (sound pruning) — as (key, what differs),
-    in the order :func:`_dominated_by` tries them:
+    in the order :func:`_dominated_by` tries them (``key``: ``lay``'s own, where the caller has it):
     - sequence parallelism on, and ZeRO-2 over ZeRO-1, only under ZeRO's accounting (Megatron-style stacks)
       without measured per-call host costs (``rules``, :func:`_pruning_rules`): there the collective volumes are
       equal (all-reduce = reduce-scatter + all-gather) and only memory differs. This executor's SP adds a
@@ -719,7 +719,7 @@ def _twins(lay: Layout, rules: tuple[bool, bool]) -> list[tuple[tuple, str]]:
     sp, zero, gpipe = _twin_kinds(lay, rules)
     if not (sp or zero or gpipe):
         return []
-    key = _layout_key(lay)  # a twin's key differs in one field (no Layout built: a million of these)
+    key = key or _layout_key(lay)  # a twin's key differs in one field (no Layout built: a million of these)
     twins = []
     if sp:
         twins.append((key[:7] + (True,) + key[8:], "sequence parallelism on"))
@@ -771,9 +771,10 @@ def _validated(model: CostModel, layouts: list[Layout]) -> list[Candidate]:
     later.sort()
     for _, i in later:
         lay = layouts[i]
-        better = next((why for key, why in _twins(lay, rules) if key in valid), None)
+        key = _layout_key(lay)
+        better = next((why for twin, why in _twins(lay, rules, key) if twin in valid), None)
         if better:
-            valid.add(_layout_key(lay))
+            valid.add(key)
             out[i] = Candidate(lay, "dominated", better)
         else:
             out[i] = validated(lay)
