@@ -87,6 +87,7 @@ from paraplan.planner.workload import Workload
 
 DATA = Path(__file__).with_name("data") / "published_moe.yaml"
 FRAMEWORK = "megatron-core"
+AUTOMODEL = "nemo-automodel"  # NeMo Automodel's rows (its performance-summary table)
 # the CLI's --recompute modes, least memory saved first
 RECOMPUTE_ORDER = ("none", "selective", "mlp", "selective+mlp", "full")
 # Rows the MoE choices were checked on before the others were looked at (see the module docstring).
@@ -155,14 +156,31 @@ def grok(row: dict):
         seq_length=row["seq_len"]), "published_moe.yaml")
 
 
-def gpt_oss_120b(row: dict):
+def gpt_oss(row: dict, layers: int = 36, experts: int = 128):
     """GPT-OSS-120B (its config.json): 36 layers, h 2880, 64 query heads of 64, 8 K/V heads, 128 SwiGLU experts
-    of 2880, top-4, 201,088 ids. Not modelled: the sliding 128-token window of every other layer's attention
-    (priced as full causal attention: its attention FLOPs overstated), attention sinks, biases."""
+    of 2880, top-4, 201,088 ids; GPT-OSS-20B the same with 24 layers and 32 experts (20.9B parameters). Not
+    modelled: the sliding 128-token window of every other layer's attention (priced as full causal attention: its
+    attention FLOPs overstated), attention sinks, biases."""
     return spec_from_mapping(dict(
-        name="gpt-oss-120b", family="llama", num_layers=36, hidden_size=2880, num_attention_heads=64, head_dim=64,
-        num_kv_heads=8, ffn_hidden_size=2880, num_experts=128, experts_per_token=4, vocab_size=201088,
+        name=f"gpt-oss-{'120b' if layers == 36 else '20b'}", family="llama", num_layers=layers, hidden_size=2880,
+        num_attention_heads=64, head_dim=64, num_kv_heads=8, ffn_hidden_size=2880, num_experts=experts,
+        experts_per_token=4, vocab_size=201088, seq_length=row["seq_len"]), "published_moe.yaml")
+
+
+def kimi_k2(row: dict):
+    """Kimi K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's architecture with 64 heads, 384 routed experts
+    (top-8, one shared), one dense layer first, 163,840 ids, no multi-token prediction layer: 1.026T parameters,
+    32.9B active (published: 1T, 32B)."""
+    return spec_from_mapping(dict(
+        name="kimi-k2", family="llama", num_layers=61, hidden_size=7168, num_attention_heads=64, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_hidden_size=18432,
+        moe_ffn_hidden_size=2048, num_experts=384, experts_per_token=8, num_shared_experts=1, dense_layers=1,
+        moe_score_function="sigmoid", moe_routed_scaling_factor=2.827, vocab_size=163840,
         seq_length=row["seq_len"]), "published_moe.yaml")
+
+
+def is_automodel(row: dict) -> bool:
+    return "Automodel" in str(row.get("framework", ""))
 
 
 def model_of(row: dict):
@@ -172,14 +190,21 @@ def model_of(row: dict):
         return None, "not an H100 run"
     if "nemotron" in name:
         return None, "hybrid Mamba-Transformer: no such family here"
-    if "Automodel" in str(row.get("framework", "")):
-        return None, "NeMo Automodel (PyTorch FSDP2 + DeepEP): no framework profile of it here"
+    if is_automodel(row):
+        if as_run(row).get("ep") in (None, "-"):
+            return None, "expert parallelism not published (and the config at the table's commit ran another layout)"
+        if name == "kimi-k2":
+            return kimi_k2(row), ""
+        if name == "gpt-oss-20b":
+            return gpt_oss(row, layers=24, experts=32), ""
+        if name == "deepseek-v3":  # Automodel's DeepSeek-V3 had no multi-token prediction module at the rows' commit
+            return load_model_spec("deepseek-v3").replace(seq_length=row["seq_len"], mtp_layers=0), ""
     if "llama4-maverick" in name:  # the 48-layer model (the README's FLOPs per sample are the 48-layer model's)
         return load_model_spec("llama4-maverick").replace(seq_length=row["seq_len"]), ""
     if name.startswith("grok"):
         return grok(row), ""
     if name == "gpt-oss-120b":
-        return gpt_oss_120b(row), ""
+        return gpt_oss(row), ""
     name = base_model(row)  # a token-drop row is priced with its recipe's token dropping (recipe())
     if "seq_len" not in row:
         return None, "no layout published (sequence length, parallel degrees)"
@@ -215,10 +240,13 @@ def layout_of(row: dict) -> Layout:
     vp = vp if isinstance(vp, int) and vp > 1 and pp > 1 else 1
     dtype = row_dtype(row)
     fsdp = str(row.get("fsdp", "")).lower() in ("on", "1", "true")  # Megatron FSDP: parameters sharded too
+    zero = 3 if fsdp else 1
+    if is_automodel(row):  # FSDP2 with reshard_after_forward = not pp_enabled (moe/parallelizer.py at 89e3a9fdd)
+        zero = 2 if pp > 1 else 3
     return Layout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=row["ep"], etp=row.get("etp") or default_etp(row),
                   micro_batch=row["micro_batch"], global_batch=row["global_batch"],
                   schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
-                  sequence_parallel=tp > 1, zero=3 if fsdp else 1, dtype=dtype)
+                  sequence_parallel=tp > 1, zero=zero, dtype=dtype)
 
 
 def published_step(row: dict) -> float | None:
@@ -240,6 +268,8 @@ def recipe(row: dict) -> dict:
     flex dispatcher priced as --moe-dispatcher hybridep, else alltoall; ``ep_a2a_overlap``), else RECIPES' where
     its layout is the recipe's."""
     row = as_run(row)
+    if is_automodel(row):  # the nemo-automodel profile is its DeepEP benchmark configs' stack
+        return {}
     if "token_dispatcher" in row:
         flex = any(x in str(row["token_dispatcher"]) for x in ("DeepEP", "flex", "HybridEP"))
         return dict(moe_dispatcher="hybridep" if flex else "alltoall", moe_a2a_overlap=bool(row.get("ep_a2a_overlap")))
@@ -261,6 +291,7 @@ def predict(row: dict, framework: str = FRAMEWORK):
     lay = layout_of(row)
     # the recipe's switches as the CLI takes them (--moe-dispatcher, --moe-a2a-overlap, --no-grad-reduce-in-fp32,
     # --optimizer-states)
+    framework = AUTOMODEL if is_automodel(row) else framework
     work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=max(1, lay.num_gpus // 8), framework=framework,
                            **recipe(row))
     # The tables do not say what each run recomputed: the recipe's where it names it (RECIPE_RECOMPUTE), else the
@@ -269,7 +300,8 @@ def predict(row: dict, framework: str = FRAMEWORK):
     published = str(row.get("recompute_published", ""))
     run = as_run(row)
     by_recipe = RECIPE_RECOMPUTE.get((base_model(row), run.get("tp"), run.get("pp"), run.get("ep")))
-    modes = ("full",) if published.startswith("full") else (by_recipe,) if by_recipe else RECOMPUTE_ORDER
+    full = published.startswith("full") or is_automodel(row)  # Automodel's configs: activation_checkpointing true
+    modes = ("full",) if full else (by_recipe,) if by_recipe else RECOMPUTE_ORDER
     for mode in modes:
         try:
             pred, _ = simulate(work, lay.replace(recompute=mode), event_sim=False)

@@ -18,7 +18,8 @@ from paraplan import __version__
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 RECOMPUTE = ("none", "norm+act", "selective", "mlp", "selective+mlp", "full")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
-FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
+FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan",
+                     "nemo-automodel")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -56,8 +56,8 @@ ADAM_BYTES_PER_PARAM = {"zero": 38, "executor": 28}
 
 def adam_bytes_per_param(framework) -> float:
     """Optimizer step traffic per updated parameter (ADAM_BYTES_PER_PARAM, with the stack's state sizes)."""
-    if framework.states == "executor":
-        return ADAM_BYTES_PER_PARAM["executor"]
+    if framework.states == "executor":  # torch's Adam keeps its moments in the weights' dtype
+        return ADAM_BYTES_PER_PARAM["executor"] - 2 * (12 - framework.master_bytes - framework.moment_bytes)
     return ADAM_BYTES_PER_PARAM["zero"] - 2 * (12 - framework.master_bytes - framework.moment_bytes)
 
 
@@ -110,11 +110,11 @@ def dp_exposures(model, lay: Layout, place: Placement, root_params: float, tied_
         return items + [Exposure(Sync("all_reduce", both, per_param=ge), hidden=window, floor="bucket",
                                  bucket_bytes=DDP_BUCKET_BYTES, bucket_time=all_reduce)]
     if fw.states == "executor":
-        return items + _executor(lay, all_reduce, gather, window, ge, wb, m, root_params)
+        return items + _executor(lay, fw, all_reduce, gather, window, ge, wb, m, root_params)
     return items + _zero_accounting(lay, fw, all_reduce, gather, window, ge, wb, m)
 
 
-def _executor(lay: Layout, all_reduce, gather, window: Affine, ge: int, wb: int, m: int,
+def _executor(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: int, m: int,
               root_params: float) -> list[Exposure]:
     if lay.zero <= 1:
         if lay.pp == 1:
@@ -126,18 +126,29 @@ def _executor(lay: Layout, all_reduce, gather, window: Affine, ge: int, wb: int,
         if lay.zero == 1:  # owners broadcast their updated fp32 weights
             items.append(Exposure(Sync("all_gather", gather, per_param=4)))
         return items
-    return executor_sharded(lay, gather, ge, wb, m, "per_param")
+    return executor_sharded(lay, fw, gather, ge, wb, m, "per_param")
 
 
-def executor_sharded(lay: Layout, gather, ge: int, wb: int, m: int, per: str) -> list[Exposure]:
-    """This executor's ZeRO-2/3 (FSDP2): a gradient reduce-scatter per micro-batch under its backward (ZB-V:
-    once, after the last backward), the weights gathered once (ZeRO-2) or before every micro-batch's forward
+def reduces_once(fw, lay: Layout) -> bool:
+    """Does an FSDP2 stack ("executor" states) under ZeRO 2/3 reduce-scatter its gradients once per step, having
+    summed them unsharded (ZB-V's pipeline; a stack that turns gradient sync off until the last backward:
+    Framework.zero23_every_micro_batch False), rather than every micro-batch?"""
+    return (lay.pp > 1 and lay.schedule == "zb-v") or not fw.zero23_every_micro_batch
+
+
+def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str) -> list[Exposure]:
+    """FSDP2's ZeRO-2/3 ("executor" states): a gradient reduce-scatter per micro-batch under its backward, or
+    once (:func:`reduces_once`: after a pipeline's last backward, exposed; without a pipeline under the last
+    micro-batch's backward), the weights gathered once (ZeRO-2) or before every micro-batch's forward
     and backward (ZeRO-3). ``per``: the load the bytes scale with (``per_param``; ``per_expert`` for the
     expert-parallel experts over their edp group, planner/moe.py)."""
     gathers = Sync("all_gather", gather, **{per: wb})
     fwd, bwd = Affine(fwd=1.0), Affine(bwd=1.0)
-    if lay.pp > 1 and lay.schedule == "zb-v":  # gradients reduced once, after the last backward
-        items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}))]
+    if reduces_once(fw, lay):
+        if lay.pp > 1:
+            items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}))]
+        else:
+            items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}), hidden=bwd, floor="zero")]
     else:
         items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}), count=m, hidden=bwd, floor="zero")]
     if lay.zero == 2:
@@ -222,7 +233,7 @@ def sequence_parallel_weight_sync(model, lay: Layout, place: Placement) -> Expos
     (both traced by the dry run)."""
     cluster = model.work.cluster
     sync = lambda n: comm.all_reduce(n, place.tp, cluster, place.gpus_per_node_busy)  # noqa: E731
-    every = lay.pp > 1 and lay.zero >= 2 and lay.data_ranks > 1 and lay.schedule != "zb-v"
+    every = lay.pp > 1 and lay.zero >= 2 and lay.data_ranks > 1 and not reduces_once(model.work.framework, lay)
     if every:
         return Exposure(Sync("all_reduce", sync, per_replicated=weight_bytes(lay)), count=lay.num_micro_batches)
     return Exposure(Sync("all_reduce", sync, per_replicated=4.0))

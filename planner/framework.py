@@ -109,6 +109,8 @@ class Framework:
     # (Megatron-Core's overlap_moe_expert_parallel_comm); moe_shared_expert_overlap: the shared experts' GEMMs run
     # on a stream of their own beside the dispatch and combine all-to-alls (Megatron-Core's moe_shared_expert_overlap)
     moe_dispatcher: str = "alltoall"
+    # the dispatchers a stack of "executor" states can run (--moe-dispatcher refuses the others there)
+    moe_dispatchers: tuple[str, ...] = ("alltoall",)
     moe_a2a_overlap: bool = False
     moe_shared_expert_overlap: bool = False
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
@@ -238,7 +240,36 @@ TORCHTITAN = Framework(
     source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
            "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
 
-FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATRON_DEEPSPEED, DEEPSPEED, TORCHTITAN)}
+# NeMo Automodel's MoE training (NVIDIA-NeMo/Automodel: nemo_automodel/components/moe/parallelizer.py, fsdp_mixin.py,
+# experts.py; its benchmark configs examples/llm_benchmark/*_te_deepep.yaml): torch FSDP2 with
+# MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over a model built in bf16 (its MoE models'
+# initialize_weights end in self.to(bfloat16)), so bf16 weight shards and torch Adam's moments in bf16
+# (master_bytes 2, moment_bytes 4 under this executor's states: memory.state_bytes); FSDP2's
+# reshard_after_forward True is paraplan's ZeRO-3, False (its MoE default today, and with pp) ZeRO-2; no
+# gradient sync or reshard until the step's last
+# backward (MoEFSDPSyncMixin: set_requires_gradient_sync(False) while accumulating, so FSDP2 keeps fp32 unsharded
+# gradient sums and reduce-scatters once per step: after the pipeline's last backward with pp, under the last
+# micro-batch's backward without); torch.distributed.pipelining schedules; full-block activation checkpointing with
+# torch's non-reentrant checkpoint_wrapper (early stop); Transformer Engine attention, linear and RMSNorm with
+# fused RoPE, and Megatron-Core's MoE kernels it imports (the DeepEP flex token dispatcher with
+# moe_permute_fusion, weighted_bias_swiglu_impl, TE GroupedLinear experts): priced with Megatron-Core's fused
+# element-wise share and fused MoE kernels. Its published benchmarks route with fake_balanced_gate (every expert
+# the same load): moe_imbalance 1.0, as the megatron-core profile for the same reason. dispatcher "deepep" (or
+# "hybridep") is --moe-dispatcher hybridep, "torch" is alltoall.
+NEMO_AUTOMODEL = Framework(
+    name="nemo-automodel", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
+    dp_sync_pipelined="end", zero23_every_micro_batch=False, cp_comm="ring", fp8_saves_fp8_inputs=True,
+    fp8_scaling="delayed", recompute_early_stop=True, elementwise_traffic=MEGATRON_CORE.elementwise_traffic,
+    moe_imbalance=1.0, moe_grouped_gemm=True, moe_kernels="fused", moe_dispatcher="hybridep",
+    moe_dispatchers=("alltoall", "hybridep"), fp8_experts=True, master_bytes=2, moment_bytes=4,
+    source="NVIDIA-NeMo/Automodel (nemo_automodel/components/moe/parallelizer.py apply_fsdp: MixedPrecisionPolicy "
+           "bf16/fp32, reshard_after_forward; moe/fsdp_mixin.py: gradients synced on the last backward only; "
+           "moe/experts.py: TE GroupedLinear, Megatron's token dispatcher with DeepEP; "
+           "examples/llm_benchmark/*_te_deepep.yaml: attn/linear/rms_norm te, rope_fusion, experts gmm, "
+           "dispatcher deepep, fake_balanced_gate, activation_checkpointing)")
+
+FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATRON_DEEPSPEED, DEEPSPEED, TORCHTITAN,
+                                  NEMO_AUTOMODEL)}
 
 
 def framework(profile: str | Framework, attention: str | None = None, overlap_dp: bool | None = None,
@@ -306,7 +337,9 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                         "the pair (TransformerConfig: disable moe_shared_expert_overlap when enabling "
                         "overlap_moe_expert_parallel_comm)")
     if fw.states == "executor":
-        for flag, key, runs in (("--moe-dispatcher hybridep", "moe_dispatcher", "alltoall"),
+        dispatcher = changes.get("moe_dispatcher", fw.moe_dispatcher)
+        for flag, key, runs in ((f"--moe-dispatcher {dispatcher}", "moe_dispatcher",
+                                 dispatcher if dispatcher in fw.moe_dispatchers else fw.moe_dispatchers[0]),
                                 ("--moe-a2a-overlap", "moe_a2a_overlap", False),
                                 ("--moe-shared-expert-overlap", "moe_shared_expert_overlap", False),
                                 ("--moe-capacity-factor", "moe_capacity_factor", None),
@@ -315,8 +348,8 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                                 (f"--optimizer-states {optimizer_states}", "moment_bytes", fw.moment_bytes)):
             if changes.get(key, runs) != runs:
                 raise PlanError(f"{flag}: the {fw.name} stack does not run it (it reduces fp32 gradients, keeps "
-                                "Adam's state in fp32 and dispatches every token, dropless, with one exposed "
-                                "all-to-all each way); "
+                                "Adam's state in fp32 and dispatches every token, dropless, "
+                                f"by {' or '.join(fw.moe_dispatchers)}, exposed); "
                                 "price a stack that does, e.g. --framework megatron-core")
     return fw.replace(**changes) if changes else fw
 

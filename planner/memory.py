@@ -173,7 +173,10 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
         return StateBytes(w + fp8, g, o, unit_weights=2 * elem if zero == 3 and dp > 1 else 0.0)
     mixed = dtype != "fp32"
     sharded = zero >= 2 and dp > 1
-    weights = 4 / dp if sharded else 4.0
+    # the weights FSDP2 shards: fp32 (this executor, torchtitan), or the 16-bit weights themselves where the stack
+    # builds its model in bf16 (Framework.master_bytes 2: NeMo Automodel), Adam's moments then bf16 too
+    master = framework.master_bytes if mixed else 4
+    weights = master / dp if sharded else float(master)
     copy = 2.0 if mixed else 4.0  # what FSDP2 gathers for compute
     unit = root = 0.0
     if zero == 3 and dp > 1:
@@ -186,19 +189,22 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
             # A stopgap on the safe side, not a model: priced as ZeRO-2's copy kept for the step, 9-13 GiB over
             # those traces, and 30 GiB (25%) over v = 2-3 selective, which traced within 2-4% without it.
             weights += copy
-    elif sharded or mixed:
+    elif sharded or (mixed and master > 2):
         weights += copy
     grads = 4 / dp if sharded else 4.0
-    if sharded and pp > 1 and schedule == "zb-v":
-        # ZB-V accumulates unsharded: fp32 sums (4 B) plus, in mixed precision, the 16-bit gradients of the
-        # weight-gradient passes not yet folded into them (2 B); the fp32 shards appear only after the step
+    unsharded_sums = sharded and ((pp > 1 and schedule == "zb-v") or not framework.zero23_every_micro_batch)
+    if unsharded_sums:
+        # ZB-V, or a stack that syncs gradients on the last backward only (dp_sync.reduces_once), accumulates
+        # unsharded: fp32 sums (4 B) plus, in mixed precision, the 16-bit gradients of the passes not yet folded
+        # into them (2 B; FSDP2's to_accumulated_grad_if_needed); the fp32 shards appear only after the step
         grads = 4.0 + (2.0 if mixed else 0.0)
-    optimizer = 0.0 if dp_mode == "ps" else (8 / dp if zero >= 1 else 8.0)
+    moments = framework.moment_bytes if mixed else 8
+    optimizer = 0.0 if dp_mode == "ps" else (moments / dp if zero >= 1 else float(moments))
     # FSDP2 reduces a unit's gradient through a flat fp32 buffer of the whole unit (traced: 4 B per parameter
     # of the unit); it meets the activation peak where units reduce during a backward — every micro-batch
     # (ZeRO 2/3 outside ZB-V) or the last one without a pipeline — not after a pipeline's last backward.
     # DDP's buckets are views of the gradients.
-    during_backward = (sharded and not (pp > 1 and schedule == "zb-v")) or pp == 1
+    during_backward = (sharded and not unsharded_sums) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root)
 

@@ -472,7 +472,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
             if lay.zero == 1:  # owners broadcast their updated fp32 experts over edp
                 items.append(Exposure(Sync("all_gather", gather, per_expert=4)))
             return items
-        return executor_sharded(lay, gather, ge, wb, m, "per_expert")
+        return executor_sharded(lay, fw, gather, ge, wb, m, "per_expert")
     # Megatron-Core: the expert-data-parallel group's buffers, like the dense ones (dp_sync._zero_accounting), in
     # buckets of the size the dense data-parallel group sets (one DistributedDataParallelConfig.bucket_size)
     if lay.pp > 1 and fw.dp_sync_pipelined == "end":
@@ -497,13 +497,15 @@ def tp_summed_exposure(model, lay: Layout, place: Placement) -> Exposure | None:
     """This executor sums over the tensor-parallel group the gradients of the MoE weights every tp rank holds
     whole but trains on its own tokens (router, shared experts; routed experts when ep = 1;
     executor/expert_parallel.py SumGrads): one fp32 all-reduce after the step's backward, of the rank's
-    data-parallel shard under ZeRO 2/3 (FSDP2 has reduce-scattered them by then; ZB-V's pipeline accumulates
-    them whole). Traced by the dry run, pipelined or not."""
+    data-parallel shard under ZeRO 2/3 (FSDP2 has reduce-scattered them by then; ZB-V's pipeline, or a stack that
+    syncs gradients on the last backward only, accumulates them whole: dp_sync.reduces_once). Traced by the dry run, pipelined or not."""
+    from .dp_sync import reduces_once
+
     if lay.tp == 1 or model.work.framework.states != "executor" or not getattr(model.work.spec, "is_moe", False):
         return None
     cluster, data = model.work.cluster, lay.dp * lay.cp
     sync = lambda n: comm.all_reduce(n, place.tp, cluster, place.gpus_per_node_busy)  # noqa: E731
-    sharded = lay.zero >= 2 and data > 1 and not (lay.pp > 1 and lay.schedule == "zb-v")
+    sharded = lay.zero >= 2 and data > 1 and not reduces_once(model.work.framework, lay)
     return Exposure(Sync("all_reduce", sync, per_moe_shared=4.0 / data if sharded else 4.0))
 
 

@@ -22,7 +22,8 @@ PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batch
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
 OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
                  "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework", "framework_switches")
-FRAMEWORKS = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
+FRAMEWORKS = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan",
+              "nemo-automodel")
 
 
 @dataclass

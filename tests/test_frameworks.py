@@ -379,3 +379,51 @@ def test_a_plan_priced_with_a_switch_of_the_unfused_attention_reads_back(tmp_pat
     p = run_cli("export", "--plan", str(plan), "--to", "megatron")
     assert p.returncode == 0, p.stderr
     assert "--fused-softmax bigscience-2021-10" in p.stdout + p.stderr
+
+
+def test_nemo_automodel_syncs_fsdp2_gradients_once_per_step():
+    """NeMo Automodel (moe/fsdp_mixin.py; torch pipelining's backward_maybe_with_nosync) turns FSDP2's gradient sync
+    off until the step's last backward: one reduce-scatter per step — under the last micro-batch's backward
+    without a pipeline, exposed after the flush with one — where this executor reduce-scatters every micro-batch.
+    FSDP2 then keeps fp32 unsharded sums (to_accumulated_grad_if_needed: 4 B) beside the 16-bit gradient of the
+    pass (2 B), as ZB-V's pipeline does."""
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=2)  # 8 micro-batches per replica
+    ours = [e for e in _items(_model("paraplan"), lay) if e.sync.kind == "reduce_scatter"]
+    auto = [e for e in _items(_model("nemo-automodel"), lay) if e.sync.kind == "reduce_scatter"]
+    assert [e.count for e in ours] == [8] and [e.count for e in auto] == [1]
+    assert auto[0].hidden.bwd == 1.0  # FSDP2's post-backward hooks of the last backward
+    piped = [e for e in _items(_model("nemo-automodel"), lay.replace(dp=4, pp=2)) if e.sync.kind == "reduce_scatter"]
+    assert [e.count for e in piped] == [1] and piped[0].hidden.bwd == 0.0
+    assert state_bytes(framework("paraplan"), lay).grads == pytest.approx(4 / 8)
+    assert state_bytes(framework("nemo-automodel"), lay).grads == pytest.approx(4 + 2)
+
+
+def test_nemo_automodel_keeps_bf16_weights_and_moments():
+    """Automodel builds its MoE models in bf16 (initialize_weights ends in self.to(bfloat16)) and FSDP2 shards those
+    weights; torch's Adam keeps its two moments in the weights' dtype: per parameter under ZeRO 2 over d ranks,
+    2/d weight shard + 2 gathered for the step + 4/d moments (this executor: 4/d + 2 + 8/d); ZeRO 0 replicated, no
+    copy to cast (2 + 4). Adam's step reads and writes weights and moments and reads the fp32 gradient:
+    2 x (2 + 4) + 4 = 16 B (this executor: 2 x 12 + 4 = 28)."""
+    from paraplan.planner.dp_sync import adam_bytes_per_param
+
+    auto, ours = framework("nemo-automodel"), framework("paraplan")
+    for d in (2, 8, 64):
+        lay = Layout(dp=d, tp=1, pp=1, micro_batch=1, global_batch=64, zero=2)
+        a, o = state_bytes(auto, lay), state_bytes(ours, lay)
+        assert (a.weights, a.optimizer) == (pytest.approx(2 / d + 2), pytest.approx(4 / d))
+        assert (o.weights, o.optimizer) == (pytest.approx(4 / d + 2), pytest.approx(8 / d))
+    lone = state_bytes(auto, Layout(dp=1, tp=1, pp=1, micro_batch=1, global_batch=64, zero=0))
+    assert (lone.weights, lone.optimizer) == (2.0, 4.0)
+    assert (adam_bytes_per_param(auto), adam_bytes_per_param(ours)) == (16, 28)
+
+
+def test_nemo_automodel_dispatchers_and_refusals():
+    """Automodel dispatches with DeepEP (its benchmark configs: dispatcher deepep / hybridep, priced as hybridep)
+    or torch's all-to-all; it has no token dropping or all-to-all overlap, and this executor has no DeepEP."""
+    assert framework("nemo-automodel").moe_dispatcher == "hybridep"
+    assert framework("nemo-automodel", moe_dispatcher="alltoall").moe_dispatcher == "alltoall"
+    for switches in (dict(moe_a2a_overlap=True), dict(moe_capacity_factor=1.0), dict(optimizer_states="fp32")):
+        with pytest.raises(PlanError, match="nemo-automodel stack does not run it"):
+            framework("nemo-automodel", **switches)
+    with pytest.raises(PlanError, match="--moe-dispatcher hybridep: the torchtitan stack"):
+        framework("torchtitan", moe_dispatcher="hybridep")

@@ -634,6 +634,25 @@ def test_fidelity_rows_take_their_own_published_switches():
     assert fid.layout_of(rows["mbridge-25.11-h100-gpt-oss-120b-bf16-64gpu"]).micro_batch == 1
     spec, _ = fid.model_of(rows["dgxc-v25.05-llama4-maverick-400b-bf16-512gpu"])
     assert spec.num_layers == 48 and spec.num_moe_layers == 24 and spec.seq_length == 8192
+    # NeMo Automodel's rows: its profile, FSDP2 resharding after forward (ZeRO-3) only without a pipeline (at the
+    # rows' commit), full-block checkpointing, its configs' EP where the table prints none
+    auto = rows["automodel-h100-bf16-deepseek-v3-256gpu"]
+    assert fid.recipe(auto) == {} and fid.layout_of(auto).zero == 2
+    assert fid.layout_of(rows["automodel-h100-bf16-qwen3-30b-a3b-8gpu"]).zero == 3
+    oss = rows["automodel-h100-bf16-gpt-oss-20b-8gpu"]
+    (lay, pred), why = fid.predict(oss)
+    assert why == "" and lay.recompute == "full" and (lay.ep, lay.zero) == (8, 3)
+    from paraplan.planner.api import simulate
+
+    spec, _ = fid.model_of(oss)
+    work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=1, framework="nemo-automodel")
+    assert pred.iteration_time_s == pytest.approx(simulate(work, lay, event_sim=False)[0].iteration_time_s, rel=1e-12)
+    kimi, _ = fid.model_of(rows["automodel-h100-bf16-kimi-k2-256gpu"])
+    from paraplan.models.param_count import count_active_parameters, count_parameters
+
+    # Kimi K2: 1T parameters, 32B active (moonshotai/Kimi-K2 README)
+    assert count_parameters(kimi) == pytest.approx(1.04e12, rel=0.02)
+    assert count_active_parameters(kimi) == pytest.approx(32.6e9, rel=0.02)
 
 
 def test_token_dropping_caps_the_most_loaded_rank_at_the_capacity():
