@@ -58,9 +58,16 @@ MBS 4 and GA 2 do not multiply out): 9.2% -> 9.3%, GPT-OSS now 14-17% fast in ev
 Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
 padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).
 
+Round 3, NeMo Automodel's H100 table (its PyTorch FSDP2 + DeepEP stack): the ``nemo-automodel`` profile was
+written from Automodel's source and benchmark configs (planner/framework.py NEMO_AUTOMODEL), then its five
+expressible rows priced once and left as they came out (held out): the layout as the table prints it, ZeRO-3
+without a pipeline and ZeRO-2 with one (FSDP2's reshard_after_forward = not pp_enabled at the rows' commit,
+89e3a9fdd), full recomputation (activation_checkpointing), DeepSeek-V3 without its MTP layer (Automodel's model
+had none then), GPT-OSS-20B's EP from its config of that commit (recipe_layout).
+
 Rows left out, and why (printed too): B200 rows (no B200 spec), hybrid Mamba models (Nemotron 3: not a
 transformer family here), rows without a layout (DeepSeek-V3 report, MoE Parallel Folding abstract, Megatron-Core
-README), NeMo Automodel's (a PyTorch FSDP2 + DeepEP stack no framework profile here describes).
+README), Automodel's GPT-OSS-120B (EP not published; its config of the day ran another layout).
 
 Run: .venv/bin/python benchmarks/fidelity_moe.py [--json]
 """

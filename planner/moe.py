@@ -498,7 +498,8 @@ def tp_summed_exposure(model, lay: Layout, place: Placement) -> Exposure | None:
     whole but trains on its own tokens (router, shared experts; routed experts when ep = 1;
     executor/expert_parallel.py SumGrads): one fp32 all-reduce after the step's backward, of the rank's
     data-parallel shard under ZeRO 2/3 (FSDP2 has reduce-scattered them by then; ZB-V's pipeline, or a stack that
-    syncs gradients on the last backward only, accumulates them whole: dp_sync.reduces_once). Traced by the dry run, pipelined or not."""
+    syncs gradients on the last backward only, accumulates them whole: dp_sync.reduces_once). Traced by the dry
+    run, pipelined or not."""
     from .dp_sync import reduces_once
 
     if lay.tp == 1 or model.work.framework.states != "executor" or not getattr(model.work.spec, "is_moe", False):
