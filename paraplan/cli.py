@@ -83,7 +83,7 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
     p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: the model's)")
     p.add_argument("--framework", default="paraplan", choices=FRAMEWORK_CHOICES,
                    help="the software stack to price: paraplan (this executor), megatron-core, megatron-2021, "
-                        "megatron-deepspeed, deepspeed, torchtitan")
+                        "megatron-deepspeed, deepspeed, torchtitan, nemo-automodel")
     p.add_argument("--attention", choices=("flash", "unfused"), help="attention kernel (overrides the framework)")
     p.add_argument("--overlap-dp", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the data-parallel gradient sync with the backward (overrides the framework)")
@@ -93,6 +93,11 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
     p.add_argument("--moe-dispatcher", choices=("alltoall", "hybridep"),
                    help="MoE token dispatcher: one all-to-all per routed copy, or DeepEP/HybridEP (one copy per "
                         "remote node, forwarded over NVLink) (overrides the framework)")
+    p.add_argument("--moe-routing", choices=("uniform", "consecutive"),
+                   help="how tokens pick experts, which sets what a deduplicating dispatcher (hybridep) sends: "
+                        "uniform (a trained router, or Megatron-Core's forced balancing: random logits), or "
+                        "consecutive (NeMo Automodel's fake_balanced_gate: token t takes experts t*k..t*k+k-1 mod E) "
+                        "(overrides the framework)")
     p.add_argument("--moe-a2a-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="hide each MoE all-to-all behind another micro-batch's compute (overrides the framework)")
     p.add_argument("--moe-shared-expert-overlap", action=argparse.BooleanOptionalAction, default=None,

@@ -21,6 +21,11 @@ from .errors import PlanError
 
 CP_COMM = ("all_gather", "ring", "all_gather_overlap")
 MOE_DISPATCHERS = ("alltoall", "hybridep")
+# How tokens pick experts, for what a deduplicating dispatcher sends (planner/moe.py token_destinations): "uniform" =
+# each token's k experts spread at random (a trained router; Megatron-Core's moe_router_force_load_balancing draws
+# random logits); "consecutive" = token t takes experts t·k ... t·k + k - 1 mod E (NeMo Automodel's
+# fake_balanced_gate, FakeBalancedGate in nemo_automodel/components/moe/layers.py, which its published benchmarks run)
+MOE_ROUTINGS = ("uniform", "consecutive")
 # ``--fp8-recipe``, Megatron-Core's names (TransformerConfig.fp8_recipe; its default is delayed): the Framework.
 # fp8_scaling each means on a Transformer Engine stack. A torchao stack (this executor, torchtitan) scales each
 # tensor as it casts it ("dynamic"), which is its tensorwise recipe; it has no delayed scaling.
@@ -111,6 +116,7 @@ class Framework:
     moe_dispatcher: str = "alltoall"
     # the dispatchers a stack of "executor" states can run (--moe-dispatcher refuses the others there)
     moe_dispatchers: tuple[str, ...] = ("alltoall",)
+    moe_routing: str = "uniform"  # MOE_ROUTINGS
     moe_a2a_overlap: bool = False
     moe_shared_expert_overlap: bool = False
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
@@ -277,9 +283,9 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
               grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None,
               fused_softmax: str | None = None, moe_capacity_factor: float | None = None,
               moe_pad_to_capacity: bool | None = None, fp8_recipe: str | None = None,
-              moe_shared_expert_overlap: bool | None = None) -> Framework:
+              moe_shared_expert_overlap: bool | None = None, moe_routing: str | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
-    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-a2a-overlap``, ``--moe-shared-expert-overlap``,
+    ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-routing``, ``--moe-a2a-overlap``, ``--moe-shared-expert-overlap``,
     ``--grad-reduce-in-fp32``,
     ``--optimizer-states``, ``--fused-softmax``, ``--moe-capacity-factor``, ``--moe-pad-to-capacity``,
     ``--fp8-recipe``: the settings
@@ -296,7 +302,7 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                                  ("moe_dispatcher", moe_dispatcher), ("moe_a2a_overlap", moe_a2a_overlap),
                                  ("fused_softmax", fused_softmax), ("moe_capacity_factor", moe_capacity_factor),
                                  ("moe_pad_to_capacity", moe_pad_to_capacity),
-                                 ("moe_shared_expert_overlap", moe_shared_expert_overlap))
+                                 ("moe_shared_expert_overlap", moe_shared_expert_overlap), ("moe_routing", moe_routing))
                if v is not None}
     if grad_reduce_in_fp32 is not None:
         changes["grad_bytes"] = 4 if grad_reduce_in_fp32 else 2
@@ -325,6 +331,8 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                         "own; a flash kernel fuses it")
     if changes.get("moe_dispatcher", fw.moe_dispatcher) not in MOE_DISPATCHERS:
         raise PlanError(f"MoE token dispatcher must be one of {', '.join(MOE_DISPATCHERS)}")
+    if changes.get("moe_routing", fw.moe_routing) not in MOE_ROUTINGS:
+        raise PlanError(f"--moe-routing must be one of {', '.join(MOE_ROUTINGS)}")
     capacity = changes.get("moe_capacity_factor", fw.moe_capacity_factor)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
                                  or not math.isfinite(capacity) or capacity <= 0):
@@ -356,8 +364,9 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
 
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
 SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
-            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity", "fp8_recipe", "moe_shared_expert_overlap")
-NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax", "fp8_recipe")
+            "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity", "fp8_recipe", "moe_shared_expert_overlap",
+            "moe_routing")
+NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax", "fp8_recipe", "moe_routing")
 NUMBER_SWITCHES = ("moe_capacity_factor",)  # the rest are on/off
 
 
@@ -367,7 +376,7 @@ def switches_of(fw: Framework) -> dict:
     base = FRAMEWORKS[fw.name]
     out: dict = {k: getattr(fw, k) for k in ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap",
                                              "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity",
-                                             "moe_shared_expert_overlap")
+                                             "moe_shared_expert_overlap", "moe_routing")
                  if getattr(fw, k) != getattr(base, k)}
     if fw.grad_bytes != base.grad_bytes:
         out["grad_reduce_in_fp32"] = fw.grad_bytes == 4

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from paraplan.profiler import LayerProfile
 
@@ -336,25 +337,42 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
     return max(t_intra, t_inter)
 
 
+@lru_cache(maxsize=256)
+def token_destinations(experts: int, k: int, groups: int, routing: str = "uniform") -> float:
+    """How many of ``groups`` equal blocks of consecutive experts (ranks, or nodes) one token's k experts fall
+    in, on average. ``uniform`` (k distinct experts at random): a block of E/g experts holds none of them with
+    probability C(E - E/g, k) / C(E, k), so g·(1 - that). ``consecutive`` (token t takes experts t·k ... t·k + k - 1
+    mod E: Framework.moe_routing): counted over the starts the tokens cycle through."""
+    per = experts // groups
+    if groups <= 1 or per <= 0:
+        return 1.0
+    if routing == "consecutive":
+        starts = [(t * k) % experts for t in range(experts // math.gcd(experts, k))]
+        return sum(len({((s + j) % experts) // per for j in range(k)}) for s in starts) / len(starts)
+    miss = math.comb(experts - per, k) / math.comb(experts, k) if experts - per >= k else 0.0
+    return groups * (1 - miss)
+
+
 def deduplicated_dispatch(tokens: float, token_bytes: float, experts: int, k: int, span, cluster,
-                          busy: int) -> float:
+                          busy: int, routing: str = "uniform") -> float:
     """One dispatch (or combine) of ``tokens`` tokens by DeepEP / HybridEP (Megatron-Core's flex dispatcher):
     a token crosses the network once per remote node holding any of its k experts, then NVLink forwards it
     to those experts' GPUs (DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.2: "first transmitted via IB to
-    the GPUs with the same in-node index on its target nodes ... then forwarded via NVLink"). With routing
-    uniform over E experts, E·r/n of them on each node of the group (n ranks, r per node), a given node
-    holds none of a token's k experts with probability C(E - E_node, k) / C(E, k). Every copy still crosses
-    NVLink at most once; the two paths run at once."""
+    the GPUs with the same in-node index on its target nodes ... then forwarded via NVLink"), once per GPU
+    whatever its experts among the k (DeepEP's dispatch sends a token to each rank in is_token_in_rank once, with
+    the rank's expert indices; the rank permutes it to its experts locally). How many nodes and GPUs a token
+    reaches is :func:`token_destinations` over the group's n ranks, r per node: a share (g - 1)/g of them other
+    than the sender's own. The two paths run at once."""
     n, r = span.size, span.max_per_node
     if n <= 1 or tokens <= 0:
         return 0.0
     intra = cluster.intra_node
-    t_intra = tokens * k * token_bytes * (n - 1) / n / intra.bandwidth_Bps + (intra.latency_s if r > 1 else 0.0)
+    ranks = token_destinations(experts, k, n, routing)
+    t_intra = tokens * ranks * token_bytes * (n - 1) / n / intra.bandwidth_Bps + (intra.latency_s if r > 1 else 0.0)
     if n == r:
         return t_intra
-    per_node = experts * r // n
-    miss = math.comb(experts - per_node, k) / math.comb(experts, k) if experts - per_node >= k else 0.0
-    remote = (span.nodes - 1) * (1 - miss)  # remote nodes one token goes to, on average
+    nodes = span.nodes
+    remote = token_destinations(experts, k, nodes, routing) * (nodes - 1) / nodes  # remote nodes a token goes to
     net = comm.network_share(cluster, busy)
     t_inter = tokens * remote * token_bytes / net.bandwidth_Bps + net.latency_s
     return max(t_intra, t_inter)
@@ -396,7 +414,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         sent = tokens * k * h * elem  # every token copy the rank routes (balanced: also what it receives)
         span = consecutive_group(cluster, lay.ep, lay.etp)
         if fw.moe_dispatcher == "hybridep":
-            one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy)
+            one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy, fw.moe_routing)
         else:
             one = all_to_all(sent, span, cluster, busy)
         one *= routed_load(fw)

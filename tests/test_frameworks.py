@@ -233,6 +233,25 @@ def test_switch_flags_name_only_what_differs_from_the_profile():
                    grad_reduce_in_fp32=True, overlap_tp=True)  # overlap_tp is megatron-core's own: not named
     assert switch_flags(fw) == ["--attention unfused", "--no-overlap-dp", "--grad-reduce-in-fp32",
                                 "--optimizer-states bf16-moments"]
+    routed = framework("nemo-automodel", moe_routing="consecutive", moe_dispatcher="alltoall")
+    assert switch_flags(routed) == ["--moe-dispatcher alltoall", "--moe-routing consecutive"]
+    with pytest.raises(PlanError, match="--moe-routing must be one of uniform, consecutive"):
+        framework("megatron-core", moe_routing="sorted")
+
+
+def test_a_plan_records_the_routing_it_was_priced_with(tmp_path):
+    """plan.json keeps the switches that made its stack (framework_switches), --moe-routing among them, and the
+    plan read back prices with them."""
+    from conftest import run_cli_json
+    from paraplan.planner.plan import Plan
+
+    out = tmp_path / "p"
+    run_cli_json("plan", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64",
+                 "--seq-len", "1024", "--framework", "nemo-automodel", "--moe-routing", "consecutive", "--out",
+                 str(out), "--no-charts", "--top", "1")
+    plan = Plan.read(str(out / "plan.json"))
+    assert plan.framework_switches == {"moe_routing": "consecutive"}
+    assert plan.stack().moe_routing == "consecutive"
 
 
 def test_plan_report_names_the_framework_and_its_switches(tmp_path, capsys):

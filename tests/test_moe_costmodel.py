@@ -637,7 +637,7 @@ def test_fidelity_rows_take_their_own_published_switches():
     # NeMo Automodel's rows: its profile, FSDP2 resharding after forward (ZeRO-3) only without a pipeline (at the
     # rows' commit), full-block checkpointing, its configs' EP where the table prints none
     auto = rows["automodel-h100-bf16-deepseek-v3-256gpu"]
-    assert fid.recipe(auto) == {} and fid.layout_of(auto).zero == 2
+    assert fid.recipe(auto) == dict(moe_routing="consecutive") and fid.layout_of(auto).zero == 2
     assert fid.layout_of(rows["automodel-h100-bf16-qwen3-30b-a3b-8gpu"]).zero == 3
     oss = rows["automodel-h100-bf16-gpt-oss-20b-8gpu"]
     (lay, pred), why = fid.predict(oss)
@@ -645,7 +645,8 @@ def test_fidelity_rows_take_their_own_published_switches():
     from paraplan.planner.api import simulate
 
     spec, _ = fid.model_of(oss)
-    work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=1, framework="nemo-automodel")
+    work = Workload.create(spec, "dgx-h100", lay.global_batch, nodes=1, framework="nemo-automodel",
+                           moe_routing="consecutive")
     assert pred.iteration_time_s == pytest.approx(simulate(work, lay, event_sim=False)[0].iteration_time_s, rel=1e-12)
     kimi, _ = fid.model_of(rows["automodel-h100-bf16-kimi-k2-256gpu"])
     from paraplan.models.param_count import count_active_parameters, count_parameters
@@ -707,3 +708,41 @@ def test_dropped_tokens_do_no_model_work():
     routed = 2 * spec.seq_length * spec.top_k * 3 * spec.hidden_size * spec.ffn_hidden_size * spec.num_layers
     dropless, dropping = model_flops(), model_flops(moe_capacity_factor=0.1)
     assert dropless - dropping == pytest.approx(3 * 64 * routed * 0.9, rel=1e-6)
+
+
+def test_token_destinations_count_the_blocks_a_tokens_experts_fall_in():
+    """Uniform routing: the mean number of the g blocks of E/g consecutive experts that k experts drawn at random
+    (without replacement) touch, enumerated over every k-subset here; g·(1 - C(E - E/g, k)/C(E, k)) in the code.
+    Consecutive routing (NeMo Automodel's FakeBalancedGate: token t takes experts t·k ... t·k + k - 1 mod E):
+    Qwen3-30B-A3B's 8 experts of a token lie on one of 8 ranks (16 experts each), DeepSeek-V3's on 2 of 64 (4
+    each), Kimi K2's on 1 or 2 of 32 (12 each: 4/3 on average)."""
+    for experts, k, groups in ((8, 2, 4), (12, 3, 3), (16, 4, 8)):
+        per = experts // groups
+        subsets = list(itertools.combinations(range(experts), k))
+        exact = sum(len({e // per for e in c}) for c in subsets) / len(subsets)
+        assert moe.token_destinations(experts, k, groups) == pytest.approx(exact, rel=1e-12)
+    assert moe.token_destinations(128, 8, 8, "consecutive") == 1.0
+    assert moe.token_destinations(256, 8, 64, "consecutive") == 2.0
+    assert moe.token_destinations(384, 8, 32, "consecutive") == pytest.approx(4 / 3)
+    assert moe.token_destinations(256, 8, 1) == moe.token_destinations(256, 8, 1, "consecutive") == 1.0
+
+
+def test_deduplicated_dispatch_sends_a_token_once_per_gpu_and_node():
+    """DeepEP / HybridEP send a token once to each GPU holding any of its experts (not once per expert), across
+    nodes once per node: inside one node, tokens x destinations x (n-1)/n x bytes over NVLink plus its latency."""
+    cluster = Workload.create("qwen3-30b-a3b", "dgx-h100", 64).cluster
+    from paraplan.planner.placement import consecutive_group
+
+    span = consecutive_group(cluster, 8, 1)
+    tokens, token_bytes = 16384, 2048 * 2
+    link = cluster.intra_node
+    for routing in ("uniform", "consecutive"):
+        ranks = moe.token_destinations(128, 8, 8, routing)
+        expected = tokens * ranks * token_bytes * 7 / 8 / link.bandwidth_Bps + link.latency_s
+        assert moe.deduplicated_dispatch(tokens, token_bytes, 128, 8, span, cluster, 0, routing) == \
+            pytest.approx(expected, rel=1e-12)
+    args = ["simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64",
+            "--seq-len", "1024", "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1",
+            "--zero", "2", "--framework", "nemo-automodel"]
+    uniform, consecutive = run_cli_json(*args), run_cli_json(*args, "--moe-routing", "consecutive")
+    assert consecutive["time_s"]["ep_comm"] < uniform["time_s"]["ep_comm"] / 3
