@@ -348,7 +348,8 @@ def token_destinations(experts: int, k: int, groups: int, routing: str = "unifor
         return 1.0
     if routing == "consecutive":
         starts = [(t * k) % experts for t in range(experts // math.gcd(experts, k))]
-        return sum(len({((s + j) % experts) // per for j in range(k)}) for s in starts) / len(starts)
+        block = lambda e: min(e // per, groups - 1)  # noqa: E731  (a last, larger block takes what is left over)
+        return sum(len({block((s + j) % experts) for j in range(k)}) for s in starts) / len(starts)
     miss = math.comb(experts - per, k) / math.comb(experts, k) if experts - per >= k else 0.0
     return groups * (1 - miss)
 
