@@ -76,21 +76,27 @@ def check_port_free(addr: str, port: int) -> None:
         raise ExecutionError(f"--master-port {port} is not a TCP port (1-65535)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free; a listener is not
-        try:
-            s.bind((_bind_host(addr), port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ExecutionError(f"port {port} on {addr} is in use; pick another --master-port") from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise ExecutionError(f"--master-addr {addr} is not an address of this machine (node rank 0 "
-                                     "hosts the rendezvous)") from None
-            raise ExecutionError(f"cannot use port {port} on {addr}: {e.strerror}") from None
+        _bind(s, addr, port)
 
 
 def free_port(addr: str) -> int:
+    """A port the rendezvous can take on ``addr`` (one of this machine's addresses: a single node hosts it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_bind_host(addr), 0))
+        _bind(s, addr, 0)
         return s.getsockname()[1]
+
+
+def _bind(s: socket.socket, addr: str, port: int) -> None:
+    """Bind ``s`` to ``addr``:``port``, a refusal as the user's one-line error."""
+    try:
+        s.bind((_bind_host(addr), port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ExecutionError(f"port {port} on {addr} is in use; pick another --master-port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ExecutionError(f"--master-addr {addr} is not an address of this machine (node rank 0 "
+                                 "hosts the rendezvous)") from None
+        raise ExecutionError(f"cannot use port {port} on {addr}: {e.strerror}") from None
 
 
 def _bind_host(addr: str) -> str:

@@ -1,6 +1,6 @@
 """Read a Hugging Face ``config.json`` into a spec mapping, with each model type's own field names.
 
-Dense: GPT-2, LLaMA, BERT, Qwen3. Mixtures of experts: Mixtral (``num_local_experts``, experts
+Dense: GPT-2, LLaMA, Mistral, BERT, Qwen3. Mixtures of experts: Mixtral (``num_local_experts``, experts
 ``intermediate_size`` wide), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, per-head q/k norms,
 ``decoder_sparse_step`` / ``mlp_only_layers``), DeepSeek-V2/V3 (multi-head latent attention,
 ``n_routed_experts`` + ``n_shared_experts``, ``first_k_dense_replace``, sigmoid scores,
@@ -30,7 +30,9 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt2": {"num_layers": ("n_layer",), "hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
              "vocab_size": ("vocab_size",), "seq_length": ("n_positions", "n_ctx"),
              "ffn_hidden_size": ("n_inner",), "tied_embeddings": ("tie_word_embeddings",)},
-    "llama": _LLAMA_LIKE,
+    "llama": {**_LLAMA_LIKE, "head_dim": ("head_dim",)},
+    # Mistral: LLaMA's layer (the sliding attention window of its first release is refused below, not priced)
+    "mistral": {**_LLAMA_LIKE, "head_dim": ("head_dim",)},
     "bert": {"num_layers": ("num_hidden_layers",), "hidden_size": ("hidden_size",),
              "num_attention_heads": ("num_attention_heads",), "ffn_hidden_size": ("intermediate_size",),
              "vocab_size": ("vocab_size",), "seq_length": ("max_position_embeddings",),
@@ -58,6 +60,11 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
                     "experts_per_token": ("num_experts_per_tok",), "moe_aux_loss_coeff": ("router_aux_loss_coef",)},
 }
 _FIELDS["deepseek_v2"] = _FIELDS["deepseek_v3"]
+# What transformers' config class takes for a missing intermediate_size (LlamaConfig, MistralConfig, Qwen3Config,
+# MixtralConfig defaults): a config.json without it loads with this width
+_FFN_DEFAULTS = {"llama": 11008, "mistral": 14336, "qwen3": 22016, "mixtral": 14336}
+# Switches of a llama-style layer that add parameters this family does not model (it has no biases)
+_UNMODELLED = ("attention_bias", "mlp_bias")
 _FAMILY = {"gpt2": "gpt", "bert": "bert"}  # every other type is a llama-style decoder
 _REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"}
 _QK_NORM = {"qwen3", "qwen3_moe"}  # Qwen3 always normalises each head's query and key (no config switch)
@@ -83,6 +90,17 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
             out[ours] = data[found[0]]
         elif ours in _REQUIRED:
             raise ModelSpecError(f"{source}: HF config lacks '{theirs[0]}' (needed for {ours})")
+    if "ffn_hidden_size" not in out and model_type in _FFN_DEFAULTS:
+        out["ffn_hidden_size"] = _FFN_DEFAULTS[model_type]
+    for key in _UNMODELLED:
+        if _FAMILY.get(model_type, "llama") == "llama" and data.get(key):
+            raise ModelSpecError(f"{source}: {key} true is not supported (this model family has no biases; "
+                                 "its parameter count and traffic would be wrong)")
+    window, positions = data.get("sliding_window"), out.get("seq_length")
+    if model_type == "mistral" and window is not None and isinstance(positions, int) and window < positions:
+        raise ModelSpecError(f"{source}: sliding_window {window} is shorter than max_position_embeddings {positions}: "
+                             "attention over a sliding window is not modelled; set max_position_embeddings to "
+                             f"{window} or less (the window then covers every sequence)")
     if model_type == "gpt2" and "tied_embeddings" not in out:
         out["tied_embeddings"] = True  # GPT-2 ties its LM head to the token embedding
     if model_type == "bert" and data.get("type_vocab_size", 2) != 2:

@@ -84,7 +84,7 @@ class TransformerSpec(ModelSpec):
     vocab_size: int = 0
     seq_length: int = 0
     num_kv_heads: int | None = None  # default: num_attention_heads (plain multi-head attention)
-    ffn_hidden_size: int | None = None  # default: 4 * hidden (llama: give its SwiGLU size)
+    ffn_hidden_size: int | None = None  # default: 4 * hidden (llama: its SwiGLU rule, ffn_size)
     tied_embeddings: bool | None = None  # default: true for gpt and bert, false for llama
     # Attention variants. head_dim: default hidden / heads (Qwen3 gives its own); with MLA, the Q/K head
     # size qk_nope_head_dim + qk_rope_head_dim. qk_norm: RMSNorm on each head's query and key (Qwen3).
@@ -141,7 +141,13 @@ class TransformerSpec(ModelSpec):
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """The MLP's width: as given, else 4h (GPT, BERT), or for LLaMA's SwiGLU MLP its own rule, 2/3 of 4h rounded
+        up to a multiple of 256 (Meta's llama model.py, multiple_of 256: 11008 at h 4096, 13824 at 5120)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.family == "llama":
+            return -(-(8 * self.hidden_size // 3) // 256) * 256
+        return 4 * self.hidden_size
 
     @property
     def mla(self) -> bool:

@@ -8,6 +8,7 @@ exit code 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib
 import os
@@ -333,9 +334,17 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, MemoryError):
             sys.stderr.write(f"paraplan {args.command}: error: out of host memory\n")
             return 2
+        if isinstance(e, OSError) and e.filename and e.errno in FILE_ERRNOS:  # a path the user gave, or the disk
+            sys.stderr.write(f"paraplan {args.command}: error: {e.filename}: {e.strerror}\n")
+            return 2
         sys.stderr.write(f"paraplan {args.command}: internal error: {type(e).__name__}: {e} "
                          "(run again with --debug for the traceback, and report it)\n")
         return 1
+
+
+# File-system refusals of a path (permissions, a read-only or full disk, a file in the way): the user's to fix, one line
+FILE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR,
+               errno.EISDIR, errno.EEXIST)
 
 
 # Commands that only compute, write their files and exit (no torch.distributed, no processes left behind).

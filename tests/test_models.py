@@ -195,7 +195,41 @@ HF_CONFIGS = {
     "bert": ({"model_type": "bert", "num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16,
               "intermediate_size": 4096, "vocab_size": 30522, "max_position_embeddings": 512,
               "type_vocab_size": 2}, 335_174_458),
+    # Mistral-7B-v0.3 (7,248,023,552 parameters on its model card's safetensors count)
+    "mistral": ({"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32768, "head_dim": 128,
+                 "max_position_embeddings": 32768, "sliding_window": None, "tie_word_embeddings": False},
+                7_248_023_552),
 }
+
+
+def test_hf_llama_config_reads_head_dim_and_defaults_the_ffn_as_transformers_does(write):
+    """A Llama config.json's head_dim sets the attention's width (q and o: h x heads x head_dim, k and v: h x kv
+    heads x head_dim); a missing intermediate_size is LlamaConfig's default, 11008; biases, which the family does
+    not have, are refused rather than left out of the count; so is a Mistral sliding window shorter than the
+    sequence."""
+    base = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "intermediate_size": 2816, "vocab_size": 1000, "max_position_embeddings": 512}
+    plain = count_parameters(load_model_spec(write("a.json", json.dumps(base))))
+    wide = count_parameters(load_model_spec(write("b.json", json.dumps({**base, "head_dim": 256}))))
+    # per layer: q and o grow from 1024 x 1024 to 1024 x 2048 each, k and v from 1024 x 256 to 1024 x 512
+    assert wide - plain == 2 * (2 * 1024 * 1024 + 2 * 1024 * 256)
+    no_ffn = {k: v for k, v in base.items() if k != "intermediate_size"}
+    assert load_model_spec(write("c.json", json.dumps(no_ffn))).ffn_size == 11008
+    for key in ("attention_bias", "mlp_bias"):
+        with pytest.raises(ModelSpecError, match=f"{key} true is not supported"):
+            load_model_spec(write("d.json", json.dumps({**base, key: True})))
+    with pytest.raises(ModelSpecError, match="sliding_window 4096 is shorter than max_position_embeddings 32768"):
+        load_model_spec(write("e.json", json.dumps({**HF_CONFIGS["mistral"][0], "sliding_window": 4096})))
+
+
+def test_llama_spec_without_ffn_takes_the_swiglu_rule(write):
+    """A LLaMA-family spec without ffn_hidden_size gets Meta's SwiGLU width, 2/3 of 4h rounded up to a multiple of
+    256 (llama model.py): LLaMA-2 7B's shape then counts its published 6.74B parameters (HF: 6,738,415,616)."""
+    path = write("l.yaml", "family: llama\nnum_layers: 32\nhidden_size: 4096\nnum_attention_heads: 32\n"
+                           "vocab_size: 32000\nseq_length: 4096\n")
+    spec = load_model_spec(path)
+    assert spec.ffn_size == 11008 and count_parameters(spec) == 6_738_415_616
 
 
 @pytest.mark.parametrize("kind", sorted(HF_CONFIGS))
