@@ -7,7 +7,7 @@
 - parameter server vs ring all-reduce: gradient sync time of this model as the workers grow;
 - the data-parallel side of every compared layout, per GPU: the gradients it computes (its tensor- and
   pipeline-parallel share), what it keeps after the sync, what it sends, and what the iteration waits for;
-  then, for the best of them, what gradient accumulation and 16-bit gradients change.
+  then, for the best of them, what gradient accumulation and (where the stack can) 16-bit gradients change.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .costmodel import CostModel, Prediction, validate_layout
 from .errors import InvalidLayout
 from .ilp import best_partition
 from .layout import Layout
-from .placement import consecutive_group, placement
+from .placement import placement
 from .schedules import rank_stages
 from .search import Candidate, enumerate_layouts, search
 from .strategies import parse_strategy, strategy_layout
@@ -123,61 +123,51 @@ def ps_vs_ring(work: Workload, dtype: str, max_workers: int, servers: tuple[int,
 
 @dataclass
 class DPLayoutRow:
-    """One compared layout's data-parallel communication, per GPU (the most loaded pipeline rank)."""
+    """One compared layout's data-parallel communication, per GPU (its pipeline rank that waits longest for it),
+    as the cost model prices it (concerns.sync_summary of the rank's data-parallel items)."""
 
     name: str
     layout: Layout
     group: str  # the data-parallel group's size and placement
-    kind: str  # the collectives that sync it
-    grad_bytes: float  # gradients a GPU computes: its tensor- and pipeline-parallel share of the model
+    kind: str  # the collectives that sync it, with how many times each runs
+    grad_bytes: float  # gradients a GPU reduces: its tensor- and pipeline-parallel share, at the stack's width
     kept_bytes: float  # gradients a GPU keeps after the sync (ZeRO-2/3: its 1/dp shard)
-    sent_bytes: float | None  # bytes a GPU sends over the data-parallel group per iteration (ring algorithms)
+    sent_bytes: float | None  # the collectives' message bytes per iteration (simulate's rank_comm_bytes)
     traffic_s: float | None  # those collectives back to back, as if nothing overlapped them
-    exposed_s: float  # what the iteration waits for (the prediction's data-parallel time)
+    exposed_s: float  # what that rank waits for (never more than traffic_s)
     iteration_s: float
 
 
-def _rank_grad_bytes(pred: Prediction) -> float:
-    """Gradient bytes of the most loaded pipeline rank's GPU (the cost model's width: 4 B in fp32, else 2 B)."""
+KIND_NAMES = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
+              "send_recv": "push/pull"}
+
+
+def _sync_view(work: Workload, pred: Prediction) -> tuple[dict, float]:
+    """(the sync summary of the pipeline rank that waits longest for its data-parallel sync, that rank's gradient
+    bytes at the width the stack reduces them: dp_sync.grad_bytes)."""
+    from .dp_sync import grad_bytes
+
     lay = pred.layout
+    syncs = pred.rank_dp_sync
+    rank = max(range(len(syncs)), key=lambda r: syncs[r]["exposed_s"]) if syncs else 0
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
-    width = 4 if lay.dtype == "fp32" else 2
-    return max(sum(pred.stages[s].params for s in rank_stages(schedule, r, lay.pp, lay.virtual_stages)) * width
-               for r in range(lay.pp))
+    params = sum(pred.stages[s].params for s in rank_stages(schedule, rank, lay.pp, lay.virtual_stages))
+    summary = syncs[rank] if syncs else dict(kinds=[], bytes=0.0, unhidden_s=0.0, exposed_s=0.0)
+    return summary, params * grad_bytes(work, lay)
 
 
-def dp_traffic(lay: Layout, grads: float, work: Workload) -> tuple[str, float, float | None, float | None]:
-    """(collectives, kept bytes, sent bytes, seconds back to back) of one iteration's data-parallel sync of
-    ``grads`` bytes per GPU, as the cost model prices it: ZeRO 0 all-reduces; ZeRO 1/2 reduce-scatter the
-    gradients and all-gather the updated weights; ZeRO 3 also all-gathers the weights for every micro-batch's
-    forward and backward. A ring all-reduce sends 2(n-1)/n of the tensor, a reduce-scatter or all-gather
-    (n-1)/n (Patarasuk and Yuan 2009)."""
-    n = lay.dp
-    if lay.dp_mode == "ps":
-        return f"parameter servers ({lay.ps_servers})", grads, 2 * grads, None  # push every gradient, pull back
-    if n == 1:
-        return "none (dp = 1)", grads, 0.0, 0.0
-    place = placement(work.cluster, lay.dp, lay.tp, lay.pp)
-    busy = place.gpus_per_node_busy
-    one = (n - 1) / n * grads
-    if lay.head_parallel > 1:  # the trunk over every dp rank, each classifier shard over the dp/k ranks holding it
-        head = work.profile(lay.dtype).layers[-1].params / lay.head_parallel * (4 if lay.dtype == "fp32" else 2)
-        holders = lay.dp // lay.head_parallel
-        group = consecutive_group(work.cluster, holders, lay.head_parallel)
-        sent = 2 * (n - 1) / n * (grads - head) + 2 * (holders - 1) / holders * head
-        return (f"all-reduce (trunk; classifier shards over {holders} GPU{'s' if holders > 1 else ''})", grads, sent,
-                comm.all_reduce(grads - head, place.dp, work.cluster, busy) + comm.all_reduce(head, group, work.cluster,
-                                                                                             busy))
-    if lay.zero == 0:
-        return "all-reduce", grads, 2 * one, comm.all_reduce(grads, place.dp, work.cluster, busy)
-    gathers = 1 if lay.zero < 3 else 1 + 2 * lay.num_micro_batches
-    kind = "reduce-scatter + all-gather" + (" (and 2 per micro-batch)" if lay.zero == 3 else "")
-    kept = grads / n if lay.zero >= 2 else grads
-    return kind, kept, one * (1 + gathers), (1 + gathers) * comm.gather(grads, place.dp, work.cluster, busy)
+def _kinds(summary: dict, lay: Layout) -> str:
+    if lay.data_ranks == 1 and not summary["kinds"]:
+        return "none (dp = 1)"
+    parts = []
+    for kind, count in summary["kinds"]:
+        name = KIND_NAMES.get(kind, kind)
+        parts.append(name if count == 1 else f"{name} x{count:g}")
+    return " + ".join(parts) or "none"
 
 
 def dp_per_layout(work: Workload, rows: list[Row]) -> list[DPLayoutRow]:
-    """The data-parallel side of every priced row: what a GPU holds, sends and waits for."""
+    """The data-parallel side of every priced row: what a GPU reduces, keeps, sends and waits for."""
     out = []
     for row in rows:
         if row.prediction is None:
@@ -185,10 +175,11 @@ def dp_per_layout(work: Workload, rows: list[Row]) -> list[DPLayoutRow]:
         lay, pred = row.layout, row.prediction
         span = placement(work.cluster, lay.dp, lay.tp, lay.pp).dp
         where = "" if lay.dp == 1 else (f" over {span.nodes} nodes" if span.crosses_nodes else " in one node")
-        grads = _rank_grad_bytes(pred)
-        kind, kept, sent, traffic = dp_traffic(lay, grads, work)
-        out.append(DPLayoutRow(row.name, lay, f"{lay.dp} GPU{'s' if lay.dp > 1 else ''}{where}", kind, grads, kept,
-                               sent, traffic, pred.time_s["dp_comm"], pred.iteration_time_s))
+        summary, grads = _sync_view(work, pred)
+        kept = grads / lay.data_ranks if lay.zero >= 2 and lay.dp_mode != "ps" else grads
+        out.append(DPLayoutRow(row.name, lay, f"{lay.dp} GPU{'s' if lay.dp > 1 else ''}{where}", _kinds(summary, lay),
+                               grads, kept, summary["bytes"], summary["unhidden_s"], summary["exposed_s"],
+                               pred.iteration_time_s))
     return out
 
 
@@ -212,23 +203,33 @@ class DPRow:
 
 
 def dp_optimisations(work: Workload, base: Row) -> list[DPRow]:
-    """``base``'s layout (its degrees, stages and ZeRO stage) with more samples per gradient sync (gradient
-    accumulation: 1, 2 and 4 times its micro-batches per replica) and with 32- or 16-bit training (the
-    gradient's width): what a GPU sends per sync, and what is exposed per iteration and per sample."""
+    """``base``'s layout (its degrees, stages, ZeRO stage and training dtype) with more samples per gradient sync
+    (gradient accumulation: 1, 2 and 4 times its micro-batches per replica), and, where the stack can reduce
+    gradients in either width (Megatron's grad_reduce_in_fp32; this executor and torchtitan reduce fp32 only), in
+    fp32 and in 16 bits: what a GPU reduces per sync, and what is exposed per iteration and per sample."""
+    from .dp_sync import grad_bytes
+
     lay0 = base.layout
-    model = CostModel(work)
+    stacks = [work]
+    if work.framework.states != "executor" and lay0.dtype in ("bf16", "fp16", "fp8"):
+        other = 2 if grad_bytes(work, lay0) == 4 else 4
+        stacks.append(replace(work, framework=work.framework.replace(grad_bytes=other)))
     rows = []
-    for dtype, label in (("fp32", "fp32 gradients"), ("bf16", "16-bit gradients (bf16 training)")):
+    for stack in stacks:
+        model = CostModel(stack)
+        width = grad_bytes(stack, lay0)
+        label = "gradients reduced in fp32" if width == 4 else "gradients reduced in 16 bits"
+        if stack is work and len(stacks) > 1:
+            label += " (as priced)"
         for k in (1, 2, 4):
-            lay = replace(lay0, global_batch=lay0.global_batch * k, dtype=dtype)
+            lay = replace(lay0, global_batch=lay0.global_batch * k)
             try:
                 validate_layout(model, lay)
                 pred = model.evaluate(lay, base.stages, base.stage_recompute)
             except (InvalidLayout, HardwareSpecError):
                 continue
-            grads = _rank_grad_bytes(pred)
-            _, _, _, traffic = dp_traffic(lay, grads, work)
+            summary, grads = _sync_view(stack, pred)
             what = f"{label}, {lay.num_micro_batches} micro-batch{'es' if lay.num_micro_batches > 1 else ''} per sync"
-            rows.append(DPRow(what, lay, lay.global_batch, grads, traffic or 0.0, pred.time_s["dp_comm"],
+            rows.append(DPRow(what, lay, lay.global_batch, grads, summary["unhidden_s"], summary["exposed_s"],
                               pred.iteration_time_s))
     return rows

@@ -123,8 +123,10 @@ class Exposure:
         t = self.sync.seconds(load) - self.hidden.at(load)
         if self.floor == "zero":
             t = max(0.0, t)
-        elif self.floor == "bucket":  # the last bucket's collective, min(message, bucket), cannot hide
-            t = max(t, self.last_bucket_time(min(self.sync.nbytes(load), self.bucket_bytes)))
+        elif self.floor == "bucket":  # the last bucket's collective, min(message, bucket), cannot hide (a part of
+            # the sync: never longer than the whole of it)
+            nbytes = self.sync.nbytes(load)
+            t = max(t, min(self.last_bucket_time(min(nbytes, self.bucket_bytes)), self.sync.time(nbytes)))
         return self.count * t
 
     def least_seconds(self, load: RankLoad) -> float:
@@ -150,6 +152,21 @@ def least_slope(time: Callable[[float], float]) -> float:
 
 def exposed_seconds(items: list[Exposure], load: RankLoad) -> float:
     return sum(e.seconds(load) for e in items)
+
+
+def sync_summary(items: list[Exposure], load: RankLoad) -> dict:
+    """A rank's sync ``items`` as a reader sees them: the collectives in order with how many times each runs
+    (``kinds``: [(kind, count)]), their message bytes per iteration (``bytes``, as :func:`traffic` counts them),
+    their seconds back to back as if nothing overlapped them (``unhidden_s``) and what the rank waits for
+    (``exposed_s``, never more: :meth:`Exposure.seconds` takes only what hides)."""
+    kinds: list[tuple[str, float]] = []
+    for e in items:
+        if kinds and kinds[-1][0] == e.sync.kind:
+            kinds[-1] = (e.sync.kind, kinds[-1][1] + e.count)
+        else:
+            kinds.append((e.sync.kind, e.count))
+    return dict(kinds=kinds, bytes=sum(traffic(items, load).values()),
+                unhidden_s=sum(e.count * e.sync.seconds(load) for e in items), exposed_s=exposed_seconds(items, load))
 
 
 def traffic(items: list[Exposure], load: RankLoad) -> dict[str, float]:

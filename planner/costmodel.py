@@ -32,7 +32,7 @@ from paraplan.profiler.tp_view import region_collectives
 
 from . import comm, context_parallel, fp8, moe
 from .compute import estimate_pass_times, measured_pass_times, softmax_falls_back
-from .concerns import RankLoad, exposed_seconds, traffic
+from .concerns import RankLoad, exposed_seconds, sync_summary, traffic
 from .cpu_share import CpuShare
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
@@ -247,15 +247,22 @@ class Prediction:
     rank_memory_breakdown_gib: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank
     # per pipeline rank and iteration: bytes by kind, computed when first read (the search never reads it)
     traffic_of: Callable[[], list[dict[str, float]]] | None = field(default=None, repr=False, compare=False)
+    # per pipeline rank: its data-parallel sync (concerns.sync_summary), computed when first read (compare's table)
+    dp_sync_of: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def rank_comm_bytes(self) -> list[dict[str, float]]:
         return self.traffic_of() if self.traffic_of is not None else []
 
+    @cached_property
+    def rank_dp_sync(self) -> list[dict[str, Any]]:
+        return self.dp_sync_of() if self.dp_sync_of is not None else []
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (the scaling chart's forked re-plans send their best back) with the traffic computed."""
         state = dict(self.__dict__)
         state["rank_comm_bytes"], state["traffic_of"] = self.rank_comm_bytes, None
+        state["rank_dp_sync"], state["dp_sync_of"] = self.rank_dp_sync, None
         return state
 
     @property
@@ -981,7 +988,8 @@ class CostModel:
             memory_gib=breakdowns[worst], time_s=time_s, bubble_fraction=bubble / iteration if iteration else 0.0,
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
             in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,
-            traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)])
+            traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)],
+            dp_sync_of=lambda: [sync_summary(dp_items[r], loads[r]) for r in range(p)])
 
 
 def _rank_phase_times(costs: list[StageCost], ranks: list[tuple[int, ...]], v: int

@@ -38,7 +38,7 @@ def dp_layout_cells(d) -> list[str]:
 
 
 DP_LAYOUT_COLUMNS = ["strategy", "layout", "data-parallel group", "sync", "gradients per GPU", "kept after sync",
-                     "sent per GPU per iteration", "sync s if not overlapped", "exposed s (of the iteration)"]
+                     "collective bytes per iteration", "sync s if not overlapped", "exposed s (of the iteration)"]
 DP_OPT_COLUMNS = ["setting", "samples per sync", "gradients per GPU", "sync s if not overlapped",
                   "exposed s per iteration", "exposed ms per 1k samples"]
 
@@ -83,13 +83,13 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
     if dp_layouts:
         lines += ["", "Data-parallel communication per layout, per GPU (the most loaded pipeline rank): the gradients "
                   "it computes (its tensor- and pipeline-parallel share of the model), what it keeps after the sync "
-                  "(ZeRO-2/3: a 1/dp shard), what it sends over the data-parallel group per iteration, those "
+                  "(ZeRO-2/3: a 1/dp shard), the bytes of its data-parallel collectives per iteration, those "
                   "collectives' time back to back, and what the iteration waits for once they overlap the "
                   "backward pass:", ""]
         lines += _md_table(DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts])
     if dp_rows:
-        lines += ["", f"Gradient accumulation (more samples per sync) and 16-bit gradients (half the bytes) on "
-                  f"{dp_base}:", ""]
+        lines += ["", f"Gradient accumulation (more samples per sync), and 16-bit gradient reduction (half the bytes) "
+                  f"where the stack has it, on {dp_base}:", ""]
         lines += _md_table(DP_OPT_COLUMNS, [dp_opt_cells(d) for d in dp_rows])
     for key, what in (("breakdown", "time breakdown"), ("memory", "memory"),
                       ("ps_vs_ring", "parameter server vs ring")):
@@ -135,7 +135,7 @@ def run(args) -> int:
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
     workers, series = ps_vs_ring(work, dtype, max(gpus, 2))
     dp_layouts = dp_per_layout(work, rows)
-    # accumulation and 16-bit gradients on the fastest compared layout that syncs over data parallelism
+    # accumulation (and 16-bit gradient reduction) on the fastest compared layout that syncs over data parallelism
     synced = sorted((r for r in rows if r.prediction is not None and r.layout.dp > 1 and r.layout.dp_mode != "ps"),
                     key=lambda r: r.prediction.iteration_time_s)
     dp_base = ""
@@ -154,7 +154,7 @@ def run(args) -> int:
                     "ps_vs_ring": {"workers": workers, "sync_time_s": series},
                     "data_parallel": [{"strategy": d.name, "layout": d.layout.short(), "dp": d.layout.dp,
                                        "group": d.group, "sync": d.kind, "grad_bytes_per_gpu": d.grad_bytes,
-                                       "kept_bytes_per_gpu": d.kept_bytes, "sent_bytes_per_gpu": d.sent_bytes,
+                                       "kept_bytes_per_gpu": d.kept_bytes, "collective_bytes_per_gpu": d.sent_bytes,
                                        "sync_s_not_overlapped": d.traffic_s, "exposed_s": d.exposed_s,
                                        "iteration_time_s": d.iteration_s} for d in dp_layouts],
                     "dp_optimisations": [{"setting": d.what, "layout": d.layout.short(),
@@ -186,7 +186,7 @@ def run(args) -> int:
         stdout.print(table("Data-parallel communication per layout, per GPU (most loaded pipeline rank)",
                            DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts]))
     if dp_rows:
-        stdout.print(table(f"Gradient accumulation and 16-bit gradients on {dp_base}", DP_OPT_COLUMNS,
+        stdout.print(table(f"Gradient accumulation (and 16-bit gradient reduction where the stack has it) on {dp_base}", DP_OPT_COLUMNS,
                            [dp_opt_cells(d) for d in dp_rows]))
     for note in notes:
         stdout.print(f"note: {note}", markup=False)
