@@ -6,7 +6,7 @@ so planning from a cached profile never pays for importing torch.
 
 import importlib
 
-from .custom import CallableSpec, load_callable_model
+from .custom import CallableSpec, example_at_batch, load_callable_model
 from .errors import ModelSpecError
 from .loading import load_model_spec, parse_data_file
 from .param_count import count_active_parameters, count_parameters, mtp_params
@@ -45,7 +45,8 @@ __all__ = [
     "collect_aux_losses", "count_active_parameters", "count_parameters", "local_dispatch", "mtp_params",
     "routes_balanced", "set_aux_loss_scale",
     "initialize", "parameter_generator", "tied_aliases",
-    "load_callable_model", "load_model_spec", "loss_function", "parse_data_file", "reference_init", "sample_batch",
+    "example_at_batch", "load_callable_model", "load_model_spec", "loss_function", "parse_data_file", "reference_init",
+    "sample_batch",
     "spec_from_mapping", "tokens_per_sample", "tp_plan", "tp_style", "unfused_attention", "in_attention_core",
     "in_attention_prologue",
 ]

@@ -1,8 +1,9 @@
 """A user's own model: ``--model package.module:callable``.
 
 The callable takes no arguments and returns ``(module, example_input, block_names)``: an
-``nn.Module``, one example input tensor (or a tuple of tensors) for one micro-batch, and the ordered
-module names (FQNs) of the blocks a pipeline may cut between. The user asked for their code to be
+``nn.Module``, one example input tensor (or a tuple of tensors) whose first dimension is the batch (the
+profile resizes it to ``--micro-batch``, repeating its rows), and the ordered module names (FQNs) of the blocks a
+pipeline may cut between, which together must hold every parameter of the model. The user asked for their code to be
 imported by naming it; data files (YAML/JSON) are never executed.
 """
 
@@ -61,4 +62,19 @@ def load_callable_model(spec: CallableSpec) -> CustomModel:
         raise ModelSpecError(f"--model {spec.target}: block {missing[0]!r} is not a submodule of the model")
     if len(set(blocks)) != len(blocks):
         raise ModelSpecError(f"--model {spec.target}: block_names lists a module twice")
+    covered = {id(p) for b in blocks for p in names[b].parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in covered]
+    if outside:  # its compute would be left out of every block: the profile would be silently short
+        raise ModelSpecError(f"--model {spec.target}: block_names leave parameter {outside[0]!r} (and "
+                             f"{len(outside) - 1} more) outside every block; list blocks that cover the whole model")
     return CustomModel(module, example, list(blocks))
+
+
+def example_at_batch(example: Any, micro_batch: int) -> tuple:
+    """The example input (a tensor or a tuple of tensors) with its first dimension, the batch, made ``micro_batch``
+    rows long, its rows repeated in turn (a profile is per micro-batch, whatever the example's batch)."""
+    import torch
+
+    inputs = example if isinstance(example, tuple) else (example,)
+    return tuple(t[torch.arange(micro_batch) % t.shape[0]] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0]
+                 else t for t in inputs)

@@ -25,6 +25,7 @@ from paraplan.models import (
     ModelSpecError,
     balanced_routing,
     build_model,
+    example_at_batch,
     load_callable_model,
     loss_function,
     parameter_generator,
@@ -157,8 +158,7 @@ class _Workload:
             self.real_model = custom.module
             self.model = copy.deepcopy(custom.module).to("meta").to(dtype)
             self.block_names = custom.block_names
-            example = custom.example_input if isinstance(custom.example_input, tuple) else (custom.example_input,)
-            self.first_inputs = _as_model_dtype(example, dtype)
+            self.first_inputs = _as_model_dtype(example_at_batch(custom.example_input, micro_batch), dtype)
             self.targets = None
             self.style_of: Callable[[str], str | None] = lambda fqn: None
             self.kinds = {n: type(self.model.get_submodule(n)).__name__ for n in self.block_names}

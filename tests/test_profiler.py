@@ -139,19 +139,23 @@ def test_cnn_profile():
 
 
 def test_custom_callable_profile():
-    p = run_cli("profile", "--model", "fixtures.custom_model:two_layer_mlp", "--json",
-                env={"PYTHONPATH": str(ROOT / "tests")})
-    assert p.returncode == 0, p.stderr
-    data = json.loads(p.stdout)
-    assert [x["name"] for x in data["layers"]] == ["0", "2"]
-    assert data["layers"][0]["fwd_flops"] == 2 * 4 * 32 * 64
-    assert data["num_parameters"] == 32 * 64 + 64 + 64 * 10 + 10
+    """A user's module is profiled per micro-batch like the zoo's: its example input (batch 4 here) resized along
+    its first dimension to --micro-batch (default 1), so a Linear(32, 64) forward is 2 x batch x 32 x 64 FLOPs."""
+    for extra, batch in (([], 1), (["--micro-batch", "6"], 6)):
+        p = run_cli("profile", "--model", "fixtures.custom_model:two_layer_mlp", "--json", *extra,
+                    env={"PYTHONPATH": str(ROOT / "tests")})
+        assert p.returncode == 0, p.stderr
+        data = json.loads(p.stdout)
+        assert [x["name"] for x in data["layers"]] == ["0", "2"] and data["micro_batch"] == batch
+        assert data["layers"][0]["fwd_flops"] == 2 * batch * 32 * 64
+        assert data["num_parameters"] == 32 * 64 + 64 + 64 * 10 + 10
 
 
 @pytest.mark.parametrize("model,fragment", [
     ("fixtures.custom_model:raises", "raised RuntimeError: dataset not found"),
     ("fixtures.custom_model:wrong_return", "must return (module, example_input, block_names)"),
     ("fixtures.custom_model:missing_block", "block '5' is not a submodule"),
+    ("fixtures.custom_model:partial_blocks", "block_names leave parameter '2.weight' (and 1 more) outside every block"),
     ("fixtures.custom_model:nope", "has no callable 'nope'"),
     ("no_such_pkg.mod:fn", "cannot import 'no_such_pkg.mod'"),
     ("gpt-tinny", "did you mean gpt-tiny"),

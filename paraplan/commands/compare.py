@@ -186,8 +186,8 @@ def run(args) -> int:
         stdout.print(table("Data-parallel communication per layout, per GPU (most loaded pipeline rank)",
                            DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts]))
     if dp_rows:
-        stdout.print(table(f"Gradient accumulation (and 16-bit gradient reduction where the stack has it) on {dp_base}", DP_OPT_COLUMNS,
-                           [dp_opt_cells(d) for d in dp_rows]))
+        stdout.print(table(f"Gradient accumulation (and 16-bit gradient reduction where the stack has it) on "
+                           f"{dp_base}", DP_OPT_COLUMNS, [dp_opt_cells(d) for d in dp_rows]))
     for note in notes:
         stdout.print(f"note: {note}", markup=False)
     stderr.print(f"table in {files['table']}" if args.no_charts else f"charts in {out}/")
