@@ -378,6 +378,7 @@ class CostModel:
         self._tables: dict[tuple, _BlockTable] = {}
         self._block_bases: dict[tuple, tuple] = {}  # block_cost's parts every recomputation mode shares
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
+        self._core_share: dict[str, float] = {}  # per dtype: the attention scores' share of them
         self._repeated: dict[str, bool] = {}  # per dtype: repeated_blocks
         self._dp_items: dict[tuple, list] = {}  # rank_dp_items per (layout, placement, tied end, root params)
         self._p2p: dict[tuple, float] = {}  # p2p_seconds by what it depends on
@@ -976,6 +977,14 @@ class CostModel:
             notes.append(f"{hw_tflops * 1e12 / peak_flops:.0%} of the calibrated peak ({peak_flops / 1e12:.3g} TFLOP/s "
                          "per rank): the measured blocks ran faster than the machine's calibration (taken while "
                          "it was busy?); run paraplan calibrate again on an idle machine")
+        core_share = self._core_share.get(lay.dtype)
+        if core_share is None:
+            core_share = self._core_share[lay.dtype] = _attention_core_share(prof)
+        if core_share >= CORE_SHARE_NOTE and work.attention == "flash" and getattr(work.spec, "causal", True):
+            causal_mfu = model_tflops * 1e12 / peak_flops * (1 - core_share / 2)
+            notes.append(f"MFU counts the attention scores' full s x s FLOPs ({core_share:.0%} of this model's at "
+                         f"sequence {work.tokens_per_sample:,}), as Narayanan et al. 2021's and PaLM's MFU formulas "
+                         f"do; a causal kernel computes about half of them: {causal_mfu:.1%} MFU counted that way")
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")
@@ -1236,6 +1245,20 @@ def norm_act_refusal(work: Workload, dtype: str) -> str | None:
         return ("--recompute norm+act under FP8 needs a recipe other than delayed scaling (Megatron-Core refuses "
                 "moe_act and layernorm recompute with it): add --fp8-recipe tensorwise")
     return None
+
+
+# The attention core's share of the model's FLOPs above which a prediction says how MFU counts it (at 4,096 tokens
+# Llama-2 7B's is about 15%)
+CORE_SHARE_NOTE = 0.25
+
+
+def _attention_core_share(prof) -> float:
+    """The share of the model's forward FLOPs in the attention core (QK^T and the scores times V: the profile's
+    gemm_core GEMMs), which a causal flash kernel computes only half of."""
+    total = prof.total_fwd_flops
+    core = sum(f for layer in prof.layers for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core or [],
+                                                          strict=False) if c)
+    return core / total if total else 0.0
 
 
 def _model_fwd_flops(prof, framework) -> float:

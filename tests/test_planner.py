@@ -799,3 +799,28 @@ def test_search_marks_dominated_layouts_as_validating_every_layout_would(model, 
     assert [c.layout for c in got] == layouts
     assert sum(s == "dominated" for s, _ in expected) > 0
     assert all(lay not in reasons for lay in layouts if any(key in valid for key, _ in _twins(lay, _pruning_rules(cm))))
+
+
+def test_mfu_note_says_how_much_of_it_is_masked_attention():
+    """MFU counts attention's full s x s score FLOPs (Narayanan et al. 2021 eq. 3's s/6h term; PaLM App. B's
+    12·L·H·Q·T): at long sequences most of a model's FLOPs are there and a causal flash kernel computes half of
+    them, so a prediction says what MFU reads counted that way: MFU x (1 - core share / 2), the core share being
+    the profile's QK^T and scores-times-V GEMMs over all forward FLOPs."""
+    from paraplan.planner.costmodel import default_stages
+
+    work = Workload.create("llama2-7b", "dgx-h100", 8, seq_length=32768)
+    model = CostModel(work)
+    lay = Layout(dp=1, tp=8, pp=1, cp=1, micro_batch=1, global_batch=8, sequence_parallel=True, recompute="full")
+    pred = model.evaluate(lay, default_stages(model, lay))
+    prof = work.profile("bf16")
+    core = sum(f for layer in prof.layers for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core or [],
+                                                          strict=False) if c)
+    share = core / prof.total_fwd_flops
+    # per token and layer: QK^T and PV, 2 x 2·s·h FLOPs; the projections and MLP 2·(4h² + 3·h·11008): at s = 32,768
+    # and h = 4,096 the core is about 60% of a layer's FLOPs
+    assert 0.5 < share < 0.7
+    [note] = [n for n in pred.notes if n.startswith("MFU counts the attention scores")]
+    assert f"{pred.mfu * (1 - share / 2):.1%} MFU counted that way" in note
+    short = Workload.create("llama2-7b", "dgx-h100", 8, seq_length=4096)
+    m2 = CostModel(short)
+    assert not any(n.startswith("MFU counts") for n in m2.evaluate(lay, default_stages(m2, lay)).notes)
