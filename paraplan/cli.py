@@ -191,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive_int, help="GPUs the layout must use (checks dp x tp x pp)")
     p.add_argument("--write-plan", metavar="PLAN.json", help="write the runnable plan")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the per-rank pipeline timeline")
-    p.add_argument("--event-sim", action="store_true", help="time the iteration with the event simulator")
+    p.add_argument("--event-sim", action="store_true",
+                   help="time the iteration with the event simulator however many tasks it has (by default it does "
+                        "up to 400,000, the closed forms beyond)")
     _add_common(p)
 
     p = sub.add_parser("plan", help="search for the fastest layout that fits, and report it")

@@ -40,16 +40,21 @@ def stage_indices(work: Workload, lay: Layout, plan_stages: list[list[str]]) -> 
 
 
 def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
-             stage_recompute: list[str] | None = None, event_sim: bool = True,
+             stage_recompute: list[str] | None = None, event_sim: bool | None = None,
              keep_timeline: bool = False) -> tuple[Prediction, Plan]:
     """Price ``lay`` on ``work`` (unless given, stages as its framework cuts them: costmodel.framework_stages)
-    and return the prediction and the plan."""
+    and return the prediction and the plan. ``event_sim``: None = the event simulator up to EVENT_SIM_MAX_TASKS
+    tasks, the closed forms beyond (the prediction says so); True = the event simulator whatever the count
+    (``simulate --event-sim``); False = the closed forms."""
     model = CostModel(work)
     validate_layout(model, lay)
     stages = stages or framework_stages(model, lay)
     tasks = lay.num_stages * lay.num_micro_batches * 3
-    use_sim = (event_sim or keep_timeline) and tasks <= EVENT_SIM_MAX_TASKS
+    use_sim = bool(event_sim) or ((event_sim is None or keep_timeline) and tasks <= EVENT_SIM_MAX_TASKS)
     pred = model.evaluate(lay, stages, stage_recompute, simulate=use_sim, keep_timeline=keep_timeline)
+    if not use_sim and event_sim is None:
+        pred.notes.append(f"timed by the closed forms, not the event simulation: it would walk {tasks:,} tasks "
+                          f"(more than {EVENT_SIM_MAX_TASKS:,}); --event-sim runs it anyway")
     plan = plan_for(work, lay, stages, pred, stage_recompute)
     pred_dict = pred.to_dict()
     pred_dict["plan"] = {k: v for k, v in plan.to_dict().items() if k != "prediction"}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, assert_one_line_error, run_cli
+from conftest import ROOT, assert_one_line_error, run_cli, run_cli_json
 
 SIM_KEYS = {"num_parameters", "iteration_time_s", "tokens_per_s", "mfu", "hfu", "fits", "peak_memory_gib",
             "memory_gib", "time_s", "plan"}
@@ -178,3 +178,12 @@ def test_first_plan_in_a_fresh_folder_makes_its_default_report_folder(tmp_path):
                        text=True, cwd=tmp_path, env=env, timeout=600)
     assert_one_line_error(p, "--out typo/report", "does not exist")
     assert not (tmp_path / "typo").exists()
+
+
+def test_simulate_says_when_the_event_simulation_gives_way_to_the_closed_forms():
+    """Above 400,000 tasks simulate times the iteration by the closed forms and says so (--event-sim forces the
+    event simulation): pp 8 x 65,536 micro-batches x 3 passes = 1,572,864 tasks."""
+    r = run_cli_json("simulate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--nodes", "8", "--global-batch",
+                     "65536", "--dp", "1", "--tp", "8", "--pp", "8", "--micro-batch", "1")
+    assert r["method"] == "closed form"
+    assert any("it would walk 1,572,864 tasks" in n and "--event-sim" in n for n in r["notes"])

@@ -59,7 +59,7 @@ def run(args) -> int:
         if not args.gantt.lower().endswith(".png"):  # the timeline is drawn as a PNG, whatever the name says
             raise PlanError(f"--gantt {args.gantt}: the timeline is a PNG image; give a .png file name")
     work = ensure_calibrated(args, work)
-    pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt))
+    pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt), event_sim=True if args.event_sim else None)
     calibrated, cal_notes, suffix = calibration_labels(work)
     plan.prediction["calibrated"] = calibrated  # the plan file says so too
     if args.write_plan:
