@@ -9,6 +9,7 @@ estimates (see :mod:`paraplan.profiler.measurements`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from paraplan.hardware_specs import ClusterSpec, load_cluster
@@ -53,7 +54,9 @@ class Workload:
             raise PlanError(f"--global-batch must be positive, got {global_batch}")
         fw = framework_profile(framework, attention, overlap_dp, overlap_tp, **switches)
         model_ref = model if isinstance(model, str) else spec.name
-        cluster_ref = cluster if isinstance(cluster, str) else cl.name
+        # a cluster file's absolute path: the plan it goes into must find it from any working directory
+        cluster_ref = (os.path.abspath(cluster) if os.path.isfile(cluster) else cluster) if isinstance(cluster, str) \
+            else cl.name
         return cls(model_ref=model_ref, spec=spec, cluster_ref=cluster_ref, cluster=cl, global_batch=global_batch,
                    framework=fw)
 

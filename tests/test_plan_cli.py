@@ -187,3 +187,20 @@ def test_simulate_says_when_the_event_simulation_gives_way_to_the_closed_forms()
                      "65536", "--dp", "1", "--tp", "8", "--pp", "8", "--micro-batch", "1")
     assert r["method"] == "closed form"
     assert any("it would walk 1,572,864 tasks" in n and "--event-sim" in n for n in r["notes"])
+
+
+def test_a_cluster_file_given_relatively_is_recorded_absolutely(tmp_path):
+    """A plan made with --cluster FILE.yaml from one folder must find that file from any other (execute's slot
+    check, export --to slurm): plan.json keeps its absolute path."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(ROOT / "hardware_specs" / "clusters" / "local.yaml", tmp_path / "mine.yaml")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "paraplan", "plan", "--model", "gpt-tiny", "--cluster", "mine.yaml",
+                        "--gpus", "2", "--global-batch", "8", "--no-charts", "--no-calibrate", "--out", "r"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "r" / "plan.json").read_text())["cluster"] == str(tmp_path / "mine.yaml")

@@ -17,7 +17,7 @@ import zlib
 from paraplan.executor.errors import ExecutionError, JobFailed
 from paraplan.executor.job import Job
 from paraplan.executor.launch import LaunchOptions, TrainingOptions, launch, quote
-from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_device_type
+from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_cluster, plan_device_type
 from paraplan.hardware_specs.identity import threads_per_rank
 
 from .output import print_json
@@ -142,7 +142,10 @@ def run(args) -> int:
         raise ExecutionError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     job = Job.load(args.plan)
     nproc = check_slots(job.plan, job.world_size, args.nnodes)
-    for warning in (job.stale_prediction, job.plan.memory_warning()):
+    unknown = None if plan_cluster(job.plan) is not None else (
+        f"the plan's cluster {job.plan.cluster!r} is not known here (no such spec name or file): the device is what "
+        "this machine has, its process slots are not checked and MFU is not computed")
+    for warning in (job.stale_prediction, job.plan.memory_warning(), unknown):
         if warning:
             sys.stderr.write(f"paraplan execute: warning: {warning}\n")
     training = training_options(args, job)
