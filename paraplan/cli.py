@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # File-system refusals of a path (permissions, a read-only or full disk, a file in the way): the user's to fix, one line
 FILE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR,
-               errno.EISDIR, errno.EEXIST)
+               errno.ENOENT, errno.EISDIR, errno.EEXIST)
 
 
 # Commands that only compute, write their files and exit (no torch.distributed, no processes left behind).

@@ -204,3 +204,16 @@ def test_a_cluster_file_given_relatively_is_recorded_absolutely(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "r" / "plan.json").read_text())["cluster"] == str(tmp_path / "mine.yaml")
+
+
+@pytest.mark.parametrize("command, fragment", [
+    (["plan", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8", "--no-charts",
+      "--out", "/proc/paraplan-report"], "/proc/paraplan-report"),
+    (["simulate", "--model", "gpt-tiny", "--cluster", "local", "--global-batch", "8", "--dp", "1", "--tp", "1", "--pp",
+      "1", "--micro-batch", "1", "--gantt", "/proc/paraplan.png"], "--gantt /proc/paraplan.png: cannot be written"),
+    (["profile", "--model", "gpt-tiny", "--out", "/proc/paraplan.csv"], "--out /proc/paraplan.csv: cannot be written"),
+])
+def test_outputs_the_file_system_refuses_are_one_line_errors(command, fragment):
+    """A folder that refuses new files (/proc here; a read-only or full disk, permissions) is the user's to fix: one
+    line naming the path, exit 2 — for a requested chart too, checked before the work."""
+    assert_one_line_error(run_cli(*command, "--no-calibrate" if command[0] != "profile" else "--json"), fragment)

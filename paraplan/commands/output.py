@@ -26,6 +26,15 @@ def output_path_problem(path: str, flag: str, folder: bool) -> str | None:
         return f"{flag} {path}: is a file; give a folder for the report"
     if not folder and os.path.isdir(path):
         return f"{flag} {path}: is a folder; give a file name"
+    if not folder:  # try it now, not after the work: a folder that refuses writes (permissions, read-only)
+        existed = os.path.exists(path)
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            return f"{flag} {path}: cannot be written ({e.strerror})"
+        if not existed:
+            os.remove(path)
     return None
 
 
