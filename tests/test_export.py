@@ -826,7 +826,17 @@ def test_slurm_script_for_the_3d_plan(plans, tmp_path):
     nodes = plan.layout.world_size // 8  # dgx-h100: 8 GPUs per node
     assert f"#SBATCH --nodes={nodes}\n" in text and "#SBATCH --gpus-per-node=8\n" in text
     assert "--rdzv-endpoint" in text and f"--nnodes {nodes}" in text
+    assert f"#SBATCH --job-name=paraplan-{plan.model}\n" in text
     check_shell(out)
+    # a plan of a model file: the job is named after the file's stem, not its path
+    spec_file = tmp_path / "my.model.yaml"
+    spec_file.write_text("name: mine\nfamily: gpt\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                         "vocab_size: 100\nseq_length: 32\n")
+    filed = tmp_path / "filed.json"
+    filed.write_text(json.dumps({**json.loads(path.read_text()), "model": str(spec_file)}))
+    p = cli("export", "--plan", str(filed), "--to", "slurm", "--out", str(tmp_path / "f.sbatch"))
+    assert p.returncode == 0, p.stderr
+    assert "#SBATCH --job-name=paraplan-my.model\n" in (tmp_path / "f.sbatch").read_text()
 
 
 @pytest.mark.parametrize("flags", [frozenset(), frozenset({"--checkpoint-dir", "--resume", "--max-restarts"})])

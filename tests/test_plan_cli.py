@@ -217,3 +217,23 @@ def test_outputs_the_file_system_refuses_are_one_line_errors(command, fragment):
     """A folder that refuses new files (/proc here; a read-only or full disk, permissions) is the user's to fix: one
     line naming the path, exit 2 — for a requested chart too, checked before the work."""
     assert_one_line_error(run_cli(*command, "--no-calibrate" if command[0] != "profile" else "--json"), fragment)
+
+
+def test_the_default_report_folder_stays_inside_reports(tmp_path):
+    """A spec's name goes into the default report folder's name as one path component: a name with slashes and
+    dots cannot write outside reports/."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "m.yaml").write_text('name: "../../escape/me"\nfamily: gpt\nnum_layers: 2\nhidden_size: 64\n'
+                                              "num_attention_heads: 4\nvocab_size: 100\nseq_length: 32\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "paraplan", "plan", "--model", "m.yaml", "--cluster", "local", "--gpus",
+                        "2", "--global-batch", "8", "--no-charts", "--no-calibrate"], capture_output=True, text=True,
+                       cwd=tmp_path / "work", env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    [folder] = os.listdir(tmp_path / "work" / "reports")
+    assert "/" not in folder and (tmp_path / "work" / "reports" / folder / "plan.json").is_file()
+    assert not (tmp_path / "escape").exists()

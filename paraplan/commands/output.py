@@ -50,7 +50,9 @@ def report_folder(given: str | None, name: str) -> str:
         except OSError as e:
             raise PlanError(f"--out: cannot make the default report folder {os.path.abspath('reports')} "
                              f"({e.strerror}); give --out") from None
-    out = given or os.path.join("reports", name)
+    # the default folder's name from the model's and cluster's names: one path component, whatever they hold
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip(".") or "report"
+    out = given or os.path.join("reports", safe)
     if problem := output_path_problem(out, "--out", folder=True):
         raise PlanError(problem)
     return out

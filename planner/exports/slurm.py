@@ -31,7 +31,8 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset
     if place.nodes is None:
         raise PlanError(f"slurm: cannot read the plan's cluster {plan.cluster!r} (its nodes and GPUs per node "
                         "decide the allocation); export where that spec is known")
-    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in f"paraplan-{plan.model}")[:64]
+    model = plan.model if not os.path.isfile(plan.model) else os.path.splitext(os.path.basename(plan.model))[0]
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in f"paraplan-{model}")[:64]
     lines = ["#!/bin/bash"]
     lines += [f"# {x}" for x in header_lines(plan, plan_path, "Slurm batch script running paraplan execute")]
     lines += ["# Submit with: sbatch paraplan.sbatch (add --time, --partition, --account as your site needs).",
