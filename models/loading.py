@@ -28,6 +28,9 @@ def load_model_spec(ref: str) -> ModelSpec:
         raise ModelSpecError("--model: give a preset name, a YAML/JSON spec file or package.module:callable")
     if ref in PRESETS:
         return spec_from_mapping({"name": ref, **PRESETS[ref]}, source=f"preset {ref}")
+    if ref.endswith(".py"):
+        raise ModelSpecError(f"--model {ref}: a Python file is not a model spec; give your module's callable as "
+                             "package.module:callable (importable from here; paraplan profile takes it)")
     if os.path.exists(ref):
         return _load_file(ref)
     if _CALLABLE.match(ref):

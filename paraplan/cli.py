@@ -77,7 +77,7 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
 
 def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
-                   help="preset name, YAML spec, HF config.json or package.module:callable")
+                   help="preset name, YAML spec or HF config.json (your own nn.Module: profile only)")
     p.add_argument("--cluster", required=model_required, help="cluster name (paraplan hardware) or YAML file")
     p.add_argument("--nodes", type=_positive_int, help="override the cluster's node count")
     p.add_argument("--global-batch", type=_positive_int, required=batch_required, help="samples per iteration")
@@ -173,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     p = sub.add_parser("profile", help="per-layer FLOPs, memory and time of a model")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True,
+                   help="preset name, YAML spec, HF config.json, or your own nn.Module as package.module:callable "
+                        "returning (module, example input, block names): see models/custom.py")
     p.add_argument("--device", choices=("meta", "cpu", "cuda"), default="meta")
     p.add_argument("--micro-batch", type=_positive_int, default=1)
     p.add_argument("--seq-len", type=_positive_int)

@@ -159,6 +159,7 @@ def test_custom_callable_profile():
     ("fixtures.custom_model:nope", "has no callable 'nope'"),
     ("no_such_pkg.mod:fn", "cannot import 'no_such_pkg.mod'"),
     ("gpt-tinny", "did you mean gpt-tiny"),
+    ("mymodel.py", "a Python file is not a model spec; give your module's callable as package.module:callable"),
 ])
 def test_bad_models_are_one_line_errors(model, fragment):
     p = run_cli("profile", "--model", model, env={"PYTHONPATH": str(ROOT / "tests")})
