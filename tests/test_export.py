@@ -58,7 +58,8 @@ MEGATRON_FLAGS = {
     "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-grad-reduce", "--overlap-param-gather",
     "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-param-gather",
-    "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity",
+    "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity", "--rotary-base", "--norm-epsilon",
+    "--use-rope-scaling", "--rope-scaling-factor",
 }
 
 
@@ -239,6 +240,28 @@ def test_megatron_zero3_full_recompute_and_uneven_pipeline(plans, tmp_path):
     counts = [sum(n.startswith("layers.") for n in s) for s in one.stages]
     assert (f["--decoder-first-pipeline-num-layers"], f["--decoder-last-pipeline-num-layers"]) == (str(counts[0]),
                                                                                                    str(counts[-1]))
+
+
+def test_megatron_carries_a_config_json_s_rope_and_norm(plans, tmp_path):
+    """A plan of a Llama 3.1 config.json (RoPE base 500,000, llama3 scaling by 8, RMSNorm eps 1e-5) exports them as
+    --rotary-base, --use-rope-scaling --rope-scaling-factor and --norm-epsilon (Megatron's defaults would train
+    another model: base 10,000, no scaling); a plan of a preset keeps Megatron's defaults, which are its own."""
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 1024,
+              "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = load_model_spec(str(path))
+    plan, _ = plans["z3"]
+    ours = plan.replace(model=str(path), model_spec=spec.to_dict(), stages=even_stages(spec, plan.layout.pp))
+    flags, _ = megatron_export(ours, tmp_path, spec)
+    assert (flags["--rotary-base"], flags["--norm-epsilon"], flags["--rope-scaling-factor"]) == ("500000", "1e-06",
+                                                                                                  "8.0")
+    assert "--use-rope-scaling" in flags
+    flags, _ = megatron_export(plan, tmp_path)
+    assert "--rotary-base" not in flags and "--norm-epsilon" not in flags
 
 
 def test_megatron_moe_model_flags(plans, tmp_path):

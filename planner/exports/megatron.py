@@ -82,7 +82,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
         notes.append(f"the model's {spec.mtp_layers} multi-token-prediction module(s) ({mtp_params(spec) / 1e9:.1f} B "
                      "parameters) are not in the plan and are left out (its memory and time do not count them); "
                      f"--mtp-num-layers {spec.mtp_layers} trains them, beyond the plan's figures")
-    groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length),
+    groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length) + numerics_args(plan, spec, notes),
               "PARALLEL_ARGS": parallel_args(plan, spec),
               "TRAINING_ARGS": training_args(plan, notes, spec) + stack_args(plan, spec, notes)}
     env = []
@@ -127,6 +127,35 @@ def model_args(spec, seq_length: int) -> Args:
     if getattr(spec, "qk_norm", False):
         a.append(("--qk-layernorm", None))
     a += _moe_args(spec)  # no --mtp-num-layers: the plan has no multi-token-prediction module (export's note)
+    return a
+
+
+def numerics_args(plan: Plan, spec, notes: list[str]) -> Args:
+    """A LLaMA-style model's RoPE base, RMSNorm eps and Llama 3.1 RoPE scaling as its config.json gives them, where
+    the plan came from one still here (exports/torchtitan_model.numerics; else Megatron's defaults are paraplan's:
+    base 10000, eps 1e-5): --rotary-base, --norm-epsilon, --use-rope-scaling --rope-scaling-factor (Megatron's
+    llama3 scaling, low/high frequency factors 1 and 4 over 8192 positions, megatron/core/models/common/embeddings/
+    rotary_pos_embedding.py). A scaling Megatron has no flags for is left out with a note."""
+    from .torchtitan_model import numerics
+
+    if spec.family != "llama":
+        return []
+    num = numerics(plan)
+    if num.missing:
+        notes.append(f"the plan's {num.missing} could not be read: RoPE base and norm eps are Megatron's defaults")
+    if not num.source:
+        return []
+    a: Args = [("--rotary-base", int(num.rope_theta)), ("--norm-epsilon", num.norm_eps)]
+    scaling = num.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        a += [("--use-rope-scaling", None), ("--rope-scaling-factor", float(scaling.get("factor", 8.0)))]
+        megatron = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+        other = {k: scaling[k] for k in megatron if k in scaling and scaling[k] != megatron[k]}
+        if other:
+            notes.append(f"Megatron's llama3 RoPE scaling fixes {megatron}; the model's config has {other}")
+    elif kind:
+        notes.append(f"RoPE scaling {kind!r} ({num.source}) has no Megatron-LM flags here: left out")
     return a
 
 
