@@ -384,6 +384,7 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
         if int(os.environ.get("RANK", "0")) != 0:
             return None, cal, {}
     else:
+        check_ranks(base, ranks)
         cal = calibrate(ranks=ranks, quick=quick, device_type=_device_of(base))
     mapping = calibrated_spec(base, cal)
     if not quick and ranks > 1 and cal.device == "cpu":
@@ -397,6 +398,22 @@ def calibrate_cluster(cluster: str, ranks: int, quick: bool, out: str | None) ->
         cal.seconds = time.perf_counter() - started
     cal.load_before = load
     return write_spec(mapping, out, cal), cal, mapping
+
+
+def check_ranks(cluster: ClusterSpec | str, ranks: int) -> None:
+    """Refuse more local processes than the cluster's node has slots (a CPU stand-in) or this machine GPUs: they
+    would measure nothing the cluster runs, and hundreds of processes swamp the machine."""
+    base = shipped_cluster(cluster) if isinstance(cluster, str) else cluster
+    device = _device_of(base)
+    if device == "cpu":
+        slots, what = base.gpus_per_node, "process slots"
+    else:
+        import torch
+
+        slots, what = (torch.cuda.device_count() if torch.cuda.is_available() else 0), "GPUs on this machine"
+    if ranks > slots:
+        raise ExecutionError(f"--ranks {ranks}: cluster {base.name} has {slots} {what} per node; give --ranks "
+                             f"{slots} or fewer")
 
 
 def _device_of(cluster: ClusterSpec) -> str:

@@ -237,3 +237,12 @@ def test_the_default_report_folder_stays_inside_reports(tmp_path):
     [folder] = os.listdir(tmp_path / "work" / "reports")
     assert "/" not in folder and (tmp_path / "work" / "reports" / folder / "plan.json").is_file()
     assert not (tmp_path / "escape").exists()
+
+
+@pytest.mark.parametrize("command, fragment", [
+    (["validate", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8", "--steps", "1"],
+     "--steps 1: the first step warms up and is not timed"),
+    (["calibrate", "--cluster", "local", "--ranks", "9"], "--ranks 9: cluster local has 8 process slots per node"),
+])
+def test_counts_that_would_measure_nothing_are_refused(command, fragment):
+    assert_one_line_error(run_cli(*command), fragment)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from paraplan.executor.calibrate import calibrate_cluster
+from paraplan.executor.calibrate import calibrate_cluster, check_ranks
 
 from .output import print_json, stderr, stdout, table
 
 
 def run(args) -> int:
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # alone: this machine's processes
+        check_ranks(args.cluster, args.ranks)
     stderr.print(f"calibrating {args.cluster}: GEMMs, memory bandwidth, per-kernel overhead, collectives over "
                  f"{args.ranks} processes{' (quick)' if args.quick else ''}...")
     path, cal, spec = calibrate_cluster(args.cluster, args.ranks, args.quick, args.out)

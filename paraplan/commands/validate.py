@@ -14,6 +14,8 @@ from .output import print_json, report_folder, stderr, stdout, table
 
 
 def run(args) -> int:
+    if args.steps < 2:
+        raise PlanError(f"--steps {args.steps}: the first step warms up and is not timed; give 2 or more")
     work = workload_from_args(args)
     if args.gpus > work.cluster.num_gpus:
         raise PlanError(f"--gpus {args.gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus}")
