@@ -14,6 +14,7 @@ from typing import Any
 
 from paraplan.hardware_specs import read_data_file
 
+from .atomic import atomic_open
 from .compute import ATTENTION_KERNELS
 from .errors import InvalidLayout, PlanError
 from .layout import RECOMPUTE, Layout
@@ -82,7 +83,7 @@ class Plan:
 
     def write(self, path: str) -> None:
         try:
-            with open(path, "w") as f:
+            with atomic_open(path) as f:
                 json.dump(self.to_dict(), f, indent=1)
                 f.write("\n")
         except OSError as e:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from . import chart_guard
 from .api import plan_for
+from .atomic import atomic_open
 from .costmodel import CostModel, Prediction
 from .exports import report_lines
 from .framework import describe as describe_framework
@@ -87,7 +88,7 @@ def write_candidates_csv(result: SearchResult, path: str) -> None:
 
     rows = sorted(result.candidates, key=lambda c: (
         c.prediction.iteration_time_s if c.prediction is not None else inf, c.lower_bound_s))
-    with open(path, "w", newline="") as f:
+    with atomic_open(path, newline="") as f:
         f.write(",".join(CANDIDATE_COLUMNS) + "\r\n")
         for at in range(0, len(rows), 20000):
             f.write("".join(map(line, rows[at:at + 20000])))
@@ -184,6 +185,10 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
         every_candidate()
         if charts:
             chart_guard.draw_files(files, result.notes, [r.job() for r in _chart_requests(result, out, scaling)])
+    for name in CHART_FILES:  # an earlier report's chart this one did not draw would pass for this plan's
+        path = os.path.join(out, name)
+        if path not in files.values() and os.path.isfile(path):
+            os.remove(path)
     work, lay, p = result.work, best.layout, best.prediction
     cl = work.cluster
     # a pruned layout whose memory was never checked (search.time_bound) is counted apart
@@ -267,9 +272,12 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     md += ["", "Files: `plan.json` (run it with `paraplan execute --plan plan.json`), `candidates.csv` (every "
            "candidate with its status).", ""]
     md += report_lines(files["plan"])  # the export command per framework, or why it cannot take the plan
-    with open(files["report"], "w") as f:
+    with atomic_open(files["report"]) as f:
         f.write("\n".join(md))
     return files
+
+
+CHART_FILES = ("time_breakdown.png", "memory.png", "timeline.png", "scaling.png", "pareto.png")
 
 
 def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> list[chart_guard.ChartRequest]:

@@ -246,3 +246,31 @@ def test_the_default_report_folder_stays_inside_reports(tmp_path):
 ])
 def test_counts_that_would_measure_nothing_are_refused(command, fragment):
     assert_one_line_error(run_cli(*command), fragment)
+
+
+def test_a_report_folder_keeps_only_this_plan_s_charts(tmp_path):
+    """Planning again into a folder with --no-charts leaves no chart of the earlier plan behind (it would pass for
+    this one's), and the files are written whole (planner/atomic.py: no temporary file left)."""
+    args = ["plan", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8",
+            "--no-calibrate", "--out", str(tmp_path)]
+    assert run_cli(*args).returncode == 0
+    assert any(p.suffix == ".png" for p in tmp_path.iterdir())
+    assert run_cli(*args, "--no-charts").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["candidates.csv", "plan.json", "report.md"]
+
+
+def test_two_executes_into_one_folder_at_once_are_refused(tmp_path):
+    """While one execute holds --out (an exclusive lock on its .paraplan-execute.lock), another is refused in one
+    line before starting, instead of interleaving their metrics."""
+    import fcntl
+
+    plan = tmp_path / "plan.json"
+    p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "local", "--global-batch", "8", "--dp", "1", "--tp",
+                "1", "--pp", "1", "--micro-batch", "1", "--write-plan", str(plan), "--no-calibrate")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".paraplan-execute.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert_one_line_error(run_cli("execute", "--plan", str(plan), "--steps", "2", "--out", str(out)),
+                              "is being written by another paraplan execute")

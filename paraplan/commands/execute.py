@@ -7,6 +7,8 @@ model); then torchrun runs this node's ranks and a failure comes back as one lin
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -115,6 +117,23 @@ def _check_out(path: str) -> None:
     _check_folder("--out", path)
 
 
+@contextlib.contextmanager
+def _out_lock(out: str | None):
+    """Hold ``out`` for this run: a second execute writing the same folder at once would interleave its records
+    (metrics.jsonl, run.json) with this one's, so it is refused in one line while this run holds the lock."""
+    if not out:
+        yield
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, ".paraplan-execute.lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ExecutionError(f"--out {out} is being written by another paraplan execute; wait for it or give "
+                                 "another --out") from None
+        yield
+
+
 def _rendezvous_port(args) -> int:
     """Check the rendezvous address; returns the port torchrun will use."""
     if args.rdzv_endpoint:
@@ -173,7 +192,8 @@ def run(args) -> int:
         sys.stderr.write(f"torchrun: {quote(torchrun_command([args.plan], [out], opts))}\n")
     sys.stderr.flush()
     try:
-        launch([args.plan], [out], opts)
+        with _out_lock(out if args.node_rank == 0 else None):
+            launch([args.plan], [out], opts)
     except JobFailed as e:  # it ran and failed: one line too, but exit 1 (2 means refused before starting)
         if args.debug:
             raise
