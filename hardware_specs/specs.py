@@ -70,7 +70,9 @@ class GPUSpec:
         """Dense peak FLOP/s for ``dtype``; fp32 training uses TF32 tensor cores where they exist."""
         value = self.peak_tflops.get(dtype)
         if value is None:
-            raise HardwareSpecError(f"{self.name} has no {dtype} support (peak_tflops.{dtype} is null)")
+            others = [d for d, v in self.peak_tflops.items() if v is not None and d != "default"]
+            raise HardwareSpecError(f"{self.name} has no {dtype} support (peak_tflops.{dtype} is null)"
+                                    + (f"; give --dtype {' or '.join(others)}" if others else ""))
         return value * 1e12
 
     @property

@@ -32,16 +32,17 @@ def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> Non
     model = model or result.model or CostModel(result.work)
     k = len(result.ranked)
     shown = {id(c) for c in result.ranked}
-    waiting = sorted((c for c in result.candidates if c.status == "ok" and id(c) not in shown), key=lambda c: c.time_s)
+    waiting = sorted((c for c in result.candidates if c.status == "ok" and id(c) not in shown),
+                     key=lambda c: c.rank_key)
     kept: list = []
     for cand in result.ranked:
         _simulate(model, cand, kept)
     for cand in waiting:  # the next fastest by the closed form, while one may beat the k-th simulated plan
-        kept.sort(key=lambda c: c.time_s)
+        kept.sort(key=lambda c: c.rank_key)
         if len(kept) >= k and cand.time_s >= kept[k - 1].time_s:
             break
         _simulate(model, cand, kept)
-    kept.sort(key=lambda c: c.time_s)
+    kept.sort(key=lambda c: c.rank_key)
     result.ranked[:] = kept[:k]
 
 

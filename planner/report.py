@@ -19,6 +19,7 @@ from .framework import describe as describe_framework
 from .gc_pause import without_gc_pauses
 from .scaling import ScalingPoint
 from .search import Candidate, SearchResult
+from .units import tflops_text
 
 GiB = 2**30
 
@@ -73,7 +74,7 @@ def write_candidates_csv(result: SearchResult, path: str) -> None:
     only where there are some, as csv.writer would write it (minimal quoting, CRLF ends) in about a third of its
     time (benchmarks/bench_plan.py)."""
     inf = float("inf")
-    ranked = sorted((c for c in result.candidates if c.status == "ok"), key=lambda c: c.time_s)
+    ranked = sorted((c for c in result.candidates if c.status == "ok"), key=lambda c: c.rank_key)
     order = {id(c): i for i, c in enumerate(ranked, 1)}
 
     def line(c) -> str:
@@ -217,8 +218,8 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
           "| predicted | |", "|---|---|",
           f"| iteration time | {p.iteration_time_s:.4g} s |",
           f"| throughput | {p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.4g} samples/s |",
-          f"| per GPU | {p.model_tflops_per_gpu:.1f} model TFLOP/s (MFU {100 * p.mfu:.1f}%), "
-          f"{p.hardware_tflops_per_gpu:.1f} hardware TFLOP/s (HFU {100 * p.hfu:.1f}%) |",
+          f"| per GPU | {tflops_text(p.model_tflops_per_gpu)} model TFLOP/s (MFU {100 * p.mfu:.1f}%), "
+          f"{tflops_text(p.hardware_tflops_per_gpu)} hardware TFLOP/s (HFU {100 * p.hfu:.1f}%) |",
           f"| memory per GPU | {p.peak_memory_gib:.1f} of {p.memory_capacity_gib:g} GiB (params "
           f"{p.memory_gib['params']:.1f}, grads {p.memory_gib['grads']:.1f}, optimizer {p.memory_gib['optimizer']:.1f},"
           f" activations {p.memory_gib['activations']:.1f}, other {p.memory_gib['other']:.1f}) |",

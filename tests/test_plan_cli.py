@@ -274,3 +274,21 @@ def test_two_executes_into_one_folder_at_once_are_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert_one_line_error(run_cli("execute", "--plan", str(plan), "--steps", "2", "--out", str(out)),
                               "is being written by another paraplan execute")
+
+
+def test_a_gpu_without_the_dtype_says_which_it_has():
+    from paraplan.hardware_specs import HardwareSpecError
+    from paraplan.hardware_specs.loader import load_gpu
+
+    with pytest.raises(HardwareSpecError, match=r"v100-32gb has no bf16 support .*; give --dtype (fp16|fp32)"):
+        load_gpu("v100-32gb").peak_flops("bf16")
+
+
+def test_plans_equally_fast_rank_the_one_that_moves_less_first():
+    """The demo's two fastest plans are priced alike (ZeRO-2 and ZeRO-3 of one layout, their gathers hidden): the
+    one that moves fewer bytes a step comes first, as its time depends less on how well that traffic overlaps."""
+    r = run_cli_json("plan", "--no-charts", "--top", "5")
+    tied = [t for t in r["top_k"] if t["iteration_time_s"] == r["top_k"][0]["iteration_time_s"]]
+    assert len(tied) >= 2
+    moved = [sum(sum(rank.values()) for rank in t["rank_comm_bytes"]) for t in tied]
+    assert moved == sorted(moved)

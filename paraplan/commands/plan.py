@@ -48,8 +48,8 @@ def nothing_fits_message(result: SearchResult) -> str:
                 f"({len(result.candidates)} candidates, all invalid); try another GPU count or global batch")
     least, cand = min(needs, key=lambda x: x[0])
     more = max(2, int(result.gpus * least / gpu.memory_GiB + 0.999))
-    return (f"nothing fits: the least memory any layout needs is {least:.1f} GiB per GPU ({cand.layout.short()}, "
-            f"with ZeRO-3 and full recomputation considered), a {gpu.name} has {gpu.memory_GiB:g} GiB; "
+    return (f"nothing fits: every layout needs at least {least:.1f} GiB per GPU (the least: {cand.layout.short()}, "
+            f"with ZeRO-3 and full recomputation considered), each {gpu.name} has {gpu.memory_GiB:g} GiB; "
             f"try about {more} GPUs (--gpus/--nodes), a smaller global batch or a GPU with more memory")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from paraplan.planner import chart_guard
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
+from paraplan.planner.units import tflops_text
 
 from .common import calibration_labels, ensure_calibrated, layout_from_args, workload_from_args
 from .output import output_path_problem, print_json, stderr, stdout, table
@@ -15,17 +16,12 @@ def _check_out(path: str, flag: str) -> None:
         raise PlanError(problem)
 
 
-def _tflops(x: float) -> str:
-    """A GPU's 387.4; a CPU rank's 0.0352 (not 0.0)."""
-    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
-
-
 def prediction_rows(d: dict) -> list[list[str]]:
     t, mem = d["time_s"], d["memory_gib"]
     rows = [["iteration time", f"{d['iteration_time_s']:.4g} s"],
             ["throughput", f"{d['tokens_per_s']:,.0f} tokens/s  ({d['samples_per_s']:.4g} samples/s)"],
-            ["TFLOP/s per GPU", f"model {_tflops(d['model_tflops_per_gpu'])}, "
-                                f"hardware {_tflops(d['hardware_tflops_per_gpu'])}"],
+            ["TFLOP/s per GPU", f"model {tflops_text(d['model_tflops_per_gpu'])}, "
+                                f"hardware {tflops_text(d['hardware_tflops_per_gpu'])}"],
             ["MFU / HFU", f"{100 * d['mfu']:.1f}% / {100 * d['hfu']:.1f}%"],
             ["memory per GPU", f"{d['peak_memory_gib']:.2f} GiB of {d['memory_capacity_gib']:g} "
                                f"({'fits' if d['fits'] else 'DOES NOT FIT'})"],
