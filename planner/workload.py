@@ -21,6 +21,10 @@ from .errors import PlanError
 from .framework import PARAPLAN, Framework
 from .framework import framework as framework_profile
 
+# A config.json's max_position_embeddings above this (Llama 3.1's 131,072, Qwen3's 40,960) is worth a note when it
+# becomes the planned sequence length by default
+LONG_DEFAULT_SEQUENCE = 8192
+
 
 @dataclass
 class Workload:
@@ -57,8 +61,13 @@ class Workload:
         # a cluster file's absolute path: the plan it goes into must find it from any working directory
         cluster_ref = (os.path.abspath(cluster) if os.path.isfile(cluster) else cluster) if isinstance(cluster, str) \
             else cl.name
-        return cls(model_ref=model_ref, spec=spec, cluster_ref=cluster_ref, cluster=cl, global_batch=global_batch,
+        work = cls(model_ref=model_ref, spec=spec, cluster_ref=cluster_ref, cluster=cl, global_batch=global_batch,
                    framework=fw)
+        if seq_length is None and isinstance(model, str) and model.endswith(".json") and spec.is_transformer \
+                and spec.seq_length > LONG_DEFAULT_SEQUENCE:
+            work.notes.append(f"sequence length {spec.seq_length:,}: the config.json's max_position_embeddings, the "
+                              "longest the model takes, not necessarily the length to train at; --seq-len sets it")
+        return work
 
     @property
     def attention(self) -> str:

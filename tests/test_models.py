@@ -259,3 +259,14 @@ def test_initialisation_depends_on_seed_and_name_only():
     other = build_model(spec, "cpu")
     initialize(other, spec, seed=4)
     assert not torch.equal(other.layers["3"].attn.wq.weight, whole.layers["3"].attn.wq.weight)
+
+
+def test_a_config_json_s_long_default_sequence_is_noted(write):
+    """A config.json's max_position_embeddings (131,072 for Llama 3.1) becomes the planned sequence by default: the
+    workload notes it is the longest the model takes and that --seq-len sets another; at --seq-len, no note."""
+    from paraplan.planner.workload import Workload
+
+    config = {**HF_CONFIGS["llama"][0], "max_position_embeddings": 131072}
+    path = write("config.json", json.dumps(config))
+    assert any("max_position_embeddings" in n for n in Workload.create(path, "dgx-h100", 8).notes)
+    assert not Workload.create(path, "dgx-h100", 8, seq_length=8192).notes

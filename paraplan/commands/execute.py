@@ -21,6 +21,7 @@ from paraplan.executor.job import Job
 from paraplan.executor.launch import LaunchOptions, TrainingOptions, launch, quote
 from paraplan.executor.machine import check_port_free, check_slots, free_port, plan_cluster, plan_device_type
 from paraplan.hardware_specs.identity import threads_per_rank
+from paraplan.planner.framework import other_stack_note
 
 from .output import print_json
 
@@ -164,7 +165,9 @@ def run(args) -> int:
     unknown = None if plan_cluster(job.plan) is not None else (
         f"the plan's cluster {job.plan.cluster!r} is not known here (no such spec name or file): the device is what "
         "this machine has, its process slots are not checked and MFU is not computed")
-    for warning in (job.stale_prediction, job.plan.memory_warning(), unknown):
+    other_stack = other_stack_note(job.plan.stack(), "its prediction was", "this run is",
+                                   "price it with --framework paraplan to compare the run with its own stack")
+    for warning in (job.stale_prediction, job.plan.memory_warning(), unknown, other_stack):
         if warning:
             sys.stderr.write(f"paraplan execute: warning: {warning}\n")
     training = training_options(args, job)
