@@ -79,29 +79,54 @@ FAMILIES_CLASSIFIER = {
 
 
 def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimum: bool = True) -> list[Row]:
+    """Each row priced as ``simulate`` and ``plan`` price it: its split by the ILP, its time by the event simulation
+    where the pipeline's tasks allow (refine.simulate_ranked for the searches' picks)."""
+    from .refine import simulate_ranked
+
     model = CostModel(work)
     rows = []
     for text in strategies:
         fields = parse_strategy(text)
         lay = strategy_layout(fields, gpus, work.global_batch, dtype, text)
-        rows.append(price_layout(model, lay, text, "recompute" in fields))
+        rows.append(_simulated(model, price_layout(model, lay, text, "recompute" in fields)))
+
+    def best_of(layouts: list[Layout] | None = None):
+        result = search(work, gpus, top_k=1, dtype=dtype, layouts=layouts, model=model)
+        simulate_ranked(result, model)
+        return result
+
     if not strategies:
         every = enumerate_layouts(work, gpus, dtype)
         families = (FAMILIES_MOE if work.spec.is_moe else FAMILIES) if work.spec.is_transformer else \
             FAMILIES_CLASSIFIER
         for name, keep in families.items():
-            result = search(work, gpus, top_k=1, dtype=dtype, layouts=[x for x in every if keep(x)])
+            result = best_of([x for x in every if keep(x)])
             rows.append(from_candidate(name, result.best, any(c.status != "invalid" for c in result.candidates)))
     if optimum:
-        rows.append(from_candidate("optimum (3D search)", search(work, gpus, top_k=1, dtype=dtype).best))
+        rows.append(from_candidate("optimum (3D search)", best_of().best))
     return rows
+
+
+def _simulated(model: CostModel, row: Row) -> Row:
+    """``row`` re-priced by the event simulation (as simulate prices a layout), where its pipeline is small enough."""
+    from .api import EVENT_SIM_MAX_TASKS
+
+    lay = row.layout
+    if row.prediction is None or lay.num_stages * lay.num_micro_batches * 3 > EVENT_SIM_MAX_TASKS:
+        return row
+    row.prediction = model.evaluate(lay, row.stages, row.stage_recompute, simulate=True)
+    return row
 
 
 def ps_vs_ring(work: Workload, dtype: str, max_workers: int, servers: tuple[int, ...] = (1, 2, 4)
                ) -> tuple[list[int], dict[str, list[float]]]:
-    """Gradient sync time of the whole model (pure data parallelism) for 2..max_workers workers."""
+    """Gradient sync time of the whole model (pure data parallelism) for 2..max_workers workers, the gradients at
+    the width the stack reduces them (dp_sync.grad_bytes: fp32 for this executor), as the per-layout table prices
+    them; the servers are GPUs beside the workers (in their node while both fit in one, else across nodes)."""
+    from .dp_sync import grad_bytes
+
     params = work.profile(dtype).num_parameters
-    grads = params * (4 if dtype == "fp32" else 2)
+    grads = params * grad_bytes(work, Layout(dp=2, tp=1, pp=1, micro_batch=1, global_batch=2, dtype=dtype))
     cl = work.cluster
     workers = []
     n = 2

@@ -1286,3 +1286,7 @@ def validate_layout(model: CostModel, lay: Layout) -> None:
         work.cluster.gpu.peak_flops(lay.dtype)
     except ValueError as e:
         raise InvalidLayout(str(e), f"{lay.dtype} unsupported") from None
+    stages = work.framework.zero_stages
+    if lay.data_ranks > 1 and lay.dp_mode != "ps" and lay.zero not in stages:
+        raise InvalidLayout(f"the {work.framework.name} stack runs ZeRO {' or '.join(map(str, stages))} over data "
+                            f"parallelism, not {lay.zero}", f"zero {lay.zero} not run by the stack")

@@ -117,6 +117,8 @@ class Framework:
     # the dispatchers a stack of "executor" states can run (--moe-dispatcher refuses the others there)
     moe_dispatchers: tuple[str, ...] = ("alltoall",)
     moe_routing: str = "uniform"  # MOE_ROUTINGS
+    # the ZeRO stages the stack runs over dp > 1 (what the search enumerates; costmodel.validate_layout refuses others)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     moe_a2a_overlap: bool = False
     moe_shared_expert_overlap: bool = False
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
@@ -251,7 +253,8 @@ TORCHTITAN = Framework(
 # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over a model built in bf16 (its MoE models'
 # initialize_weights end in self.to(bfloat16)), so bf16 weight shards and torch Adam's moments in bf16
 # (master_bytes 2, moment_bytes 4 under this executor's states: memory.state_bytes); FSDP2's
-# reshard_after_forward True is paraplan's ZeRO-3, False (its MoE default today, and with pp) ZeRO-2; no
+# reshard_after_forward True is paraplan's ZeRO-3, False (its MoE default today, and with pp) ZeRO-2, the only
+# two it runs (zero_stages); no
 # gradient sync or reshard until the step's last
 # backward (MoEFSDPSyncMixin: set_requires_gradient_sync(False) while accumulating, so FSDP2 keeps fp32 unsharded
 # gradient sums and reduce-scatters once per step: after the pipeline's last backward with pp, under the last
@@ -267,7 +270,7 @@ NEMO_AUTOMODEL = Framework(
     dp_sync_pipelined="end", zero23_every_micro_batch=False, cp_comm="ring", fp8_saves_fp8_inputs=True,
     fp8_scaling="delayed", recompute_early_stop=True, elementwise_traffic=MEGATRON_CORE.elementwise_traffic,
     moe_imbalance=1.0, moe_grouped_gemm=True, moe_kernels="fused", moe_dispatcher="hybridep",
-    moe_dispatchers=("alltoall", "hybridep"), fp8_experts=True, master_bytes=2, moment_bytes=4,
+    moe_dispatchers=("alltoall", "hybridep"), fp8_experts=True, master_bytes=2, moment_bytes=4, zero_stages=(2, 3),
     source="NVIDIA-NeMo/Automodel (nemo_automodel/components/moe/parallelizer.py apply_fsdp: MixedPrecisionPolicy "
            "bf16/fp32, reshard_after_forward; moe/fsdp_mixin.py: gradients synced on the last backward only; "
            "moe/experts.py: TE GroupedLinear, Megatron's token dispatcher with DeepEP; "
@@ -353,10 +356,12 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
                                 ("--moe-capacity-factor", "moe_capacity_factor", None),
                                 ("--moe-pad-to-capacity", "moe_pad_to_capacity", False),
                                 ("--no-grad-reduce-in-fp32", "grad_bytes", fw.grad_bytes),
+                                (f"--optimizer-states {optimizer_states}", "master_bytes", fw.master_bytes),
                                 (f"--optimizer-states {optimizer_states}", "moment_bytes", fw.moment_bytes)):
             if changes.get(key, runs) != runs:
+                states = "fp32 weights and Adam moments" if fw.master_bytes == 4 else "bf16 weights and Adam moments"
                 raise PlanError(f"{flag}: the {fw.name} stack does not run it (it reduces fp32 gradients, keeps "
-                                "Adam's state in fp32 and dispatches every token, dropless, "
+                                f"{states} and dispatches every token, dropless, "
                                 f"by {' or '.join(fw.moe_dispatchers)}, exposed); "
                                 "price a stack that does, e.g. --framework megatron-core")
     return fw.replace(**changes) if changes else fw

@@ -412,8 +412,11 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
     fwd = bwd = 0.0
     skipped = 0.0  # forward seconds a recomputation does not rerun
     if lay.ep > 1:
-        sent = tokens * k * h * elem  # every token copy the rank routes (balanced: also what it receives)
         span = consecutive_group(cluster, lay.ep, lay.etp)
+        # every token copy the rank routes (balanced: also what it receives): one per routed expert, or with a
+        # deduplicating dispatcher one per GPU holding any of the token's experts (deduplicated_dispatch)
+        copies = token_destinations(e, k, span.size, fw.moe_routing) if fw.moe_dispatcher == "hybridep" else k
+        sent = tokens * copies * h * elem
         if fw.moe_dispatcher == "hybridep":
             one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy, fw.moe_routing)
         else:

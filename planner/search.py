@@ -128,10 +128,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[str, ...] | None = None,
-                      zero_stages: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
+                      zero_stages: tuple[int, ...] | None = None, context_parallel: bool = True,
                       cp: int = 1) -> list[Layout]:
     """Every layout of ``work`` on ``gpus`` GPUs (see the module docstring), in a fixed order; ``cp``: the
-    context-parallel degree they all get (the call for cp > 1 enumerates gpus / cp GPUs so)."""
+    context-parallel degree they all get (the call for cp > 1 enumerates gpus / cp GPUs so); ``zero_stages``: by
+    default those the stack runs (Framework.zero_stages)."""
+    zero_stages = zero_stages or work.framework.zero_stages
     B = work.global_batch
     n_blocks = len(work.profile(dtype).layers)
     transformer = isinstance(work.spec, TransformerSpec)

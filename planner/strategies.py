@@ -35,7 +35,7 @@ def parse_strategy(text: str) -> dict:
         if key in out:
             raise PlanError(f"--strategy {text!r}: {key} given twice")
         if key in _INT_KEYS:
-            if not value.isdigit() or (int(value) <= 0 and key not in ("zero", "staleness")):
+            if not (value.isascii() and value.isdigit()) or (int(value) <= 0 and key not in ("zero", "staleness")):
                 raise PlanError(f"--strategy {text!r}: {key} must be a positive whole number, got {value!r}")
             out[key] = int(value)
         elif key == "sp":
@@ -50,6 +50,14 @@ def parse_strategy(text: str) -> dict:
             raise PlanError(f"--strategy {text!r}: dp_mode must be one of {', '.join(DP_MODES)}")
         else:
             out[key] = value
+    if out.get("dp_mode") == "allreduce":
+        for key in ("ps", "staleness"):
+            if key in out:  # priced as all-reduce, the parameter-server field would be dropped unseen
+                raise PlanError(f"--strategy {text!r}: {key} is a parameter-server setting; with dp_mode=allreduce "
+                                "there are no servers (drop it, or dp_mode=ps)")
+    if "staleness" in out and "ps" not in out and out.get("dp_mode") != "ps":
+        raise PlanError(f"--strategy {text!r}: staleness is a parameter-server setting; add ps=N (servers) or "
+                        "dp_mode=ps")
     return out
 
 

@@ -93,6 +93,9 @@ def test_compare_strategies_and_classic_comparisons(tmp_path):
     ("tp=0", "positive whole number"),
     ("dp=4,tp=2", "not the 16 GPUs compared"),
     ("schedule=fast", "schedule must be one of"),
+    ("tp=\u00b2", "positive whole number"),  # "²".isdigit() is True, int() of it fails
+    ("dp_mode=allreduce,ps=2", "ps is a parameter-server setting"),
+    ("staleness=3", "staleness is a parameter-server setting"),
 ])
 def test_bad_strategies_are_one_line_errors(strategy, fragment):
     p = run_cli("compare", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",

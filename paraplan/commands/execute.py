@@ -139,7 +139,7 @@ def _rendezvous_port(args) -> int:
     """Check the rendezvous address; returns the port torchrun will use."""
     if args.rdzv_endpoint:
         host, sep, port = args.rdzv_endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        if not sep or not host or not (port.isascii() and port.isdigit()):
             raise ExecutionError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected host:port")
         if args.master_port is not None:
             raise ExecutionError("give either --rdzv-endpoint or --master-addr/--master-port, not both")

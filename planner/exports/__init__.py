@@ -18,6 +18,10 @@ from ..plan import Plan
 from .common import Export, ExportRefused, check_plan, plan_spec
 
 TARGETS = ("megatron", "torchtitan", "torchtitan-cli", "deepspeed", "slurm")
+# the framework profiles (planner/framework.py) each target runs, the first its own: a plan priced for another says so
+TARGET_STACKS = {"megatron": ("megatron-core", "megatron-2021", "megatron-deepspeed"),
+                 "torchtitan": ("torchtitan", "paraplan"), "torchtitan-cli": ("torchtitan", "paraplan"),
+                 "deepspeed": ("deepspeed", "megatron-deepspeed"), "slurm": ("paraplan",)}
 
 
 def export_plan(plan: Plan, target: str, plan_path: str = "plan.json", spec: ModelSpec | None = None,
@@ -36,6 +40,15 @@ def _export(plan: Plan, target: str, plan_path: str, spec: ModelSpec, **options)
     """``export_plan`` for a plan check_plan has passed."""
     module = importlib.import_module(f".{target.replace('-', '_')}", __name__)
     result = module.export(plan, plan_path, spec, **options)
+    stacks = TARGET_STACKS[target]
+    if plan.framework not in stacks:
+        result.notes.append(f"the plan was priced for framework {plan.framework}, but {target} runs "
+                            f"{'this executor' if target == 'slurm' else target}'s own stack: expect other memory "
+                            f"and time than predicted (price it with --framework {stacks[0]} to compare)")
+    routing = plan.framework_switches.get("moe_routing")
+    if target == "megatron" and routing and routing != "uniform":
+        result.notes.append(f"--moe-routing {routing} (a benchmark gate's expert choice) is not Megatron-Core's: its "
+                            "router picks experts (forced balancing draws them at random)")
     if plan.framework_switches and target not in ("megatron", "slurm"):  # slurm runs this executor's own stack
         result.notes.append(f"{target} runs its own settings for {', '.join(sorted(plan.framework_switches))} "
                             f"(the plan was priced with {plan.framework}'s switches "
