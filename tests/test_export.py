@@ -1201,3 +1201,16 @@ def test_slurm_script_of_an_expert_parallel_plan_leaves_checkpoints_out(tmp_path
     assert "# No checkpoints: checkpoints of expert-parallel plans (ep 2)" in text
     assert "note: no checkpoint or resume flags: checkpoints of expert-parallel plans" in p.stderr
     check_shell(out)
+
+
+def test_exports_say_when_the_plan_was_priced_for_another_stack(plans):
+    """A target runs its own stack: an export of a plan priced for another framework says so (its memory and time
+    were priced for that one), and Megatron says a benchmark routing (--moe-routing consecutive) is not its
+    router's; a plan of the target's own stack gets no such note."""
+    plan, _ = plans["3d"]
+    theirs = plan.replace(framework="nemo-automodel", framework_switches={"moe_routing": "consecutive"})
+    for target in ("megatron", "slurm", "torchtitan"):
+        notes = export_plan(theirs, target).notes
+        assert any("the plan was priced for framework nemo-automodel" in n for n in notes), target
+    assert any("--moe-routing consecutive" in n for n in export_plan(theirs, "megatron").notes)
+    assert not any("the plan was priced for framework" in n for n in export_plan(plan, "slurm").notes)

@@ -746,3 +746,31 @@ def test_deduplicated_dispatch_sends_a_token_once_per_gpu_and_node():
             "--zero", "2", "--framework", "nemo-automodel"]
     uniform, consecutive = run_cli_json(*args), run_cli_json(*args, "--moe-routing", "consecutive")
     assert consecutive["time_s"]["ep_comm"] < uniform["time_s"]["ep_comm"] / 3
+
+
+def test_a_deduplicating_dispatcher_s_bytes_follow_what_it_sends():
+    """The all-to-all bytes a prediction reports are the copies it prices: one per routed expert (alltoall), one
+    per GPU holding any of a token's experts (hybridep: token_destinations, under the routing); the ratio of the
+    two is destinations / k (the small count exchange aside)."""
+    args = ["simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "32",
+            "--seq-len", "1024", "--dp", "16", "--tp", "1", "--pp", "1", "--ep", "16", "--micro-batch", "2",
+            "--zero", "3", "--framework", "nemo-automodel"]
+    sent = {}
+    for name, extra in (("alltoall", ["--moe-dispatcher", "alltoall"]), ("uniform", []),
+                        ("consecutive", ["--moe-routing", "consecutive"])):
+        sent[name] = run_cli_json(*args, *extra)["rank_comm_bytes"][0]["all_to_all"]
+    for name in ("uniform", "consecutive"):
+        assert sent[name] / sent["alltoall"] == pytest.approx(moe.token_destinations(128, 8, 16, name) / 8, rel=1e-3)
+
+
+def test_nemo_automodel_runs_zero_2_and_3_only():
+    """Automodel shards with FSDP2 (reshard_after_forward False or True: ZeRO-2 or 3): the search offers nothing
+    else over data parallelism, and a layout asking for ZeRO 0 or 1 there is refused in one line."""
+    from paraplan.planner.search import enumerate_layouts
+
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, seq_length=1024, nodes=1, framework="nemo-automodel")
+    assert {x.zero for x in enumerate_layouts(work, 8, "bf16") if x.dp > 1} == {2, 3}
+    p = run_cli("simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64",
+                "--seq-len", "1024", "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1",
+                "--zero", "1", "--framework", "nemo-automodel")
+    assert p.returncode == 2 and "the nemo-automodel stack runs ZeRO 2 or 3 over data parallelism, not 1" in p.stderr
