@@ -223,10 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="several strategies and the optimum side by side")
     _add_workload(p)
-    p.add_argument("--gpus", type=_positive_int)
+    p.add_argument("--gpus", type=_positive_int, help="GPUs every strategy uses (default: the whole cluster)")
     p.add_argument("--strategy", action="append", default=[], metavar="S",
                    help='e.g. "tp=8,pp=4,dp=2,zero=1" (repeatable)')
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="training dtype (default: bf16 on GPUs, fp32 on CPUs)")
     p.add_argument("--out", help="folder for the table and charts")
     p.add_argument("--no-optimum", action="store_true", help="skip the search for the optimum")
     p.add_argument("--no-charts", action="store_true", help="skip the charts (faster; the table is still written)")
@@ -254,9 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
                    help="restart the job from the latest checkpoint up to R times when a rank dies or hangs")
     p.add_argument("--dry-run", action="store_true",
-                   help="run the executor's own code for the plan at full world size in this one CPU process (fake "
-                        "process group, fake tensors): trace each pipeline stage's memory, traffic and FLOPs against "
-                        "the prediction; allocates nothing")
+                   help="run the executor's own code for the plan at full world size on this machine's CPU (fake "
+                        "process group, fake tensors; one process per pipeline stage traced, two at a time): trace "
+                        "each stage's memory, traffic and FLOPs against the prediction; allocates nothing")
     p.add_argument("--init-from", metavar="DIR", help="start a LLaMA plan from Hugging Face safetensors weights "
                    "(a model folder; plan the model from its config.json)")
     _add_common(p)

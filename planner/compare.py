@@ -254,7 +254,7 @@ def dp_optimisations(work: Workload, base: Row) -> list[DPRow]:
             except (InvalidLayout, HardwareSpecError):
                 continue
             summary, grads = _sync_view(stack, pred)
-            what = f"{label}, {lay.num_micro_batches} micro-batch{'es' if lay.num_micro_batches > 1 else ''} per sync"
+            what = f"{label}, {lay.num_micro_batches} micro-batch{'es' if lay.num_micro_batches > 1 else ''} per step"
             rows.append(DPRow(what, lay, lay.global_batch, grads, summary["unhidden_s"], summary["exposed_s"],
                               pred.iteration_time_s))
     return rows

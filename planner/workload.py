@@ -56,6 +56,10 @@ class Workload:
             cluster.with_nodes(nodes) if nodes else cluster)
         if global_batch <= 0:
             raise PlanError(f"--global-batch must be positive, got {global_batch}")
+        moe_switches = sorted(k for k, v in switches.items() if k.startswith("moe_") and v is not None)
+        if moe_switches and not getattr(spec, "is_moe", False):  # recorded in the plan, they would change nothing
+            raise PlanError(f"--{moe_switches[0].replace('_', '-')}: {spec.name} has no experts (a mixture-of-experts "
+                            "switch)")
         fw = framework_profile(framework, attention, overlap_dp, overlap_tp, **switches)
         model_ref = model if isinstance(model, str) else spec.name
         # a cluster file's absolute path: the plan it goes into must find it from any working directory

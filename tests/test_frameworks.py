@@ -446,3 +446,14 @@ def test_nemo_automodel_dispatchers_and_refusals():
             framework("nemo-automodel", **switches)
     with pytest.raises(PlanError, match="--moe-dispatcher hybridep: the torchtitan stack"):
         framework("torchtitan", moe_dispatcher="hybridep")
+
+
+def test_mixture_of_experts_switches_on_a_dense_model_are_refused():
+    """A dense model has no token dispatch: an MoE switch would be recorded in its plan and change nothing (then
+    warned about by exports as a setting the target runs its own way)."""
+    from conftest import assert_one_line_error, run_cli
+
+    p = run_cli("simulate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64",
+                "--dp", "8", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--zero", "3", "--framework",
+                "nemo-automodel", "--moe-routing", "consecutive")
+    assert_one_line_error(p, "--moe-routing: llama2-7b has no experts")

@@ -9,6 +9,7 @@ from paraplan.planner import chart_guard
 from paraplan.planner.compare import compare, dp_optimisations, dp_per_layout, ps_vs_ring
 from paraplan.planner.errors import PlanError
 from paraplan.planner.framework import describe as describe_framework
+from paraplan.planner.framework import switches_of
 
 from .common import calibration_labels, ensure_calibrated, workload_from_args
 from .output import print_json, report_folder, stderr, stdout, table
@@ -39,7 +40,7 @@ def dp_layout_cells(d) -> list[str]:
 
 DP_LAYOUT_COLUMNS = ["strategy", "layout", "data-parallel group", "sync", "gradients per GPU", "kept after sync",
                      "collective bytes per iteration", "sync s if not overlapped", "exposed s (of the iteration)"]
-DP_OPT_COLUMNS = ["setting", "samples per sync", "gradients per GPU", "sync s if not overlapped",
+DP_OPT_COLUMNS = ["setting", "samples per optimizer step", "gradients per GPU", "sync s if not overlapped",
                   "exposed s per iteration", "exposed ms per 1k samples"]
 
 
@@ -88,8 +89,8 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
                   "backward pass:", ""]
         lines += _md_table(DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts])
     if dp_rows:
-        lines += ["", f"Gradient accumulation (more samples per sync), and 16-bit gradient reduction (half the bytes) "
-                  f"where the stack has it, on {dp_base}:", ""]
+        lines += ["", "Gradient accumulation (more samples per optimizer step), and 16-bit gradient reduction "
+                  f"(half the bytes) where the stack has it, on {dp_base}:", ""]
         lines += _md_table(DP_OPT_COLUMNS, [dp_opt_cells(d) for d in dp_rows])
     for key, what in (("breakdown", "time breakdown"), ("memory", "memory"),
                       ("ps_vs_ring", "parameter server vs ring")):
@@ -150,7 +151,8 @@ def run(args) -> int:
     files["table"] = os.path.join(out, "comparison.md")
     _write_markdown(files["table"], work, gpus, rows, workers, series, dp_layouts, dp_rows, dp_base, notes, files)
     if args.json:
-        print_json({"calibrated": calibrated, "notes": notes, "strategies": [_row_json(r) for r in rows],
+        print_json({"calibrated": calibrated, "notes": notes, "framework": work.framework.name,
+                    "framework_switches": switches_of(work.framework), "strategies": [_row_json(r) for r in rows],
                     "ps_vs_ring": {"workers": workers, "sync_time_s": series},
                     "data_parallel": [{"strategy": d.name, "layout": d.layout.short(), "dp": d.layout.dp,
                                        "group": d.group, "sync": d.kind, "grad_bytes_per_gpu": d.grad_bytes,
@@ -176,9 +178,10 @@ def run(args) -> int:
                            f"{100 * p.mfu:.1f}%", f"{p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'}",
                            f"tp {p.time_s['tp_comm']:.3g} / pp {p.time_s['pp_comm']:.3g} / dp {p.time_s['dp_comm']:.3g}"
                            f" / bubble {p.time_s['bubble']:.3g}{_all_to_all(p.time_s)}"])
-    stdout.print(table(f"{work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
-                       f"{work.global_batch}{suffix}", ["strategy", "layout", "iteration s", "tokens/s", "MFU",
-                                                        "GiB/GPU", "communication and bubble (s)"], table_rows))
+    title = (f"{work.spec.name} on {gpus} x {work.cluster.gpu.name} ({work.cluster.name}), global batch "
+             f"{work.global_batch}, priced for {describe_framework(work.framework)}{suffix}")
+    stdout.print(table(title, ["strategy", "layout", "iteration s", "tokens/s", "MFU", "GiB/GPU",
+                               "communication and bubble (s)"], table_rows))
     ps_rows = [[str(n)] + [f"{series[k][i]:.3g}" for k in series] for i, n in enumerate(workers)]
     stdout.print(table("Gradient sync per iteration (s): parameter servers vs ring all-reduce", ["workers", *series],
                        ps_rows))
