@@ -79,7 +79,8 @@ class TrainingDisplay:
         table.add_row("step time" + note, f"{s.mean_step_time_s:.4g} s",
                       f"{predicted:.4g} s" if predicted else "-")
         tps = s.job.layout.global_batch * s.job.tokens_per_sample / predicted if predicted else None
-        table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s", f"{tps:,.0f} tokens/s" if tps else "-")
+        unit = "tokens/s" if s.job.spec.is_transformer else "samples/s"  # a CNN's or MLP's sample is one "token"
+        table.add_row("throughput", f"{s.tokens_per_s:,.0f} {unit}", f"{tps:,.0f} {unit}" if tps else "-")
         if predicted:
             table.add_row("measured / predicted", f"{s.mean_step_time_s / predicted:.2f}x", "")
         table.add_row("loss first -> last", f"{s.losses[0]:.4f} -> {s.losses[-1]:.4f}", "")

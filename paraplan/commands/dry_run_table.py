@@ -13,6 +13,11 @@ def _delta(traced: float, predicted: float | None) -> str:
     return f"{100 * (predicted / traced - 1):+.1f}%"
 
 
+def _gib(x: float) -> str:
+    """GiB with the digits a small plan needs (a tiny model's gradients are a thousandth of one)."""
+    return f"{x:.2f}" if abs(x) >= 1 or x == 0 else f"{x:.3g}"
+
+
 def print_dry_run(result: dict, job) -> None:
     lay = job.layout
     title = (f"Dry run of {job.source}: {job.spec.name}, {lay.short()}, world size {result['world_size']} "
@@ -20,10 +25,10 @@ def print_dry_run(result: dict, job) -> None:
     rows = []
     for r in result["ranks"]:
         mem, pred = r["memory_gib"], r["predicted_memory_breakdown_gib"] or {}
-        rows.append([f"{r['rank']} (stage {r['pp_rank']})", f"{r['peak_memory_gib']:.2f}",
-                     "-" if r["predicted_memory_gib"] is None else f"{r['predicted_memory_gib']:.2f}",
+        rows.append([f"{r['rank']} (stage {r['pp_rank']})", _gib(r['peak_memory_gib']),
+                     "-" if r["predicted_memory_gib"] is None else _gib(r['predicted_memory_gib']),
                      _delta(r["peak_memory_gib"], r["predicted_memory_gib"]),
-                     *(f"{mem[k]:.2f} / {pred[k]:.2f}" if k in pred else f"{mem[k]:.2f}"
+                     *(f"{_gib(mem[k])} / {_gib(pred[k])}" if k in pred else _gib(mem[k])
                        for k in ("params", "grads", "optimizer", "activations", "other"))])
     stdout.print(table(title + " — memory per GPU, GiB (traced / predicted)",
                        ["rank", "traced peak", "predicted", "pred. vs traced", "weights", "gradients", "optimizer",
