@@ -83,6 +83,12 @@ def training_options(args, job: Job) -> TrainingOptions:
         if state.step >= args.steps:
             raise ExecutionError(f"--resume {args.resume}: the checkpoint is at step {state.step} and --steps is "
                                  f"{args.steps}; --steps is the run's total, so give more than {state.step}")
+        later = [n for n in checkpoint_io.complete_steps(args.checkpoint_dir) if n > state.step] \
+            if args.checkpoint_dir else []
+        if later:  # the resumed run writes its own step-N over the first run's
+            sys.stderr.write(f"paraplan execute: warning: resuming from step {state.step} while "
+                             f"{args.checkpoint_dir} holds later checkpoints (step-{', step-'.join(map(str, later))}): "
+                             "this run replaces those it reaches\n")
     if args.data:
         from paraplan.executor.token_data import check_tokens, open_tokens
 
