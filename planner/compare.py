@@ -177,12 +177,15 @@ def _sync_view(work: Workload, pred: Prediction) -> tuple[dict, float]:
     rank = max(range(len(syncs)), key=lambda r: syncs[r]["exposed_s"]) if syncs else 0
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
     params = sum(pred.stages[s].params for s in rank_stages(schedule, rank, lay.pp, lay.virtual_stages))
-    summary = syncs[rank] if syncs else dict(kinds=[], bytes=0.0, unhidden_s=0.0, exposed_s=0.0)
+    nothing = dict(kinds=[], bytes=0.0, unhidden_s=0.0, exposed_s=0.0)
+    # without data parallelism what the rank syncs is no data-parallel sync (sequence parallelism's weight sums, a
+    # tied embedding's ends): the table says none
+    summary = syncs[rank] if syncs and lay.data_ranks > 1 else nothing
     return summary, params * grad_bytes(work, lay)
 
 
 def _kinds(summary: dict, lay: Layout) -> str:
-    if lay.data_ranks == 1 and not summary["kinds"]:
+    if lay.data_ranks == 1:
         return "none (dp = 1)"
     parts = []
     for kind, count in summary["kinds"]:

@@ -980,7 +980,7 @@ class CostModel:
         core_share = self._core_share.get(lay.dtype)
         if core_share is None:
             core_share = self._core_share[lay.dtype] = _attention_core_share(prof)
-        if core_share >= CORE_SHARE_NOTE and work.attention == "flash" and getattr(work.spec, "causal", True):
+        if core_share >= CORE_SHARE_NOTE and context_parallel.attention_work_fraction(work, lay) < 1:
             causal_mfu = model_tflops * 1e12 / peak_flops * (1 - core_share / 2)
             notes.append(f"MFU counts the attention scores' full s x s FLOPs ({core_share:.0%} of this model's at "
                          f"sequence {work.tokens_per_sample:,}), as Narayanan et al. 2021's and PaLM's MFU formulas "
@@ -1287,6 +1287,6 @@ def validate_layout(model: CostModel, lay: Layout) -> None:
     except ValueError as e:
         raise InvalidLayout(str(e), f"{lay.dtype} unsupported") from None
     stages = work.framework.zero_stages
-    if lay.data_ranks > 1 and lay.dp_mode != "ps" and lay.zero not in stages:
+    if lay.dp > 1 and lay.dp_mode != "ps" and lay.zero not in stages:  # over dp, as the search enumerates them
         raise InvalidLayout(f"the {work.framework.name} stack runs ZeRO {' or '.join(map(str, stages))} over data "
                             f"parallelism, not {lay.zero}", f"zero {lay.zero} not run by the stack")

@@ -336,6 +336,10 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
         raise PlanError(f"MoE token dispatcher must be one of {', '.join(MOE_DISPATCHERS)}")
     if changes.get("moe_routing", fw.moe_routing) not in MOE_ROUTINGS:
         raise PlanError(f"--moe-routing must be one of {', '.join(MOE_ROUTINGS)}")
+    if changes.get("moe_routing", fw.moe_routing) != "uniform" and \
+            changes.get("moe_dispatcher", fw.moe_dispatcher) != "hybridep":
+        raise PlanError("--moe-routing sets what a deduplicating dispatcher sends (--moe-dispatcher hybridep); the "
+                        "alltoall dispatcher sends one copy per routed expert whatever the routing")
     capacity = changes.get("moe_capacity_factor", fw.moe_capacity_factor)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
                                  or not math.isfinite(capacity) or capacity <= 0):

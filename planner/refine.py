@@ -20,7 +20,7 @@ from __future__ import annotations
 from .api import EVENT_SIM_MAX_TASKS  # beyond it (as in `simulate`) the closed form stands
 from .costmodel import CostModel
 from .gc_pause import without_gc_pauses
-from .search import SearchResult
+from .search import SearchResult, ranked
 
 
 @without_gc_pauses
@@ -32,18 +32,16 @@ def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> Non
     model = model or result.model or CostModel(result.work)
     k = len(result.ranked)
     shown = {id(c) for c in result.ranked}
-    waiting = sorted((c for c in result.candidates if c.status == "ok" and id(c) not in shown),
-                     key=lambda c: c.rank_key)
+    waiting = sorted((c for c in result.candidates if c.status == "ok" and id(c) not in shown), key=lambda c: c.time_s)
     kept: list = []
     for cand in result.ranked:
         _simulate(model, cand, kept)
-    for cand in waiting:  # the next fastest by the closed form, while one may beat the k-th simulated plan
-        kept.sort(key=lambda c: c.rank_key)
-        if len(kept) >= k and cand.time_s >= kept[k - 1].time_s:
+    for cand in waiting:  # the next fastest by the closed form, while one may beat (or tie) the k-th simulated plan
+        kept.sort(key=lambda c: c.time_s)
+        if len(kept) >= k and cand.time_s > kept[k - 1].time_s:
             break
         _simulate(model, cand, kept)
-    kept.sort(key=lambda c: c.rank_key)
-    result.ranked[:] = kept[:k]
+    result.ranked[:] = ranked(kept)[:k]
 
 
 def _simulate(model: CostModel, cand, kept: list) -> None:

@@ -18,7 +18,7 @@ from .exports import report_lines
 from .framework import describe as describe_framework
 from .gc_pause import without_gc_pauses
 from .scaling import ScalingPoint
-from .search import Candidate, SearchResult
+from .search import Candidate, SearchResult, ranked
 from .units import tflops_text
 
 GiB = 2**30
@@ -74,8 +74,8 @@ def write_candidates_csv(result: SearchResult, path: str) -> None:
     only where there are some, as csv.writer would write it (minimal quoting, CRLF ends) in about a third of its
     time (benchmarks/bench_plan.py)."""
     inf = float("inf")
-    ranked = sorted((c for c in result.candidates if c.status == "ok"), key=lambda c: c.rank_key)
-    order = {id(c): i for i, c in enumerate(ranked, 1)}
+    order = ranked(c for c in result.candidates if c.status == "ok")
+    order = {id(c): i for i, c in enumerate(order, 1)}
 
     def line(c) -> str:
         lay, p = c.layout, c.prediction

@@ -68,12 +68,9 @@ class Candidate:
         return self.prediction.iteration_time_s if self.prediction is not None else float("inf")
 
     @property
-    def rank_key(self) -> tuple[float, float]:
-        """Fastest first; at the same predicted time, the plan that moves fewer bytes a step (its time depends less
-        on how well its communication overlaps: the demo's ZeRO-2 pick before its ZeRO-3 twin)."""
-        if self.prediction is None:
-            return float("inf"), 0.0
-        return self.prediction.iteration_time_s, sum(sum(r.values()) for r in self.prediction.rank_comm_bytes)
+    def moved_bytes(self) -> float:
+        """Bytes the plan's ranks send a step (its prediction's traffic, computed when first read)."""
+        return sum(sum(r.values()) for r in self.prediction.rank_comm_bytes) if self.prediction is not None else 0.0
 
     def status_text(self) -> str:
         if self.status == "ok":
@@ -94,6 +91,22 @@ class Candidate:
         if self.status == "dominated":
             return f"ok (dominated: the same layout with {self.reason} is as fast with less memory)"
         return f"invalid: {self.reason}"
+
+
+def ranked(candidates) -> list[Candidate]:
+    """Fastest first; at the same predicted time, the plan that moves fewer bytes a step (its time depends less on how
+    well its communication overlaps: the demo's ZeRO-2 pick before its ZeRO-3 twin). Only tied candidates have
+    their traffic computed."""
+    out = sorted(candidates, key=lambda c: c.time_s)
+    i = 0
+    while i < len(out):
+        j = i + 1
+        while j < len(out) and out[j].time_s == out[i].time_s:
+            j += 1
+        if j - i > 1 and out[i].prediction is not None:
+            out[i:j] = sorted(out[i:j], key=lambda c: c.moved_bytes)
+        i = j
+    return out
 
 
 @dataclass
@@ -956,7 +969,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     for cand in valid:
         if cand.status == "pruned":
             cand.reason = f"{top_k} ({final:.4g} s)" if final else ""
-    ranked = sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.rank_key)
+    order = ranked(c for c in candidates if c.status == "ok")
     failed = [c for c in candidates if c.solver.startswith("solver failed")]
     notes = [f"{len(failed)} layout{'s' if len(failed) > 1 else ''} priced without an ILP solver (it failed to "
              f"run: {failed[0].solver.split('(', 1)[1].rsplit(')', 1)[0]}); each keeps its balanced split, "
@@ -969,7 +982,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         notes.append(f"{unsolved} layout{'s' if unsolved > 1 else ''} with interleaved or V chunks of identical layers "
                      "kept the quick split, polished, without an ILP (the best found, not proven; plan --exhaustive "
                      "runs one for each)")
-    return SearchResult(work=work, gpus=gpus, ranked=ranked[:top_k], candidates=candidates,
+    return SearchResult(work=work, gpus=gpus, ranked=order[:top_k], candidates=candidates,
                         search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model,
                         notes=notes)
 

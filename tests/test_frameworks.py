@@ -233,10 +233,13 @@ def test_switch_flags_name_only_what_differs_from_the_profile():
                    grad_reduce_in_fp32=True, overlap_tp=True)  # overlap_tp is megatron-core's own: not named
     assert switch_flags(fw) == ["--attention unfused", "--no-overlap-dp", "--grad-reduce-in-fp32",
                                 "--optimizer-states bf16-moments"]
-    routed = framework("nemo-automodel", moe_routing="consecutive", moe_dispatcher="alltoall")
-    assert switch_flags(routed) == ["--moe-dispatcher alltoall", "--moe-routing consecutive"]
+    routed = framework("megatron-core", moe_routing="consecutive", moe_dispatcher="hybridep")
+    assert switch_flags(routed) == ["--moe-dispatcher hybridep", "--moe-routing consecutive"]
+    assert switch_flags(framework("nemo-automodel", moe_dispatcher="alltoall")) == ["--moe-dispatcher alltoall"]
     with pytest.raises(PlanError, match="--moe-routing must be one of uniform, consecutive"):
         framework("megatron-core", moe_routing="sorted")
+    with pytest.raises(PlanError, match="the alltoall dispatcher sends one copy per routed expert"):
+        framework("nemo-automodel", moe_routing="consecutive", moe_dispatcher="alltoall")  # it would change nothing
 
 
 def test_a_plan_records_the_routing_it_was_priced_with(tmp_path):

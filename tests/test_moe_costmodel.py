@@ -768,8 +768,14 @@ def test_nemo_automodel_runs_zero_2_and_3_only():
     else over data parallelism, and a layout asking for ZeRO 0 or 1 there is refused in one line."""
     from paraplan.planner.search import enumerate_layouts
 
-    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, seq_length=1024, nodes=1, framework="nemo-automodel")
-    assert {x.zero for x in enumerate_layouts(work, 8, "bf16") if x.dp > 1} == {2, 3}
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, seq_length=8192, nodes=1, framework="nemo-automodel")
+    every = enumerate_layouts(work, 8, "bf16")
+    assert {x.zero for x in every if x.dp > 1} == {2, 3}
+    model = CostModel(work)
+    # context parallelism without data parallelism keeps ZeRO 0 (the stages apply over dp, as enumerated): not refused
+    alone = [x for x in every if x.dp == 1 and x.cp > 1 and x.schedule == "1f1b"]
+    assert alone and all(x.zero == 0 for x in alone)
+    validate_layout(model, alone[0])
     p = run_cli("simulate", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64",
                 "--seq-len", "1024", "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1",
                 "--zero", "1", "--framework", "nemo-automodel")
