@@ -18,6 +18,12 @@ from .workload import Workload
 EVENT_SIM_MAX_TASKS = 400_000
 
 
+def event_sim_tasks(lay: Layout) -> int:
+    """The tasks the event simulator walks for ``lay``: a forward, a backward and a weight pass per stage and
+    micro-batch (what EVENT_SIM_MAX_TASKS bounds)."""
+    return lay.num_stages * lay.num_micro_batches * 3
+
+
 def plan_for(work: Workload, lay: Layout, stages: list[list[int]], prediction: Prediction | None = None,
              stage_recompute: list[str] | None = None, seed: int = 0,
              layer_strategies: dict | None = None) -> Plan:
@@ -49,7 +55,7 @@ def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
     model = CostModel(work)
     validate_layout(model, lay)
     stages = stages or framework_stages(model, lay)
-    tasks = lay.num_stages * lay.num_micro_batches * 3
+    tasks = event_sim_tasks(lay)
     use_sim = bool(event_sim) or ((event_sim is None or keep_timeline) and tasks <= EVENT_SIM_MAX_TASKS)
     pred = model.evaluate(lay, stages, stage_recompute, simulate=use_sim, keep_timeline=keep_timeline)
     if not use_sim and event_sim is None:

@@ -109,10 +109,10 @@ def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimu
 
 def _simulated(model: CostModel, row: Row) -> Row:
     """``row`` re-priced by the event simulation (as simulate prices a layout), where its pipeline is small enough."""
-    from .api import EVENT_SIM_MAX_TASKS
+    from .api import EVENT_SIM_MAX_TASKS, event_sim_tasks
 
     lay = row.layout
-    if row.prediction is None or lay.num_stages * lay.num_micro_batches * 3 > EVENT_SIM_MAX_TASKS:
+    if row.prediction is None or event_sim_tasks(lay) > EVENT_SIM_MAX_TASKS:
         return row
     row.prediction = model.evaluate(lay, row.stages, row.stage_recompute, simulate=True)
     return row

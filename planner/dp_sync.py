@@ -30,6 +30,7 @@ from __future__ import annotations
 from . import comm
 from .concerns import Affine, Exposure, Sync
 from .layout import Layout
+from .memory import sums_unsharded
 from .placement import Placement, consecutive_group, layout_placement
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
@@ -130,10 +131,8 @@ def _executor(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: 
 
 
 def reduces_once(fw, lay: Layout) -> bool:
-    """Does an FSDP2 stack ("executor" states) under ZeRO 2/3 reduce-scatter its gradients once per step, having
-    summed them unsharded (ZB-V's pipeline; a stack that turns gradient sync off until the last backward:
-    Framework.zero23_every_micro_batch False), rather than every micro-batch?"""
-    return (lay.pp > 1 and lay.schedule == "zb-v") or not fw.zero23_every_micro_batch
+    """memory.sums_unsharded for ``lay``: once per step (after summing unsharded), not every micro-batch."""
+    return sums_unsharded(fw, lay.pp, lay.schedule)
 
 
 def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str) -> list[Exposure]:

@@ -254,10 +254,9 @@ TORCHTITAN = Framework(
 # initialize_weights end in self.to(bfloat16)), so bf16 weight shards and torch Adam's moments in bf16
 # (master_bytes 2, moment_bytes 4 under this executor's states: memory.state_bytes); FSDP2's
 # reshard_after_forward True is paraplan's ZeRO-3, False (its MoE default today, and with pp) ZeRO-2, the only
-# two it runs (zero_stages); no
-# gradient sync or reshard until the step's last
-# backward (MoEFSDPSyncMixin: set_requires_gradient_sync(False) while accumulating, so FSDP2 keeps fp32 unsharded
-# gradient sums and reduce-scatters once per step: after the pipeline's last backward with pp, under the last
+# two it runs (zero_stages); no gradient sync or reshard until the step's last backward (MoEFSDPSyncMixin:
+# set_requires_gradient_sync(False) while accumulating, so FSDP2 keeps fp32 unsharded gradient sums and
+# reduce-scatters once per step: after the pipeline's last backward with pp, under the last
 # micro-batch's backward without); torch.distributed.pipelining schedules; full-block activation checkpointing with
 # torch's non-reentrant checkpoint_wrapper (early stop); Transformer Engine attention, linear and RMSNorm with
 # fused RoPE, and Megatron-Core's MoE kernels it imports (the DeepEP flex token dispatcher with

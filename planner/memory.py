@@ -192,7 +192,7 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     elif sharded or (mixed and master > 2):
         weights += copy
     grads = 4 / dp if sharded else 4.0
-    unsharded_sums = sharded and ((pp > 1 and schedule == "zb-v") or not framework.zero23_every_micro_batch)
+    unsharded_sums = sharded and sums_unsharded(framework, pp, schedule)
     if unsharded_sums:
         # ZB-V, or a stack that syncs gradients on the last backward only (dp_sync.reduces_once), accumulates
         # unsharded: fp32 sums (4 B) plus, in mixed precision, the 16-bit gradients of the passes not yet folded
@@ -207,6 +207,13 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     during_backward = (sharded and not unsharded_sums) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root)
+
+
+def sums_unsharded(framework, pp: int, schedule: str) -> bool:
+    """Does an FSDP2 stack ("executor" states) under ZeRO 2/3 sum its gradients unsharded through the step and
+    reduce-scatter them once (ZB-V's pipeline; a stack that turns gradient sync off until the last backward:
+    Framework.zero23_every_micro_batch False), rather than every micro-batch?"""
+    return (pp > 1 and schedule == "zb-v") or not framework.zero23_every_micro_batch
 
 
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,

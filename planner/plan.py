@@ -17,14 +17,13 @@ from paraplan.hardware_specs import read_data_file
 from .atomic import atomic_open
 from .compute import ATTENTION_KERNELS
 from .errors import InvalidLayout, PlanError
+from .framework import FRAMEWORKS
 from .layout import RECOMPUTE, Layout
 
 PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp", "schedule",
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
 OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
                  "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework", "framework_switches")
-FRAMEWORKS = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan",
-              "nemo-automodel")
 
 
 @dataclass

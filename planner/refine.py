@@ -17,7 +17,7 @@ the simulation runs the real stage times where the closed form takes them unifor
 
 from __future__ import annotations
 
-from .api import EVENT_SIM_MAX_TASKS  # beyond it (as in `simulate`) the closed form stands
+from .api import EVENT_SIM_MAX_TASKS, event_sim_tasks  # beyond it (as in `simulate`) the closed form stands
 from .costmodel import CostModel
 from .gc_pause import without_gc_pauses
 from .search import SearchResult, ranked
@@ -47,7 +47,7 @@ def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> Non
 def _simulate(model: CostModel, cand, kept: list) -> None:
     """``cand`` re-priced by the event simulation, into ``kept`` if it still fits (else status ``oom``, why)."""
     lay = cand.layout
-    if lay.num_stages * lay.num_micro_batches * 3 <= EVENT_SIM_MAX_TASKS:
+    if event_sim_tasks(lay) <= EVENT_SIM_MAX_TASKS:
         cand.prediction = model.evaluate(lay, cand.stages, cand.stage_recompute, simulate=True)
     if cand.prediction.fits:
         kept.append(cand)

@@ -82,11 +82,11 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
               "| workers | " + " | ".join(series) + " |", "|---" * (len(series) + 1) + "|"]
     lines += [f"| {n} | " + " | ".join(f"{series[k][i]:.3g}" for k in series) + " |" for i, n in enumerate(workers)]
     if dp_layouts:
-        lines += ["", "Data-parallel communication per layout, per GPU (the most loaded pipeline rank): the gradients "
-                  "it computes (its tensor- and pipeline-parallel share of the model), what it keeps after the sync "
-                  "(ZeRO-2/3: a 1/dp shard), the bytes of its data-parallel collectives per iteration, those "
-                  "collectives' time back to back, and what the iteration waits for once they overlap the "
-                  "backward pass:", ""]
+        lines += ["", "Data-parallel communication per layout, per GPU (the pipeline rank that waits longest for it): "
+                  "the gradients it reduces (its tensor- and pipeline-parallel share of the model), what it keeps "
+                  "after the sync (ZeRO-2/3: a 1/dp shard), the bytes of its data-parallel collectives per "
+                  "iteration, those collectives' time back to back, and what the iteration waits for once they "
+                  "overlap the backward pass:", ""]
         lines += _md_table(DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts])
     if dp_rows:
         lines += ["", "Gradient accumulation (more samples per optimizer step), and 16-bit gradient reduction "
@@ -186,8 +186,8 @@ def run(args) -> int:
     stdout.print(table("Gradient sync per iteration (s): parameter servers vs ring all-reduce", ["workers", *series],
                        ps_rows))
     if dp_layouts:
-        stdout.print(table("Data-parallel communication per layout, per GPU (most loaded pipeline rank)",
-                           DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts]))
+        stdout.print(table("Data-parallel communication per layout, per GPU (the pipeline rank that waits longest "
+                           "for it)", DP_LAYOUT_COLUMNS, [dp_layout_cells(d) for d in dp_layouts]))
     if dp_rows:
         stdout.print(table(f"Gradient accumulation (and 16-bit gradient reduction where the stack has it) on "
                            f"{dp_base}", DP_OPT_COLUMNS, [dp_opt_cells(d) for d in dp_rows]))
