@@ -605,6 +605,71 @@ def test_torchtitan_trains_any_dense_llama_through_a_flavor_module(plans, tmp_pa
     assert model.layers["0"].feed_forward.w1.weight.shape == (11008, 4096)
 
 
+def test_torchtitan_trains_a_gpt_plan_as_paraplans_gpt(tmp_path, torchtitan_config, torchtitan_models):
+    """torchtitan has no gpt model: the flavor module registers paraplan's (executor/torchtitan_gpt.py) in
+    llama3's train spec. Built from the job config it has the plan's parameter count and, given paraplan's
+    executor model's weights, computes the same logits; an untied gpt pipelines, its learned positions on the
+    first stage."""
+    import torch
+
+    from paraplan.models import build_model
+
+    plan = _tiny_plan(tmp_path / "p.json", "gpt-tiny", "--dp", "2", "--tp", "1", "--pp", "1")
+    p, cfg = export_torchtitan(tmp_path, plan, "job", torchtitan_config)
+    assert "paraplan must be installed where torchtitan runs" in p.stderr
+    assert (cfg.model.name, cfg.model.flavor, cfg.experimental.custom_import) == ("paraplan_gpt", "gpt-tiny",
+                                                                                  "job_model")
+    spec = load_model_spec("gpt-tiny")
+    train_spec, model = check_flavor_module(torchtitan_models, tmp_path / "job_model.py", cfg, spec, forward=True)
+    assert model.output.weight is model.tok_embeddings.weight  # tied, as paraplan's gpt-tiny
+    assert train_spec.parallelize_fn.__name__ == "parallelize_gpt"
+
+    ours = build_model(spec).float()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.normal_(0, 0.05)
+    theirs = {"tok_embeddings.weight": "embed.tok.weight", "pos_embeddings.weight": "embed.pos.weight",
+              "norm.weight": "head.norm.weight", "norm.bias": "head.norm.bias"}
+    for i in range(spec.num_layers):
+        for a, b in [("attention_norm", "attn_norm"), ("ffn_norm", "mlp_norm"), ("attention.wq", "attn.wq"),
+                     ("attention.wk", "attn.wk"), ("attention.wv", "attn.wv"), ("attention.wo", "attn.wo"),
+                     ("feed_forward.w1", "mlp.fc1"), ("feed_forward.w2", "mlp.fc2")]:
+            for kind in ("weight", "bias"):
+                theirs[f"layers.{i}.{a}.{kind}"] = f"layers.{i}.{b}.{kind}"
+    mine = dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(mine[theirs[name]])
+        tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_length))  # (b, s)
+        expected = ours.head(ours.layers["3"](ours.layers["2"](ours.layers["1"](ours.layers["0"](
+            ours.embed(tokens))))))  # (b, s, V)
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
+
+    untied = tmp_path / "untied.yaml"
+    untied.write_text("name: gpt-untied\nfamily: gpt\nnum_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\n"
+                      "vocab_size: 512\nseq_length: 64\ntied_embeddings: false\n")
+    piped = _tiny_plan(tmp_path / "u.json", str(untied), "--dp", "1", "--tp", "2", "--pp", "2", "--schedule",
+                       "1f1b", "--sequence-parallel")
+    _, cfg = export_torchtitan(tmp_path, piped, "piped", torchtitan_config)
+    parts = cfg.parallelism.module_fqns_per_model_part
+    assert parts[0][:2] == ["tok_embeddings", "pos_embeddings"] and parts[-1][-2:] == ["norm", "output"]
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "piped_model.py", cfg, load_model_spec(str(untied)))
+    assert model.output.weight is not model.tok_embeddings.weight
+
+
+@pytest.mark.parametrize("mode", ["tp", "fsdp"])
+def test_torchtitan_gpt_parallelizes_like_one_process(mode, torchtitan_config):
+    """paraplan's gpt for torchtitan under parallelize_gpt on two CPU ranks (gloo): tp 2 (sequence parallel,
+    vocabulary-split tied head) and FSDP2 over 2 give the single process's logits and mean-loss gradients."""
+    import torch.multiprocessing as mp
+    from torchtitan_ranks import gpt_rank
+
+    from paraplan.executor.machine import free_port
+
+    mp.spawn(gpt_rank, args=(free_port("127.0.0.1"), mode), nprocs=2, join=True)
+
+
 def test_torchtitan_flavor_widths_are_exact():
     from paraplan.planner.exports.torchtitan_model import ffn_settings, ffn_width
 
@@ -703,14 +768,20 @@ def test_moe_every_other_layer_exports_to_torchtitan_llama4_and_megatron(plans, 
 
 
 def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
-    """gpt and bert: no torchtitan model has their architecture (training a LLaMA instead would void the plan);
+    """bert: no torchtitan model trains one (training a LLaMA instead would void the plan); what paraplan's gpt
+    for torchtitan cannot run (context parallelism with learned positions, a tied head across pipeline stages);
     dense first layers without latent attention; fp16; a sequence torchtitan cannot split."""
     gpt = _tiny_plan(tmp_path / "gpt.json", "gpt-tiny", "--dp", "2", "--tp", "1", "--pp", "1")
-    p = cli("export", "--plan", str(tmp_path / "gpt.json"), "--to", "torchtitan", "--out", str(tmp_path / "g.toml"))
-    assert_one_line_error(p, "torchtitan cannot express a gpt model (gpt-tiny: learned position embeddings, "
-                          "LayerNorm, GELU MLP", "--to megatron or deepspeed")
+    tied_pp = _tiny_plan(tmp_path / "gpt-pp.json", "gpt-tiny", "--dp", "1", "--tp", "1", "--pp", "2")
+    p = cli("export", "--plan", str(tmp_path / "gpt-pp.json"), "--to", "torchtitan", "--out", str(tmp_path / "g.toml"))
+    assert_one_line_error(p, "torchtitan cannot express a head tied to the token embedding with pipeline "
+                          "parallelism (pp 2)", "tied_embeddings: false")
     assert p.returncode == 2 and not p.stdout and not list(tmp_path.glob("g*.toml")) + list(tmp_path.glob("g*.py"))
-    assert_one_line_error(cli("export", "--plan", str(tmp_path / "gpt.json"), "--to", "torchtitan-cli"), "gpt model")
+    assert_one_line_error(cli("export", "--plan", str(tmp_path / "gpt-pp.json"), "--to", "torchtitan-cli"),
+                          "head tied")
+    with pytest.raises(ExportRefused, match=r"context parallelism \(cp 2\) with learned position embeddings"):
+        export_plan(gpt.replace(layout=gpt.layout.replace(cp=2, dp=1)), "torchtitan")
+    assert tied_pp.layout.pp == 2
     plan, _ = plans["z3"]
     bert_spec = load_model_spec("bert-large")
     bert = plan.replace(model="bert-large", model_spec=bert_spec.to_dict(), stages=even_stages(bert_spec, 1))

@@ -20,7 +20,8 @@ Mapping (plan -> torchtitan):
   micro-batch, and global_batch_size: torchtitan accumulates gradients over the rest.
 - recompute -> [activation_checkpoint] mode (selective as per-op SAC); dtype bf16/fp32 ->
   mixed_precision_param; fp8 -> the quantize.linear.float8 converter.
-Refused: models no torchtitan model expresses (gpt, bert, ...), fp16, a sequence length torchtitan cannot split
+A gpt model trains as paraplan's own GPT for torchtitan (executor/torchtitan_gpt.py, registered the same way).
+Refused: models no torchtitan model expresses (bert, ...), fp16, a sequence length torchtitan cannot split
 over tp x 2cp, parameter servers, class-sharded heads.
 """
 
@@ -83,6 +84,9 @@ def model_lines(model: TitanModel, module: str) -> list[str]:
         return [f"Model: torchtitan's registered {model.name} flavor {model.flavor}, the plan's shape (its RoPE: "
                 "base 500000 with Llama 3.1 scaling; paraplan's executor uses base 10000, on which no planned figure "
                 "depends)"]
+    if model.runtime:
+        return [f"Model: the plan's {model.flavor} as paraplan's {model.base} model for torchtitan ({model.runtime}), "
+                f"registered by {module}.py (keep it beside this file, that folder on PYTHONPATH: custom_import)"]
     return [f"Model: the plan's {model.flavor} as a flavor of torchtitan's {model.base}, registered by {module}.py "
             f"(keep it beside this file, that folder on PYTHONPATH: custom_import)"]
 
@@ -127,7 +131,7 @@ def job_config(plan: Plan, spec: ModelSpec, module: str = "torchtitan_model") ->
                 "global_batch_size": lay.global_batch, "seq_len": seq,
                 "mixed_precision_param": PRECISION[lay.dtype]}
     config = {"job": {"description": f"paraplan: {plan.model} {lay.short()}"}, "model": section,
-              "training": training, "parallelism": parallelism(plan, notes),
+              "training": training, "parallelism": parallelism(plan, spec, notes),
               "activation_checkpoint": activation_checkpoint(plan, notes)}
     if lay.dtype == "fp8":
         config["quantize"] = {"linear": {"float8": {"filter_fqns": ["output"]}}}
@@ -136,7 +140,7 @@ def job_config(plan: Plan, spec: ModelSpec, module: str = "torchtitan_model") ->
     return config, notes, model
 
 
-def parallelism(plan: Plan, notes: list[str]) -> dict:
+def parallelism(plan: Plan, spec: ModelSpec, notes: list[str]) -> dict:
     lay = plan.layout
     others = lay.tp > 1 or lay.pp > 1 or lay.cp > 1
     if lay.zero == 0 and not others:
@@ -162,7 +166,8 @@ def parallelism(plan: Plan, notes: list[str]) -> dict:
     if lay.pp > 1:
         par["pipeline_parallel_schedule"] = SCHEDULES[lay.schedule]
         par["pipeline_parallel_microbatch_size"] = lay.micro_batch
-        par["module_fqns_per_model_part"] = [_fqns(names) for names in plan.stages]
+        learned = spec.family == "gpt"  # executor/torchtitan_gpt.py: learned positions
+        par["module_fqns_per_model_part"] = [_fqns(names, learned) for names in plan.stages]
     par["context_parallel_degree"] = lay.cp
     if lay.ep > 1 or lay.etp > 1:
         if lay.etp not in (1, lay.tp):
@@ -173,11 +178,13 @@ def parallelism(plan: Plan, notes: list[str]) -> dict:
     return par
 
 
-def _fqns(names: list[str]) -> list[str]:
-    """paraplan block names -> the module FQNs of torchtitan's llama3, llama4 and deepseek_v3."""
+def _fqns(names: list[str], learned_positions: bool = False) -> list[str]:
+    """paraplan block names -> the module FQNs of torchtitan's llama3, llama4 and deepseek_v3 (and of
+    executor/torchtitan_gpt.py's GPT: ``learned_positions``, its embedding stage holds pos_embeddings too)."""
+    embed = ["tok_embeddings", "pos_embeddings"] if learned_positions else ["tok_embeddings"]
     out: list[str] = []
     for n in names:
-        out += {"embed": ["tok_embeddings"], "head": ["norm", "output"]}.get(n, [n])
+        out += {"embed": embed, "head": ["norm", "output"]}.get(n, [n])
     return out
 
 

@@ -16,12 +16,17 @@ the torchtitan model that expresses the plan's model exactly, holding one flavor
   (dense, or experts in every layer). torchtitan 0.2.2's qwen3 has no pipeline parallelism.
 - deepseek_v3: multi-head latent attention, dense or with dense first layers and (shared) experts.
 
+- gpt (learned positions, LayerNorm, GELU MLP, biases), which no torchtitan model has: paraplan's own, as a
+  torchtitan model (executor/torchtitan_gpt.py: torchtitan's module names, llama3's train spec around it), which
+  the module registers; the machines running torchtitan need paraplan installed. Not with context parallelism
+  (learned positions) or, tied, with pipeline parallelism.
+
 The flavor takes RoPE base and RMSNorm eps from the plan's HF config.json where there is one (Llama
 3.1-style RoPE scaling too, for llama3/llama4), else paraplan's LLaMA's: base 10000 without scaling, eps 1e-5
-(models/transformer.py). Refused: gpt (learned positions, LayerNorm, GELU MLP, biases) and bert (a bidirectional
-encoder): no torchtitan 0.2.2 model has that architecture, and training another one would void the plan's
-parameter count, memory and time; what no torchtitan model combines (e.g. tied embeddings with pipeline
-parallelism, dense first layers without latent attention) is refused naming the combination.
+(models/transformer.py). Refused: bert (a bidirectional encoder): no torchtitan 0.2.2 model trains one, and
+training another would void the plan's parameter count, memory and time; what no torchtitan model combines
+(e.g. tied embeddings with pipeline parallelism, dense first layers without latent attention) is refused naming
+the combination.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class TitanModel:
     flavor: str
     hf_assets_path: str
     base: str = ""  # the torchtitan model whose train spec the module reuses; "" = a flavor torchtitan has
-    args_class: str = ""  # the ModelArgs class, imported from torchtitan.models.<base>
+    args_class: str = ""  # the ModelArgs class, imported from torchtitan.models.<base> (or from ``runtime``)
+    runtime: str = ""  # paraplan's module defining the model for torchtitan (its gpt_train_spec), "" = torchtitan's
     args: list[tuple[str, str, str]] = field(default_factory=list)  # (field, Python source, comment)
     imports: list[str] = field(default_factory=list)  # extra import lines the args need
     optimizers: str = ""  # a build_optimizers_fn replacing the base's ("" = keep it)
@@ -104,11 +110,7 @@ def numerics(plan: Plan) -> Numerics:
 def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
     """The torchtitan model expressing ``spec`` under the plan's layout, or ExportRefused naming the difference."""
     if spec.family == "gpt":
-        raise ExportRefused(TARGET, f"a gpt model ({spec.name}: learned position embeddings, LayerNorm, GELU MLP, "
-                            "biases" + (", tied embeddings" if spec.tied else "") + ")",
-                            f"{TORCHTITAN_SOURCE}'s decoders (llama3, llama4, qwen3, deepseek_v3) use RoPE, RMSNorm "
-                            "and SwiGLU without biases, and training one instead would void the plan's figures; "
-                            "export --to megatron or deepspeed, or plan a llama-family model")
+        return _gpt(plan, spec)
     if spec.family != "llama":
         raise ExportRefused(TARGET, f"a {spec.family} model ({spec.name}: a bidirectional encoder with a masked-LM "
                             "head)", f"{TORCHTITAN_SOURCE} trains causal decoders only; export --to deepspeed "
@@ -265,6 +267,33 @@ def _deepseek_v3(plan: Plan, spec: TransformerSpec) -> TitanModel:
     return m
 
 
+def _gpt(plan: Plan, spec: TransformerSpec) -> TitanModel:
+    """paraplan's gpt model for torchtitan (executor/torchtitan_gpt.py): what it cannot run is refused by name."""
+    lay = plan.layout
+    refusals = [(spec.is_moe, "experts in a gpt model", "executor/torchtitan_gpt.py builds dense gpt layers only"),
+                (spec.head_dim != spec.hidden_size // spec.num_attention_heads,
+                 f"head size {spec.head_dim} (not hidden/heads) in a gpt model",
+                 "executor/torchtitan_gpt.py's gpt takes hidden / heads"),
+                (lay.cp > 1, f"context parallelism (cp {lay.cp}) with learned position embeddings",
+                 "torchtitan's load-balanced sequence split does not give the model each token's position; re-plan "
+                 "with --cp 1"),
+                (spec.tied and lay.pp > 1,
+                 f"a head tied to the token embedding with pipeline parallelism (pp {lay.pp})",
+                 "the two ends sit on different stages; re-plan with --pp 1 or give the spec tied_embeddings: false")]
+    for refused, what, why in refusals:
+        if refused:
+            raise ExportRefused(TARGET, what, why)
+    m = TitanModel("paraplan_gpt", spec.name, _assets_path(plan, spec), base="gpt", args_class="GPTArgs",
+                   runtime="paraplan.executor.torchtitan_gpt", num_parameters=count_parameters(spec))
+    m.notes.append("torchtitan has no gpt model: the flavor module registers paraplan's (paraplan.executor."
+                   "torchtitan_gpt), so paraplan must be installed where torchtitan runs")
+    m.args = _shape_args(spec) + [("n_kv_heads", repr(spec.kv_heads), ""), ("ffn_dim", repr(spec.ffn_size), ""),
+                                  ("vocab_size", repr(spec.vocab_size), ""),
+                                  ("max_seq_len", repr(spec.seq_length), "learned positions: the table's rows"),
+                                  ("tied", repr(spec.tied), "the head's weight is the token embedding's")]
+    return m
+
+
 def _norm_rope(m: TitanModel, num: Numerics, plain: str = "", plain_comment: str = "") -> list[tuple[str, str, str]]:
     """norm_eps, rope_theta and (``plain``: the base has RoPE scaling args) rope_scaling_args: Llama 3.1-style
     scaling where the config.json has it and the base takes it, else plain RoPE (and a note if it had another)."""
@@ -363,9 +392,11 @@ def module_text(model: TitanModel, plan: Plan, plan_path: str, job_file: str, na
                              break_on_hyphens=False)
 
     lines = ['"""' + f"{TORCHTITAN_SOURCE} model for {job_file}, exported by paraplan from {plan_path}.", ""]
+    spec_text = (f"paraplan's {model.base} model in torchtitan's llama3 train spec ({model.runtime}, which needs "
+                 "paraplan installed here)" if model.runtime else f"torchtitan's {model.base} train spec")
     lines += para(f"torchtitan imports this module before it builds the model (custom_import = \"{name}\" in "
-                  f"{job_file}). It registers the train spec \"{model.name}\" ([model] name): torchtitan's "
-                  f"{model.base} train spec holding one flavor, \"{model.flavor}\" ([model] flavor), the plan's "
+                  f"{job_file}). It registers the train spec \"{model.name}\" ([model] name): {spec_text} "
+                  f"holding one flavor, \"{model.flavor}\" ([model] flavor), the plan's "
                   f"model {plan.model} ({model.num_parameters:,} parameters). Keep it beside {job_file}, with that "
                   "folder on PYTHONPATH (the launch command does so).")
     if model.differences:
@@ -373,21 +404,34 @@ def module_text(model: TitanModel, plan: Plan, plan_path: str, job_file: str, na
         lines += [x for d in model.differences for x in para(d, "- ")]
     if model.notes:
         lines += ["", "Notes (paraplan export prints them too):"] + [x for n in model.notes for x in para(n, "- ")]
-    lines += ['"""', "", "import dataclasses", ""]
+    lines += ['"""', ""]
+    if model.runtime:  # paraplan's model: its own train spec builder
+        lines += [f"from {model.runtime} import {model.args_class}, {model.base}_train_spec",
+                  "from torchtitan.protocols.train_spec import register_train_spec", ""]
+        lines += _flavor_lines(model)
+        lines += ["", f"register_train_spec(NAME, {model.base}_train_spec({{FLAVOR: MODEL_ARGS}}))", ""]
+        return "\n".join(lines)
+    lines += ["import dataclasses", ""]
     if model.optimizers:
         lines.append(f"from torchtitan.components.optimizer import {model.optimizers}")
     lines.append(f"from torchtitan.models.{model.base} import {model.args_class}")
     lines += model.imports
-    lines += ["from torchtitan.protocols.train_spec import get_train_spec, register_train_spec", "",
-              f"NAME = {json.dumps(model.name)}  # [model] name",
-              f"FLAVOR = {json.dumps(model.flavor)}  # [model] flavor",
-              f"NUM_PARAMETERS = {model.num_parameters}  # what paraplan counts for this model", "",
-              f"MODEL_ARGS = {model.args_class}("]
-    for key, source, comment in model.args:
-        lines.append(f"    {key}={source}," + (f"  # {comment}" if comment else ""))
-    lines += [")", "", "register_train_spec(", "    NAME,", "    dataclasses.replace(",
+    lines += ["from torchtitan.protocols.train_spec import get_train_spec, register_train_spec", ""]
+    lines += _flavor_lines(model)
+    lines += ["", "register_train_spec(", "    NAME,", "    dataclasses.replace(",
               f"        get_train_spec({json.dumps(model.base)}),", "        model_args={FLAVOR: MODEL_ARGS},"]
     if model.optimizers:
         lines.append(f"        build_optimizers_fn={model.optimizers},  # expert-bias load balancing")
     lines += ["    ),", ")", ""]
     return "\n".join(lines)
+
+
+def _flavor_lines(model: TitanModel) -> list[str]:
+    """NAME, FLAVOR, NUM_PARAMETERS and MODEL_ARGS, as the flavor module states them."""
+    lines = [f"NAME = {json.dumps(model.name)}  # [model] name",
+             f"FLAVOR = {json.dumps(model.flavor)}  # [model] flavor",
+             f"NUM_PARAMETERS = {model.num_parameters}  # what paraplan counts for this model", "",
+             f"MODEL_ARGS = {model.args_class}("]
+    for key, source, comment in model.args:
+        lines.append(f"    {key}={source}," + (f"  # {comment}" if comment else ""))
+    return lines + [")"]
