@@ -44,11 +44,14 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
 
 @dataclass(frozen=True)
 class GroupSpan:
-    """Where a communication group's ranks sit: how many nodes, and the most ranks on one node."""
+    """Where a communication group's ranks sit: how many nodes, and the most ranks on one node;
+    ``senders_per_node``: of a node's GPUs, the most that send across nodes at once in groups of this kind (0: not
+    known, every busy GPU of the node; fewer where some groups of the kind stay inside their node)."""
 
     size: int
     nodes: int
     max_per_node: int
+    senders_per_node: int = 0
 
     @property
     def crosses_nodes(self) -> bool:

@@ -96,11 +96,9 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
         if _FAMILY.get(model_type, "llama") == "llama" and data.get(key):
             raise ModelSpecError(f"{source}: {key} true is not supported (this model family has no biases; "
                                  "its parameter count and traffic would be wrong)")
-    window, positions = data.get("sliding_window"), out.get("seq_length")
-    if model_type == "mistral" and window is not None and isinstance(positions, int) and window < positions:
-        raise ModelSpecError(f"{source}: sliding_window {window} is shorter than max_position_embeddings {positions}: "
-                             "attention over a sliding window is not modelled; set max_position_embeddings to "
-                             f"{window} or less (the window then covers every sequence)")
+    window = data.get("sliding_window")
+    if model_type == "mistral" and window is not None:  # only sequences the window covers are planned (workload)
+        out["sliding_window"] = window
     if model_type == "gpt2" and "tied_embeddings" not in out:
         out["tied_embeddings"] = True  # GPT-2 ties its LM head to the token embedding
     if model_type == "bert" and data.get("type_vocab_size", 2) != 2:

@@ -33,6 +33,7 @@ _LIMITS = {
     "input_size": 1 << 26,
     "hidden_sizes": 1 << 24,
     "head_dim": 1 << 16,
+    "sliding_window": 1 << 24,
     "num_experts": 1 << 16,
     "experts_per_token": 1 << 16,
     "moe_ffn_hidden_size": 1 << 23,
@@ -51,7 +52,8 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _OPTIONAL_FIELDS = frozenset({
     "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
-    "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff"})
+    "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff",
+    "sliding_window"})
 _BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
@@ -90,6 +92,9 @@ class TransformerSpec(ModelSpec):
     # size qk_nope_head_dim + qk_rope_head_dim. qk_norm: RMSNorm on each head's query and key (Qwen3).
     head_dim: int | None = None
     qk_norm: bool = False
+    # attention over the last sliding_window tokens only (Mistral's): not modelled, so only sequences it covers
+    # are planned (planner/workload.py refuses longer ones); None: full causal attention
+    sliding_window: int | None = None
     # Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 Sec. 2.1): on when kv_lora_rank is set.
     q_lora_rank: int | None = None  # None: queries projected directly (V2-Lite), else through this rank
     kv_lora_rank: int | None = None

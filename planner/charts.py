@@ -9,8 +9,10 @@ from .raster import NORMAL, SMALL, SMOOTH, TITLE, Axes, Figure, lighter, log_tic
 from .schedules import rank_stages
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "dp": "#8172B2", "opt": "#937860"}
-TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm")
-TIME_COLORS = ["#4C72B0", "#8DA0CB", "#DD8452", "#C44E52", "#8172B2", "#CCCCCC", "#937860", "#DA8BC3"]
+TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm", "cp_comm",
+             "host")
+TIME_COLORS = ["#4C72B0", "#8DA0CB", "#DD8452", "#C44E52", "#8172B2", "#CCCCCC", "#937860", "#DA8BC3", "#64B5CD",
+               "#8C8C8C"]
 
 TIMELINE_WIDTH_PX = 1440
 LABEL_PX = 10  # the micro-batch numbers' font size; a bar carries its number where it is wide enough to hold it

@@ -28,6 +28,12 @@ def network_share(cluster: ClusterSpec, busy: int) -> LinkSpec:
                     latency_us=inter.latency_us, efficiency=inter.efficiency)
 
 
+def senders(span: GroupSpan, busy: int) -> int:
+    """The GPUs of a node sharing its network for a collective over groups placed as ``span``: the node's busy
+    GPUs, or fewer where only some of its GPUs are in groups that leave the node (GroupSpan.senders_per_node)."""
+    return min(busy, span.senders_per_node) if span.senders_per_node else busy
+
+
 def ring_all_reduce(nbytes: float, n: int, link: LinkSpec) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -55,7 +61,7 @@ def all_reduce(nbytes: float, span: GroupSpan, cluster: ClusterSpec, busy: int) 
         return min(ring_all_reduce(nbytes, span.size, cluster.intra_node),
                    tree_all_reduce(nbytes, span.size, cluster.intra_node))
     r, k = span.max_per_node, span.nodes
-    net = network_share(cluster, busy)
+    net = network_share(cluster, senders(span, busy))
     inside = 2 * ring_gather(nbytes, r, cluster.intra_node)  # reduce-scatter + all-gather in the node
     across = min(ring_all_reduce(nbytes / r, k, net), tree_all_reduce(nbytes / r, k, net))
     return inside + across
@@ -68,7 +74,8 @@ def gather(nbytes: float, span: GroupSpan, cluster: ClusterSpec, busy: int) -> f
     if not span.crosses_nodes:
         return ring_gather(nbytes, span.size, cluster.intra_node)
     r, k = span.max_per_node, span.nodes
-    return ring_gather(nbytes, r, cluster.intra_node) + ring_gather(nbytes / r, k, network_share(cluster, busy))
+    return ring_gather(nbytes, r, cluster.intra_node) + ring_gather(nbytes / r, k,
+                                                                    network_share(cluster, senders(span, busy)))
 
 
 def collective(op: str, nbytes: float, span: GroupSpan, cluster: ClusterSpec, busy: int) -> float:

@@ -74,12 +74,13 @@ class BlockCost:
     moe_shared: float = 0.0
     ep_time: float = 0.0
     a2a_bytes: float = 0.0
+    host: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (calibrated per event; 0 on GPUs)
 
 
 # BlockCost fields summed over a stage (prefix sums per block table), in this order
 SUMMED = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
           "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter",
-          "cp_time", "cp_send_recv", "experts", "moe_shared", "ep_time", "a2a_bytes")
+          "cp_time", "cp_send_recv", "experts", "moe_shared", "ep_time", "a2a_bytes", "host")
 
 
 def _field(cost: BlockCost, name: str) -> float:
@@ -199,6 +200,7 @@ class StageCost:
     moe_shared: float = 0.0  # of params, MoE weights whose gradients are summed over tp
     ep_time: float = 0.0  # of tp_fwd + tp_bwd, the MoE token all-to-alls
     a2a_bytes: float = 0.0  # all-to-all bytes per micro-batch
+    host_time: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (its blocks' and the stage's own)
     largest_unit: float = 0.0  # parameters of its largest non-root block on a rank (an FSDP unit)
 
     @property
@@ -339,7 +341,7 @@ class _LayoutStages:
         lo, hi = blocks[0], blocks[-1] + 1
         (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes, st.params,
          st.recompute_flops, st.root_params, st.replicated_params, ar, ag, rs, st.cp_time, st.p2p_bytes,
-         st.experts, st.moe_shared, st.ep_time, st.a2a_bytes) = table.span(lo, hi)
+         st.experts, st.moe_shared, st.ep_time, st.a2a_bytes, st.host_time) = table.span(lo, hi)
         st.tp_traffic = (ar, ag, rs)
         st.act_working = max(table.working[lo:hi])
         st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
@@ -350,6 +352,7 @@ class _LayoutStages:
             st.root_params -= shared
         st.tp_fwd += self.fixed / 2
         st.tp_bwd += self.fixed / 2
+        st.host_time += self.fixed
         # Point-to-point: the stage sends its output forward and receives its gradient back, and receives the
         # previous stage's output and sends back its gradient (a block's output size is the same in every mode).
         for other, boundary, outgoing in ((s + 1, table.costs[blocks[-1]].output_bytes, True),
@@ -521,7 +524,7 @@ class CostModel:
             replicated=_replicated_params(layer) - layer.moe_params if t > 1 and layer.kind != "embedding" else 0.0,
             cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0,
             experts=moe.experts_on_rank(layer, lay, fw), moe_shared=moe.tp_summed_on_rank(layer, lay, fw),
-            ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0))
+            ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0), host=host)
         self._blocks[key] = cost
         return cost
 
@@ -942,15 +945,16 @@ class CostModel:
         recompute = m * sum(costs[s].recompute_time for s in rs)
         cp_comm = m * sum(costs[s].cp_time for s in rs)
         ep_comm = m * sum(costs[s].ep_time for s in rs)
-        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs) - cp_comm - ep_comm
-        tp_comm = tp_comm if tp_comm > 1e-12 * makespan else 0.0  # float residue where only cp/ep communicate
+        host = m * sum(costs[s].host_time for s in rs)
+        tp_comm = m * sum(costs[s].tp_fwd + costs[s].tp_bwd for s in rs) - cp_comm - ep_comm - host
+        tp_comm = tp_comm if tp_comm > 1e-12 * makespan else 0.0  # float residue where only cp/ep/host count
         pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
         bubble = max(0.0, makespan - m * rank_time[rb])
         dp_comm = iteration - makespan - max(opt_time)
         dp_comm = dp_comm if dp_comm > 1e-12 * iteration else 0.0  # float residue when nothing is exposed
         time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
                   "dp_comm": dp_comm, "bubble": bubble, "optimizer": max(opt_time), "cp_comm": cp_comm,
-                  "ep_comm": ep_comm}
+                  "ep_comm": ep_comm, "host": host}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
         breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim,
@@ -977,6 +981,12 @@ class CostModel:
             notes.append(f"{hw_tflops * 1e12 / peak_flops:.0%} of the calibrated peak ({peak_flops / 1e12:.3g} TFLOP/s "
                          "per rank): the measured blocks ran faster than the machine's calibration (taken while "
                          "it was busy?); run paraplan calibrate again on an idle machine")
+        if gpu.is_cpu and work.cluster.calibrated and lay.cp == 1 and \
+                work.measurement(lay.micro_batch, lay.dtype) is None:  # block_cost's figures: not this model's own
+            notes.append(f"{work.spec.name}'s blocks at micro-batch {lay.micro_batch} ({lay.dtype}) have not been "
+                         "timed on this machine: priced from their FLOPs and bytes at the calibrated rates (paraplan "
+                         f"validate times them, as does profile --micro-batch {lay.micro_batch} --device cpu "
+                         "--save-measurements cpu; their times then replace these)")
         core_share = self._core_share.get(lay.dtype)
         if core_share is None:
             core_share = self._core_share[lay.dtype] = _attention_core_share(prof)
@@ -1286,6 +1296,13 @@ def validate_layout(model: CostModel, lay: Layout) -> None:
         work.cluster.gpu.peak_flops(lay.dtype)
     except ValueError as e:
         raise InvalidLayout(str(e), f"{lay.dtype} unsupported") from None
+    if lay.pp > 1 and lay.schedule not in work.framework.schedules:
+        raise InvalidLayout(f"the {work.framework.name} stack runs the {' or '.join(work.framework.schedules)} "
+                            f"pipeline schedule{'s' if len(work.framework.schedules) > 1 else ''}, not {lay.schedule}",
+                            f"{lay.schedule} not run by the stack")
+    if work.framework.moe_tp_needs_sp and lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
+        raise InvalidLayout(f"the {work.framework.name} stack runs expert with tensor parallelism only with sequence "
+                            "parallelism (--sequence-parallel)", "ep with tp needs sequence parallelism")
     stages = work.framework.zero_stages
     if lay.dp > 1 and lay.dp_mode != "ps" and lay.zero not in stages:  # over dp, as the search enumerates them
         raise InvalidLayout(f"the {work.framework.name} stack runs ZeRO {' or '.join(map(str, stages))} over data "

@@ -119,6 +119,11 @@ class Framework:
     moe_routing: str = "uniform"  # MOE_ROUTINGS
     # the ZeRO stages the stack runs over dp > 1 (what the search enumerates; costmodel.validate_layout refuses others)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    # the pipeline schedules the stack runs (pp > 1; the search enumerates these, validate_layout refuses others)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
+    # expert with tensor parallelism only with sequence parallelism (Megatron-Core: "When using expert parallelism
+    # and tensor parallelism for training, sequence parallelism must be used", model_parallel_config.py)
+    moe_tp_needs_sp: bool = False
     moe_a2a_overlap: bool = False
     moe_shared_expert_overlap: bool = False
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
@@ -164,11 +169,20 @@ PARAPLAN = Framework(
     source="executor/data_parallel.py, pipeline.py, tensor_parallel.py, context_parallel.py (checked by execute "
            "--dry-run); FP8 as torchao's float8 training (tensorwise dynamic scaling, high-precision tensors saved)")
 
+# Megatron-LM's pipeline schedules (megatron/core/pipeline_parallel/schedules.py: 1F1B without and with
+# interleaving; no GPipe, no zero-bubble V); DeepSpeed's pipeline engine runs 1F1B (deepspeed/runtime/pipe/
+# schedule.py TrainSchedule)
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+DEEPSPEED_SCHEDULES = ("1f1b",)
+
 MEGATRON_2021 = Framework(
     name="megatron-2021", attention="unfused", overlap_dp=False, overlap_tp=True, states="zero", grad_bytes=2,
     dp_sync_pipelined="overlap", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=True, embedding_sp_reduce="reduce_scatter",
     cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
+    # data-parallel replicas, or (from 2022) the distributed optimizer, ZeRO-1: Megatron-LM had no ZeRO-2/3 then
+    # (its FSDP, Megatron-FSDP, came in 2025: the megatron-core profile)
+    zero_stages=(0, 1), schedules=MEGATRON_SCHEDULES, moe_tp_needs_sp=True,
     source="Narayanan et al. 2021 (SC21) and Korthikanti et al. 2022: Megatron-LM with unfused attention "
            "and dropout, fp16 gradients all-reduced after the pipeline flush, scatter/gather P2P")
 
@@ -196,6 +210,7 @@ MEGATRON_CORE = Framework(
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
     fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
     moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True, selective_extra="mla", dp_buckets="megatron",
+    schedules=MEGATRON_SCHEDULES, moe_tp_needs_sp=True,
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "
            "use_distributed_optimizer; overlap_p2p_comm with virtual pipelines; performance scripts' "
@@ -215,6 +230,7 @@ MEGATRON_DEEPSPEED = Framework(
     dp_sync_pipelined="end", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=True, embedding_sp_reduce="reduce_scatter",
     cp_comm="all_gather", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
+    schedules=DEEPSPEED_SCHEDULES,
     source="bigscience-workshop/bigscience train/tr11-176B-ml (README and chronicles): Megatron-DeepSpeed, "
            "DeepSpeed pipeline engine, ZeRO-1 with the BF16 optimizer (fp32 gradient accumulation), fused "
            "scale-mask-softmax, bias-gelu and bias-dropout-add kernels; DeepSpeed's pipeline engine sends 1/t of "
@@ -232,6 +248,7 @@ DEEPSPEED = Framework(
     dp_sync_pipelined="end", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=True,
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="all_reduce",
     cp_comm="all_gather", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
+    schedules=DEEPSPEED_SCHEDULES,
     source="DeepSpeed docs (ZeRO config: overlap_comm, reduce_bucket_size, communication_data_type, "
            "stage3_prefetch_bucket_size) and Rajbhandari et al. 2020 (ZeRO) Sec. 3.1")
 

@@ -332,7 +332,7 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
     t_intra = (r - 1) / n * nbytes / intra.bandwidth_Bps + (intra.latency_s if r > 1 else 0.0)
     if n == r:
         return t_intra
-    net = comm.network_share(cluster, busy)
+    net = comm.network_share(cluster, comm.senders(span, busy))
     t_inter = (n - r) / n * nbytes / net.bandwidth_Bps + net.latency_s
     return max(t_intra, t_inter)
 
@@ -374,7 +374,7 @@ def deduplicated_dispatch(tokens: float, token_bytes: float, experts: int, k: in
         return t_intra
     nodes = span.nodes
     remote = token_destinations(experts, k, nodes, routing) * (nodes - 1) / nodes  # remote nodes a token goes to
-    net = comm.network_share(cluster, busy)
+    net = comm.network_share(cluster, comm.senders(span, busy))
     t_inter = tokens * remote * token_bytes / net.bandwidth_Bps + net.latency_s
     return max(t_intra, t_inter)
 

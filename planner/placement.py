@@ -1,12 +1,16 @@
 """Where each rank of a layout sits, and which groups cross nodes.
 
 Ranks are placed tensor-parallel innermost, then data-parallel, then pipeline (Megatron-LM's order):
-``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``. With tp <= GPUs per node a tensor-parallel group
-never leaves its node; data-parallel groups come next, pipeline neighbours are the farthest apart.
+``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``. With tp dividing the GPUs per node a tensor-parallel group
+never leaves its node; data-parallel groups come next, pipeline neighbours are the farthest apart. Where a
+degree does not divide the GPUs per node (6-GPU nodes and tp 4), groups of one kind sit differently (ranks 4-7
+span two nodes, 0-3 do not): each kind is priced by its worst-placed group, the one every step waits for.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,7 +24,8 @@ def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """Group spans of a layout on a cluster (every group of a kind is placed alike)."""
+    """Group spans of a layout on a cluster: of each kind the worst-placed group (most nodes, then fewest ranks
+    on one node; where the degrees divide the GPUs per node every group of a kind is placed alike)."""
 
     tp: GroupSpan
     dp: GroupSpan
@@ -46,13 +51,17 @@ def cp_group(cluster: ClusterSpec, lay) -> GroupSpan:
 
 @lru_cache(maxsize=4096)
 def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Placement:
-    node_of = lambda rank: rank // gpus_per_node
-    tp_group = [rank_of(t, 0, 0, tp, dp) for t in range(tp)]
-    dp_group = [rank_of(0, d, 0, tp, dp) for d in range(dp)]
-    cross = pp > 1 and node_of(rank_of(0, 0, 0, tp, dp)) != node_of(rank_of(0, 0, 1, tp, dp))
-    busy = min(gpus_per_node, dp * tp * pp)
-    return Placement(tp=_span(tp_group, node_of), dp=_span(dp_group, node_of), pp_cross_node=cross,
-                     gpus_per_node_busy=busy)
+    world = dp * tp * pp
+    # the first stage's boundary stands for every one (2 stages per node: the first pair shares a node, the
+    # second does not; pricing each boundary apart is not done: p2p_seconds takes one kind of pair)
+    cross = pp > 1 and (tp * dp) // gpus_per_node != 0
+    busy = min(gpus_per_node, world)
+    return Placement(tp=_groups_span(gpus_per_node, tp, 1, world), dp=_groups_span(gpus_per_node, dp, tp, world),
+                     pp_cross_node=cross, gpus_per_node_busy=busy)
+
+
+def _period(block: int, gpus_per_node: int) -> int:
+    return block * gpus_per_node // math.gcd(block, gpus_per_node)
 
 
 def _span(ranks: list[int], node_of) -> GroupSpan:
@@ -60,12 +69,39 @@ def _span(ranks: list[int], node_of) -> GroupSpan:
     return GroupSpan(size=len(ranks), nodes=len(per_node), max_per_node=max(per_node.values()))
 
 
+def _worst(groups, node_of) -> GroupSpan:
+    """The span of the worst-placed of ``groups`` (lists of ranks): on the most nodes, then with the fewest ranks
+    on its fullest node (the most traffic through the network); with the most GPUs of one node in groups that
+    leave their node (what shares that node's network when every group of the kind communicates at once)."""
+    spans, crossing = [], Counter()
+    for g in groups:
+        span = _span(g, node_of)
+        spans.append(span)
+        if span.crosses_nodes:
+            crossing.update(node_of(r) for r in g)
+    worst = max(spans, key=lambda s: (s.nodes, -s.max_per_node))
+    return dataclasses.replace(worst, senders_per_node=max(crossing.values(), default=0))
+
+
 def consecutive_group(cluster: ClusterSpec, size: int, stride: int = 1) -> GroupSpan:
-    """Where a group of ``size`` ranks 0, stride, 2·stride, ... sits (hybrid parallelism's classifier
-    groups are consecutive ranks; the ranks holding the same classifier shard are ``stride`` apart)."""
+    """Where a group of ``size`` ranks j, j + stride, j + 2·stride, ... sits (hybrid parallelism's classifier
+    groups are consecutive ranks; the ranks holding the same classifier shard are ``stride`` apart), the
+    worst-placed of such groups: blocks of size·stride ranks, each holding ``stride`` of them."""
     return _span_cached(cluster.gpus_per_node, size, stride)
 
 
 @lru_cache(maxsize=4096)
 def _span_cached(gpus_per_node: int, size: int, stride: int) -> GroupSpan:
-    return _span([i * stride for i in range(size)], lambda rank: rank // gpus_per_node)
+    return _groups_span(gpus_per_node, size, stride, None)
+
+
+@lru_cache(maxsize=4096)
+def _groups_span(gpus_per_node: int, size: int, stride: int, world: int | None) -> GroupSpan:
+    """The worst-placed group (:func:`_worst`) of the groups of ``size`` ranks ``stride`` apart, ``stride`` of them
+    in each block of size·stride consecutive ranks, over ``world`` ranks (None: as many as the pattern has; it
+    repeats after lcm(block, GPUs per node) ranks, so only that far is looked at)."""
+    block = size * stride
+    period = _period(block, gpus_per_node)
+    end = period if world is None else min(world, period)
+    groups = ([b + j + i * stride for i in range(size)] for b in range(0, end, block) for j in range(stride))
+    return _worst(groups, lambda rank: rank // gpus_per_node)

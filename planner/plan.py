@@ -266,3 +266,21 @@ def _known_figures(prediction: dict | None) -> dict | None:
     if prediction is None:
         return None
     return {k: v for k, v in prediction.items() if v is not None}
+
+
+def calibration_notes(work, validating: bool = False) -> tuple[bool, list[str]]:
+    """(calibrated, notes) of the predictions on ``work``'s cluster: the calibration's word (calibrated, or
+    uncalibrated and why; measurements found but not used) and the workload's own notes, each once."""
+    from paraplan.hardware_specs.identity import calibration_status
+
+    calibrated, notes = calibration_status(work.cluster, validating)
+    return calibrated, notes + [n for n in work.notes if n not in notes]
+
+
+def label_prediction(plan, work) -> None:
+    """A plan file's prediction says whether the hardware figures were calibrated and carries the notes that
+    say so (uncalibrated, measurements not used), as the command's output does."""
+    calibrated, notes = calibration_notes(work)
+    plan.prediction["calibrated"] = calibrated
+    own = list(plan.prediction.get("notes") or [])
+    plan.prediction["notes"] = own + [n for n in notes if n not in own]

@@ -17,6 +17,7 @@ from .costmodel import CostModel, Prediction
 from .exports import report_lines
 from .framework import describe as describe_framework
 from .gc_pause import without_gc_pauses
+from .plan import calibration_notes, label_prediction
 from .scaling import ScalingPoint
 from .search import Candidate, SearchResult, ranked
 from .units import tflops_text
@@ -32,17 +33,17 @@ def plan_object(result: SearchResult, cand: Candidate) -> dict:
 
 def write_plan(result: SearchResult, cand: Candidate, path: str) -> None:
     plan = plan_for(result.work, cand.layout, cand.stages, cand.prediction, cand.stage_recompute)
-    plan.prediction["calibrated"] = result.work.cluster.calibrated
+    label_prediction(plan, result.work)
     plan.write(path)
 
 
 def calibration_lines(work) -> list[str]:
     """The report's word on the hardware figures: calibrated on this machine, or uncalibrated and why
     (only where it applies: this machine's cluster, a calibrated spec, or measurements found but not used)."""
-    from paraplan.hardware_specs.identity import calibration_status, describe, markdown_notes
+    from paraplan.hardware_specs.identity import describe, markdown_notes
 
-    calibrated, notes = calibration_status(work.cluster)
-    lines = markdown_notes(notes + [n for n in work.notes if n not in notes])
+    calibrated, notes = calibration_notes(work)
+    lines = markdown_notes(notes)
     if calibrated:
         lines.insert(0, f"- hardware figures: calibrated on this machine ({describe(work.cluster.machine)})")
     return lines

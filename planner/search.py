@@ -144,9 +144,10 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                       zero_stages: tuple[int, ...] | None = None, context_parallel: bool = True,
                       cp: int = 1) -> list[Layout]:
     """Every layout of ``work`` on ``gpus`` GPUs (see the module docstring), in a fixed order; ``cp``: the
-    context-parallel degree they all get (the call for cp > 1 enumerates gpus / cp GPUs so); ``zero_stages``: by
-    default those the stack runs (Framework.zero_stages)."""
+    context-parallel degree they all get (the call for cp > 1 enumerates gpus / cp GPUs so); ``schedules`` and
+    ``zero_stages``: by default those the stack runs (Framework.schedules, Framework.zero_stages)."""
     zero_stages = zero_stages or work.framework.zero_stages
+    schedules = schedules or work.framework.schedules
     B = work.global_batch
     n_blocks = len(work.profile(dtype).layers)
     transformer = isinstance(work.spec, TransformerSpec)
@@ -159,6 +160,7 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
             for mb in (_divisors(per_replica) if per_replica else [max(1, B // dp)]):
                 scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
                     ("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= n_blocks]
+                scheds = [s for s in scheds if s[0] in schedules or pp == 1]
                 for sched, v in scheds:
                     for zero in (zero_stages if dp > 1 else (0,)):
                         heads = [k for k in _divisors(dp) if pp == 1 and zero == 0
@@ -176,8 +178,7 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
             scheds: list[tuple[str, int]] = [("1f1b", 1)] if pp == 1 else (
                 [("gpipe", 1), ("1f1b", 1)] + [("interleaved-1f1b", v) for v in VIRTUAL_STAGES
                                                if pp * v <= n_blocks] + ([("zb-v", 2)] if 2 * pp <= n_blocks else []))
-            if schedules is not None:
-                scheds = [s for s in scheds if s[0] in schedules or pp == 1]
+            scheds = [s for s in scheds if s[0] in schedules or pp == 1]
             for mb in micro:
                 for sched, v in scheds:
                     for zero in (zero_stages if dp > 1 else (0,)):

@@ -52,6 +52,12 @@ class Workload:
             if not spec.is_transformer:
                 raise PlanError(f"--seq-len applies to language models; {spec.name} is a {spec.family}")
             spec = spec.replace(seq_length=seq_length)
+        window = getattr(spec, "sliding_window", None)
+        if window is not None and spec.seq_length > window:
+            raise PlanError(f"{spec.name}: sliding_window {window} is shorter than the sequence ({spec.seq_length:,} "
+                            f"tokens{'' if seq_length else ': the max_position_embeddings'}): attention over a sliding "
+                            f"window is not modelled; plan with --seq-len {window} or less (the window then covers "
+                            "every sequence)")
         cl = load_cluster(cluster, nodes=nodes) if isinstance(cluster, str) else (
             cluster.with_nodes(nodes) if nodes else cluster)
         if global_batch <= 0:

@@ -175,11 +175,14 @@ def test_simulate_on_local_calibrates_first_then_uses_the_calibration(measuremen
     assert fake.calls == 1 and "calibrating it first" in err and "--no-calibrate" in err
     r = json.loads(out)
     assert r["calibrated"] is True and not any("uncalibrated" in n for n in r["notes"])
+    # the calibration timed its own model: gpt-tiny's blocks are priced from FLOPs, and the output says so (the
+    # prediction changes once they are timed)
+    assert any(n.startswith("gpt-tiny's blocks at micro-batch 4 (fp32) have not been timed") for n in r["notes"])
     assert main([*SIMULATE, "--json"]) == 0  # calibrated now: not again
     assert fake.calls == 1 and "calibrating" not in capsys.readouterr().err
 
 
-def test_no_calibrate_labels_every_prediction(measurements, monkeypatch, capsys):
+def test_no_calibrate_labels_every_prediction(measurements, monkeypatch, capsys, tmp_path):
     fake = FakeCalibrate()
     monkeypatch.setattr(calibrate_module, "calibrate_cluster", fake)
     assert main([*SIMULATE, "--no-calibrate", "--json"]) == 0
@@ -190,6 +193,9 @@ def test_no_calibrate_labels_every_prediction(measurements, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "uncalibrated" in out.splitlines()[0] + out.splitlines()[1]  # the table's title
     assert "note: uncalibrated" in out
+    path = tmp_path / "p.json"  # --write-plan's prediction carries the note as the output does
+    assert main([*SIMULATE, "--no-calibrate", "--write-plan", str(path)]) == 0
+    assert any(n.startswith("uncalibrated") for n in json.loads(path.read_text())["prediction"]["notes"])
 
 
 def test_plan_labels_table_report_and_json(measurements, monkeypatch, capsys, tmp_path):
@@ -202,7 +208,8 @@ def test_plan_labels_table_report_and_json(measurements, monkeypatch, capsys, tm
     assert r["calibrated"] is False and r["best"]["calibrated"] is False
     assert any(n.startswith("uncalibrated") for n in r["notes"])
     assert "**uncalibrated" in (report / "report.md").read_text()
-    assert json.loads((report / "plan.json").read_text())["prediction"]["calibrated"] is False
+    written = json.loads((report / "plan.json").read_text())["prediction"]
+    assert written["calibrated"] is False and any(n.startswith("uncalibrated") for n in written["notes"])
     assert main(args) == 0
     assert "uncalibrated" in capsys.readouterr().out
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
+from conftest import run_cli
 from paraplan.hardware_specs import GroupSpan, LinkSpec, load_cluster
 from paraplan.models import load_model_spec
 from paraplan.planner import comm
@@ -120,6 +122,31 @@ def test_placement_keeps_tp_inside_a_node():
     assert not pl.tp.crosses_nodes and pl.dp.crosses_nodes and pl.dp.max_per_node == 1
     pl = placement(c, dp=2, tp=4, pp=8)
     assert not pl.tp.crosses_nodes and not pl.dp.crosses_nodes and pl.pp_cross_node
+
+
+def test_groups_that_straddle_nodes_are_priced_by_the_worst(write):
+    """tp 4 on 6-GPU nodes: ranks 4-7 span two nodes (2 + 2) while 0-3 do not; each kind of group is priced by
+    its worst-placed one, with the node's network shared by the GPUs in groups that leave it (2 of 6), so the
+    tensor-parallel time is that of a cluster of 2-GPU nodes (every group 2 + 2, 2 senders a node)."""
+    from paraplan.planner.placement import consecutive_group
+
+    links = "intra_node: {bandwidth_GBps: 450, latency_us: 2}\ninter_node: {bandwidth_GBps: 12.5, latency_us: 10}\n"
+    files = [write(f"{name}.yaml", f"name: {name}\ngpu: h100-sxm-80gb\nnodes: {n}\ngpus_per_node: {g}\n{links}")
+             for name, n, g in (("odd6", 4, 6), ("two2", 12, 2))]
+    odd, pairs = (load_cluster(f) for f in files)
+    pl = placement(odd, dp=6, tp=4, pp=1)
+    assert pl.tp == GroupSpan(size=4, nodes=2, max_per_node=2, senders_per_node=2)
+    assert pl.dp.size == 6 and pl.dp.crosses_nodes
+    assert consecutive_group(odd, 4) == pl.tp  # expert-parallel groups of 4: the same worst group
+    m = 1e9
+    assert comm.all_reduce(m, pl.tp, odd, busy=6) == comm.all_reduce(m, placement(pairs, 6, 4, 1).tp, pairs, busy=2)
+    aligned = placement(load_cluster("dgx-a100-80gb", nodes=8), dp=8, tp=8, pp=1)
+    assert aligned.dp.senders_per_node == 8  # every GPU's group leaves its node: all share the network
+    # end to end: simulate prices the straddling groups (they were priced as if inside a node)
+    sim = lambda c: json.loads(run_cli("simulate", "--model", "llama2-13b", "--cluster", c, "--global-batch", "96",
+                                       "--dp", "6", "--tp", "4", "--pp", "1", "--micro-batch", "1", "--zero", "1",
+                                       "--sequence-parallel", "--json").stdout)["time_s"]["tp_comm"]
+    assert sim(files[0]) == pytest.approx(sim(files[1]), rel=1e-9)
 
 
 def test_parameter_server_grows_with_workers_ring_stays_flat():

@@ -1285,3 +1285,16 @@ def test_exports_say_when_the_plan_was_priced_for_another_stack(plans):
         assert any("the plan was priced for framework nemo-automodel" in n for n in notes), target
     assert any("--moe-routing consecutive" in n for n in export_plan(theirs, "megatron").notes)
     assert not any("the plan was priced for framework" in n for n in export_plan(plan, "slurm").notes)
+
+
+def test_megatron_refuses_experts_with_tensor_parallelism_without_sequence_parallelism(tmp_path):
+    """Megatron-Core requires sequence parallelism where expert and tensor parallelism meet
+    (model_parallel_config.py: "sequence parallelism must be used"); a paraplan-stack plan without it is refused
+    naming the fix, not exported to a run that fails (or runs another plan)."""
+    plan = _tiny_plan(tmp_path / "moe.json", "mixtral-tiny", "--dp", "2", "--tp", "2", "--pp", "1", "--ep", "2")
+    assert plan.layout.ep == 2 and plan.layout.tp == 2 and not plan.layout.sequence_parallel
+    with pytest.raises(ExportRefused, match=r"expert parallelism \(ep 2\) with tensor parallelism \(tp 2\) without "
+                                            r"sequence parallelism.*--sequence-parallel"):
+        export_plan(plan, "megatron")
+    sp = plan.replace(layout=plan.layout.replace(sequence_parallel=True))
+    assert "--sequence-parallel" in export_plan(sp, "megatron").text

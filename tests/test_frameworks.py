@@ -460,3 +460,49 @@ def test_mixture_of_experts_switches_on_a_dense_model_are_refused():
                 "--dp", "8", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--zero", "3", "--framework",
                 "nemo-automodel", "--moe-routing", "consecutive")
     assert_one_line_error(p, "--moe-routing: llama2-7b has no experts")
+
+
+def test_each_stack_runs_only_its_own_schedules_and_zero_stages():
+    """Megatron-LM pipelines with 1F1B and interleaved 1F1B (megatron/core/pipeline_parallel/schedules.py) and had
+    no ZeRO-2/3 in 2021-22; DeepSpeed's pipeline engine runs 1F1B (TrainSchedule); Megatron-Core requires
+    sequence parallelism under expert with tensor parallelism (model_parallel_config.py). The search enumerates
+    only what the stack runs; an explicit layout it does not run is refused, naming what it runs."""
+    from paraplan.planner.costmodel import validate_layout
+    from paraplan.planner.errors import InvalidLayout
+    from paraplan.planner.search import enumerate_layouts
+
+    expected = {"paraplan": {"gpipe", "1f1b", "interleaved-1f1b", "zb-v"}, "torchtitan": {"gpipe", "1f1b",
+                "interleaved-1f1b", "zb-v"}, "megatron-2021": {"1f1b", "interleaved-1f1b"},
+                "megatron-core": {"1f1b", "interleaved-1f1b"}, "megatron-deepspeed": {"1f1b"}, "deepspeed": {"1f1b"}}
+    for name, schedules in expected.items():
+        work = Workload.create(MODEL, "dgx-a100-80gb", 64, framework=name)
+        layouts = enumerate_layouts(work, 16, "bf16")
+        assert {x.schedule for x in layouts if x.pp > 1} == schedules, name
+        assert {x.zero for x in layouts if x.dp > 1} == set(work.framework.zero_stages), name
+    assert FRAMEWORKS["megatron-2021"].zero_stages == (0, 1)
+    core = CostModel(Workload.create(MODEL, "dgx-a100-80gb", 64, framework="megatron-core"))
+    lay = Layout(dp=4, tp=2, pp=2, micro_batch=1, global_batch=64, schedule="zb-v", virtual_stages=2)
+    with pytest.raises(InvalidLayout, match="megatron-core stack runs the 1f1b or interleaved-1f1b pipeline "
+                                            "schedules, not zb-v"):
+        validate_layout(core, lay)
+    old = CostModel(Workload.create(MODEL, "dgx-a100-80gb", 64, framework="megatron-2021"))
+    with pytest.raises(InvalidLayout, match="runs ZeRO 0 or 1 over data parallelism, not 3"):
+        validate_layout(old, lay.replace(schedule="1f1b", virtual_stages=1, zero=3))
+    moe = CostModel(Workload.create("mixtral-tiny", "dgx-h100", 16, framework="megatron-core"))
+    expert = Layout(dp=4, tp=2, pp=1, ep=4, micro_batch=1, global_batch=16, zero=1)
+    with pytest.raises(InvalidLayout, match="expert with tensor parallelism only with sequence parallelism"):
+        validate_layout(moe, expert)
+    validate_layout(moe, expert.replace(sequence_parallel=True))
+    assert not any(x.ep > 1 and x.tp > 1 and not x.sequence_parallel
+                   for x in enumerate_layouts(moe.work, 8, "bf16") if _valid(moe, x))
+
+
+def _valid(model, lay) -> bool:
+    from paraplan.planner.costmodel import validate_layout
+    from paraplan.planner.errors import InvalidLayout
+
+    try:
+        validate_layout(model, lay)
+    except InvalidLayout:
+        return False
+    return True

@@ -219,8 +219,16 @@ def test_hf_llama_config_reads_head_dim_and_defaults_the_ffn_as_transformers_doe
     for key in ("attention_bias", "mlp_bias"):
         with pytest.raises(ModelSpecError, match=f"{key} true is not supported"):
             load_model_spec(write("d.json", json.dumps({**base, key: True})))
-    with pytest.raises(ModelSpecError, match="sliding_window 4096 is shorter than max_position_embeddings 32768"):
-        load_model_spec(write("e.json", json.dumps({**HF_CONFIGS["mistral"][0], "sliding_window": 4096})))
+    # Mistral 7B v0.1's window (4096 of 32768 positions) is not modelled: planned only where it covers the sequence
+    from paraplan.planner.errors import PlanError
+    from paraplan.planner.workload import Workload
+
+    windowed = write("e.json", json.dumps({**HF_CONFIGS["mistral"][0], "sliding_window": 4096}))
+    assert load_model_spec(windowed).sliding_window == 4096
+    with pytest.raises(PlanError, match=r"sliding_window 4096 is shorter than the sequence \(32,768 tokens: the "
+                                        r"max_position_embeddings\).*--seq-len 4096 or less"):
+        Workload.create(windowed, "dgx-h100", 64)
+    assert Workload.create(windowed, "dgx-h100", 64, seq_length=4096).spec.seq_length == 4096
 
 
 def test_llama_spec_without_ffn_takes_the_swiglu_rule(write):

@@ -9,6 +9,7 @@ import pickle
 import pytest
 
 from paraplan.models import spec_from_mapping
+from paraplan.planner.api import simulate
 from paraplan.planner.costmodel import CostModel, validate_layout
 from paraplan.planner.errors import InvalidLayout
 from paraplan.planner.ilp import best_partition, chunks_balanced, modes_for
@@ -824,3 +825,15 @@ def test_mfu_note_says_how_much_of_it_is_masked_attention():
     short = Workload.create("llama2-7b", "dgx-h100", 8, seq_length=4096)
     m2 = CostModel(short)
     assert not any(n.startswith("MFU counts") for n in m2.evaluate(lay, default_stages(m2, lay)).notes)
+
+
+def test_host_overhead_is_its_own_part_of_the_breakdown(write):
+    """The framework's host-side seconds (calibrated per event) are reported as ``host``, not as tensor-parallel
+    communication: with tp 1, no ZeRO-2/3 and pp 2 a rank pays only its pipeline actions, one forward and one
+    backward per micro-batch (2 x pp_action = 120 us, costmodel.stage_host_overhead), and no tp time."""
+    work = Workload.create(spec_from_mapping(SMALL_GPT, "test"), write("calibrated.yaml", CALIBRATED), 16)
+    lay = Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=16, schedule="1f1b")
+    pred, _ = simulate(work, lay, event_sim=False)
+    assert pred.time_s["tp_comm"] == 0.0
+    assert pred.time_s["host"] == pytest.approx(lay.num_micro_batches * 2 * 60e-6, rel=1e-9)
+    assert sum(pred.time_s.values()) == pytest.approx(pred.iteration_time_s, rel=1e-9)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from paraplan.hardware_specs.identity import calibration_status
 from paraplan.planner.errors import PlanError
 from paraplan.planner.layout import Layout
+from paraplan.planner.plan import calibration_notes
 from paraplan.planner.workload import Workload
 
 
@@ -36,8 +36,7 @@ def ensure_calibrated(args, work: Workload, validating: bool = False) -> Workloa
 def calibration_labels(work: Workload, validating: bool = False) -> tuple[bool, list[str], str]:
     """(calibrated, notes, title suffix) for the predictions on ``work``'s cluster: the JSON key, the notes
     (measurements found but not used, the uncalibrated label) and what a table title adds."""
-    calibrated, notes = calibration_status(work.cluster, validating)
-    notes += [n for n in work.notes if n not in notes]
+    calibrated, notes = calibration_notes(work, validating)
     uncalibrated = any(n.startswith("uncalibrated") for n in notes)
     return calibrated, notes, " — uncalibrated" if uncalibrated else ""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from paraplan.planner import chart_guard
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
+from paraplan.planner.plan import label_prediction
 from paraplan.planner.units import tflops_text
 
 from .common import calibration_labels, ensure_calibrated, layout_from_args, workload_from_args
@@ -27,12 +28,15 @@ def prediction_rows(d: dict) -> list[list[str]]:
                                f"({'fits' if d['fits'] else 'DOES NOT FIT'})"],
             ["  params / grads / optimizer", f"{mem['params']:.2f} / {mem['grads']:.2f} / {mem['optimizer']:.2f} GiB"],
             ["  activations / other", f"{mem['activations']:.2f} / {mem['other']:.2f} GiB"]]
+    # context parallelism's K/V exchange, the MoE token all-to-alls (planner/moe.py) and the framework's host-side
+    # seconds (calibrated on CPUs) where there are any
     for k in ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer") + \
-            (("ep_comm",) if t.get("ep_comm") else ()):  # the MoE token all-to-alls (planner/moe.py)
+            tuple(k for k in ("cp_comm", "ep_comm", "host") if t.get(k)):
         share = 100 * t[k] / d["iteration_time_s"] if d["iteration_time_s"] else 0
         # (a part below a billionth of the step is rounding, as a pp1 layout's bubble: printed as 0)
         seconds = t[k] if abs(t[k]) > 1e-9 * d["iteration_time_s"] else 0.0
-        rows.append([f"  time: {k.replace('_', ' ')}", f"{seconds:.4g} s ({share:.1f}%)"])
+        label = "host overhead" if k == "host" else k.replace("_", " ")
+        rows.append([f"  time: {label}", f"{seconds:.4g} s ({share:.1f}%)"])
     return rows
 
 
@@ -57,7 +61,7 @@ def run(args) -> int:
     work = ensure_calibrated(args, work)
     pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt), event_sim=True if args.event_sim else None)
     calibrated, cal_notes, suffix = calibration_labels(work)
-    plan.prediction["calibrated"] = calibrated  # the plan file says so too
+    label_prediction(plan, work)  # the plan file says so too, with the notes that say why
     if args.write_plan:
         plan.write(args.write_plan)
     chart_notes: list[str] = []

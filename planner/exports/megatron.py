@@ -75,6 +75,10 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
                             "re-plan or simulate with --schedule interleaved-1f1b")
     if lay.dtype not in DTYPE_FLAGS:
         raise ExportRefused(TARGET, f"dtype {lay.dtype}", f"known: {', '.join(DTYPE_FLAGS)}")
+    if lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
+        raise ExportRefused(TARGET, f"expert parallelism (ep {lay.ep}) with tensor parallelism (tp {lay.tp}) "
+                            "without sequence parallelism", "Megatron-Core requires sequence parallelism there "
+                            "(megatron/core/model_parallel_config.py); re-plan or simulate with --sequence-parallel")
     notes: list[str] = []
     if lay.pp > 1 and lay.schedule == "gpipe":
         notes.append("Megatron-LM has no GPipe schedule: it runs 1F1B (the same bubble, less activation memory)")
