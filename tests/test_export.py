@@ -868,6 +868,12 @@ def test_deepspeed_reads_the_zero3_and_3d_plans(plans, tmp_path, deepspeed_confi
     assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == \
         (lay.global_batch, lay.micro_batch, lay.num_micro_batches)
     assert ds.bfloat16_config.enabled and ds.activation_checkpointing_config is not None
+    assert "deepspeed.checkpointing.checkpoint" in p.stderr  # the JSON configures full recomputation, not runs it
+    # checkpoints sharded over tp (partition_activations) only where the plan keeps 1/tp of them: with SP
+    for sp in (False, True):
+        tp2 = plan.replace(layout=lay.replace(dp=8, tp=2, sequence_parallel=sp))
+        assert json.loads(export_plan(tp2, "deepspeed").text)["activation_checkpointing"]["partition_activations"] \
+            is sp
 
     p3d, path3d = plans["3d"]
     one, path1 = variant(p3d, path3d, schedule="1f1b", virtual_stages=1)

@@ -82,11 +82,17 @@ def ds_config(plan: Plan) -> tuple[dict, list[str]]:
     if note:
         notes.append(note)
     if mode != "none":
-        config["activation_checkpointing"] = {"partition_activations": lay.tp > 1,
+        # partition_activations shards each checkpointed layer input over the tensor-parallel ranks (gathered again
+        # in backward): what the plan's sequence parallelism keeps of it, so only where the plan has it
+        config["activation_checkpointing"] = {"partition_activations": lay.tp > 1 and lay.sequence_parallel,
                                               "contiguous_memory_optimization": False, "cpu_checkpointing": False}
         if mode in ("norm+act", "selective", "mlp", "selective+mlp"):
             notes.append(f"{mode} recomputation is the model code's choice (e.g. Megatron-DeepSpeed "
                          "--recompute-granularity selective); the JSON configures deepspeed.checkpointing only")
+        else:
+            notes.append("full recomputation runs where the model code checkpoints each layer with "
+                         "deepspeed.checkpointing.checkpoint (Megatron-DeepSpeed: --checkpoint-activations "
+                         "--deepspeed-activation-checkpointing); the JSON configures it, it does not turn it on")
         if lay.pp > 1:
             config["pipeline"]["activation_checkpoint_interval"] = 1 if mode == "full" else 0
     return config, notes
