@@ -103,3 +103,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     # a data-parallel trunk with a class-sharded (model-parallel) classifier.
     "mlp-bigfc": dict(family="mlp", input_size=1024, hidden_sizes=[2048, 2048], num_classes=1_000_000),
 }
+
+# RoPE base, RMSNorm eps and RoPE scaling of the presets named after released models, from their HF config.json
+# (rope_theta, rms_norm_eps, rope_scaling): the exports train those models with them (planner/exports, Megatron-LM
+# --rotary-base/--norm-epsilon/--use-rope-scaling, torchtitan's flavor args). No planned figure depends on them
+# (paraplan's own executor rotates with base 10000). The llama3-* presets take Llama 3.1's (the same shapes as
+# Llama 3's: 3.1 adds the scaling; torchtitan's llama3 flavors are 3.1's); llama4-* are left to paraplan's.
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+PUBLISHED_NUMERICS: dict[str, dict[str, Any]] = {
+    **{name: dict(rope_theta=10000.0, rms_norm_eps=1e-5, rope_scaling=None, source=f"meta-llama/Llama-2-{size}-hf")
+       for name, size in (("llama2-7b", "7b"), ("llama2-13b", "13b"), ("llama2-70b", "70b"))},
+    **{name: dict(rope_theta=500000.0, rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING,
+                  source=f"meta-llama/Llama-3.1-{size}")
+       for name, size in (("llama3-8b", "8B"), ("llama3-70b", "70B"), ("llama3-405b", "405B"))},
+    "mixtral-8x7b": dict(rope_theta=1e6, rms_norm_eps=1e-5, rope_scaling=None, source="mistralai/Mixtral-8x7B-v0.1"),
+    "mixtral-8x22b": dict(rope_theta=1e6, rms_norm_eps=1e-5, rope_scaling=None,
+                          source="mistralai/Mixtral-8x22B-v0.1"),
+    "qwen3-30b-a3b": dict(rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=None, source="Qwen/Qwen3-30B-A3B"),
+    "qwen3-235b-a22b": dict(rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=None, source="Qwen/Qwen3-235B-A22B"),
+    "deepseek-v3": dict(rope_theta=10000.0, rms_norm_eps=1e-6,
+                        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+                        source="deepseek-ai/DeepSeek-V3"),
+}

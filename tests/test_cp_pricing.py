@@ -93,7 +93,8 @@ def test_overlapped_all_gather_form():
 def test_cp_group_sits_tp_apart():
     cluster = _model().work.cluster
     assert cp_group(cluster, _lay(cp=2, tp=4)) == GroupSpan(size=2, nodes=1, max_per_node=2)
-    assert cp_group(cluster, _lay(cp=4, tp=4)) == GroupSpan(size=4, nodes=2, max_per_node=2)
+    # all 8 GPUs of each node are in groups that leave it: they share its network
+    assert cp_group(cluster, _lay(cp=4, tp=4)) == GroupSpan(size=4, nodes=2, max_per_node=2, senders_per_node=8)
     # the data-parallel group of a cp layout: its dp x cp ranks
     assert layout_placement(cluster, _lay(dp=2, cp=4, tp=1)).dp.size == 8
 

@@ -245,7 +245,9 @@ def test_megatron_zero3_full_recompute_and_uneven_pipeline(plans, tmp_path):
 def test_megatron_carries_a_config_json_s_rope_and_norm(plans, tmp_path):
     """A plan of a Llama 3.1 config.json (RoPE base 500,000, llama3 scaling by 8, RMSNorm eps 1e-5) exports them as
     --rotary-base, --use-rope-scaling --rope-scaling-factor and --norm-epsilon (Megatron's defaults would train
-    another model: base 10,000, no scaling); a plan of a preset keeps Megatron's defaults, which are its own."""
+    another model: base 10,000, no scaling); a preset named after a released model carries its published ones
+    (llama3-8b: Llama 3.1 8B's config.json, as torchtitan's 8B flavor has them); another keeps Megatron's
+    defaults, which are paraplan's own."""
     config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 1024,
               "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
@@ -261,6 +263,13 @@ def test_megatron_carries_a_config_json_s_rope_and_norm(plans, tmp_path):
                                                                                                   "8.0")
     assert "--use-rope-scaling" in flags
     flags, _ = megatron_export(plan, tmp_path)
+    assert plan.model == "llama3-8b" and "--use-rope-scaling" in flags
+    assert (flags["--rotary-base"], flags["--norm-epsilon"], flags["--rope-scaling-factor"]) == ("500000", "1e-05",
+                                                                                                  "8.0")
+    tiny_spec = load_model_spec("llama-tiny")
+    tiny = plan.replace(model="llama-tiny", model_spec=tiny_spec.to_dict(),
+                        stages=even_stages(tiny_spec, plan.layout.pp))
+    flags, _ = megatron_export(tiny, tmp_path, tiny_spec)
     assert "--rotary-base" not in flags and "--norm-epsilon" not in flags
 
 
@@ -668,6 +677,18 @@ def test_torchtitan_gpt_parallelizes_like_one_process(mode, torchtitan_config):
     from paraplan.executor.machine import free_port
 
     mp.spawn(gpt_rank, args=(free_port("127.0.0.1"), mode), nprocs=2, join=True)
+
+
+def test_torchtitan_uses_its_llama3_flavor_only_with_its_numerics(plans):
+    """torchtitan's 8B flavor is Llama 3.1 8B (RoPE base 500,000, llama3 scaling): the llama3-8b preset, which
+    carries those published numerics, takes it (and the Megatron export passes the same); a spec of that shape
+    with paraplan's own numerics (base 10,000) gets a flavor module with them, so both exports train one model."""
+    plan, _ = plans["z3"]
+    assert export_plan(plan, "torchtitan").values["flavor"] == "8B"
+    spec = load_model_spec("llama3-8b").to_dict()
+    mine = plan.replace(model="my-llama", model_spec={**spec, "name": "my-llama"})
+    result = export_plan(mine, "torchtitan")
+    assert result.values["model"] == "paraplan_llama3" and "rope_theta=10000.0" in "".join(result.files.values())
 
 
 def test_torchtitan_flavor_widths_are_exact():

@@ -38,6 +38,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from paraplan.models import TransformerSpec, count_parameters
+from paraplan.models.presets import LLAMA31_SCALING, PUBLISHED_NUMERICS
 
 from ..plan import Plan
 from .common import ExportRefused
@@ -96,8 +97,14 @@ class Numerics:
 
 
 def numerics(plan: Plan) -> Numerics:
+    """The plan's config.json's numerics, or a preset's published ones (models/presets.PUBLISHED_NUMERICS), else
+    paraplan's own."""
     if os.path.basename(plan.model) != "config.json":
-        return Numerics()
+        published = PUBLISHED_NUMERICS.get(plan.model)
+        if published is None:
+            return Numerics()
+        return Numerics(published["rope_theta"], published["rms_norm_eps"], published["rope_scaling"],
+                        f"{published['source']}'s config.json (preset {plan.model})")
     try:
         with open(plan.model) as f:
             cfg = json.load(f)
@@ -116,6 +123,9 @@ def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
                             "head)", f"{TORCHTITAN_SOURCE} trains causal decoders only; export --to deepspeed "
                             "(Megatron-LM's pretrain_gpt.py trains decoders too)")
     registered = _registered_flavor(spec)
+    num = numerics(plan)
+    if registered and (num.rope_theta, num.norm_eps, _llama3_scaling(num)) != (500000.0, 1e-5, LLAMA31_SCALING):
+        registered = None  # torchtitan's llama3 flavors are Llama 3.1's: another RoPE takes a flavor module
     if registered:
         return TitanModel("llama3", registered, FLAVORS[registered][1])
     if spec.mla:
@@ -136,6 +146,15 @@ def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
                             f"{'them' if len(needs) > 1 else 'it'}, and its qwen3 has no pipeline parallelism; "
                             "re-plan with --pp 1")
     return _qwen3(plan, spec)
+
+
+def _llama3_scaling(num: Numerics) -> dict | None:
+    """A Llama 3.1-style RoPE scaling as its five numbers (the type under either key name), or None."""
+    scaling = num.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    return {k: (v if k == "rope_type" else float(v)) for k, v in {**LLAMA31_SCALING, **scaling}.items()
+            if k in LLAMA31_SCALING}
 
 
 def _registered_flavor(spec: TransformerSpec) -> str | None:
