@@ -71,6 +71,9 @@ class GPTArgs(BaseModelArgs):
         if job_config.parallelism.context_parallel_degree > 1:
             raise ValueError("context parallelism is not supported for paraplan's gpt models (learned positions "
                              "need each token's global position)")
+        if self.tied and job_config.parallelism.pipeline_parallel_degree > 1:
+            raise ValueError("a head tied to the token embedding cannot be pipelined (the two ends sit on different "
+                             "stages): build the model with tied=False")
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameters (a tied weight once) and training FLOPs per token: 6 per weight of every linear, the head
@@ -185,6 +188,9 @@ class GPT(ModelProtocol):
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
         """(b, s) token ids (or (b, s, h) hidden states on a later pipeline stage) -> (b, s, V) logits (or hidden
         states where the stage has no head)."""
+        if self.tok_embeddings is not None and self.pos_embeddings is None:  # a stage list without pos_embeddings
+            raise ValueError("the first pipeline stage needs pos_embeddings beside tok_embeddings "
+                             "(parallelism.module_fqns_per_model_part)")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (b, s, h)
         if self.pos_embeddings is not None:
             where = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # (1, s)

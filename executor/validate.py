@@ -33,6 +33,7 @@ from paraplan.planner.costmodel import CostModel, Prediction, validate_layout
 from paraplan.planner.errors import InvalidLayout, PlanError
 from paraplan.planner.ilp import best_partition
 from paraplan.planner.layout import Layout
+from paraplan.planner.plan import label_prediction
 from paraplan.planner.search import search
 from paraplan.planner.strategies import parse_strategy, strategy_layout
 from paraplan.planner.workload import Workload
@@ -40,7 +41,7 @@ from paraplan.planner.workload import Workload
 from .errors import ExecutionError
 
 COMPUTE_KEYS = ("compute", "recompute", "bubble", "optimizer")
-COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm")
+COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm", "cp_comm", "ep_comm", "host")  # host: in tp_comm until split out
 PASSES = 2  # each layout is run this many times, in turn with the others; the fastest pass counts
 
 
@@ -173,7 +174,9 @@ def validate(work: Workload, gpus: int, strategies: list[str], steps: int, top: 
             continue
         row.prediction = pred
         row.plan_path = str(Path(out_dir, "plans", f"{i:02d}.json"))
-        plan_for(work, row.layout, stages, pred, modes).write(row.plan_path)
+        plan = plan_for(work, row.layout, stages, pred, modes)
+        label_prediction(plan, work)  # calibrated or not, and why, as plan's and simulate's files say
+        plan.write(row.plan_path)
     runnable = [(i, row) for i, row in enumerate(rows) if row.plan_path]
     loads = []  # the 1-minute load average after each run: was the machine busy with others' work?
     for p in range(passes):

@@ -31,7 +31,8 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
              "vocab_size": ("vocab_size",), "seq_length": ("n_positions", "n_ctx"),
              "ffn_hidden_size": ("n_inner",), "tied_embeddings": ("tie_word_embeddings",)},
     "llama": {**_LLAMA_LIKE, "head_dim": ("head_dim",)},
-    # Mistral: LLaMA's layer (the sliding attention window of its first release is refused below, not priced)
+    # Mistral: LLaMA's layer (the sliding attention window of its first release is not priced: planner/workload.py
+    # plans only sequences it covers)
     "mistral": {**_LLAMA_LIKE, "head_dim": ("head_dim",)},
     "bert": {"num_layers": ("num_hidden_layers",), "hidden_size": ("hidden_size",),
              "num_attention_heads": ("num_attention_heads",), "ffn_hidden_size": ("intermediate_size",),

@@ -56,7 +56,9 @@ def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Pla
     # second does not; pricing each boundary apart is not done: p2p_seconds takes one kind of pair)
     cross = pp > 1 and (tp * dp) // gpus_per_node != 0
     busy = min(gpus_per_node, world)
-    return Placement(tp=_groups_span(gpus_per_node, tp, 1, world), dp=_groups_span(gpus_per_node, dp, tp, world),
+    reach = lambda block: min(world, _period(block, gpus_per_node))  # noqa: E731  (the cache's key: what is looked at)
+    return Placement(tp=_groups_span(gpus_per_node, tp, 1, reach(tp)),
+                     dp=_groups_span(gpus_per_node, dp, tp, reach(tp * dp)),
                      pp_cross_node=cross, gpus_per_node_busy=busy)
 
 

@@ -17,6 +17,7 @@ from .costmodel import CostModel, Prediction
 from .exports import report_lines
 from .framework import describe as describe_framework
 from .gc_pause import without_gc_pauses
+from .placement import layout_placement
 from .plan import calibration_notes, label_prediction
 from .scaling import ScalingPoint
 from .search import Candidate, SearchResult, ranked
@@ -114,9 +115,9 @@ def _why(result: SearchResult) -> list[str]:
     big = sorted(((v, k) for k, v in t.items() if k != "compute"), reverse=True)[:2]
     lines.append(f"Compute is {100 * t['compute'] / total:.0f}% of the iteration; the largest overheads are "
                  + " and ".join(f"{k.replace('_', ' ')} ({100 * v / total:.1f}%)" for v, k in big) + ".")
-    gpn = result.work.cluster.gpus_per_node
     if lay.tp > 1:
-        where = "inside one node (NVLink-class links)" if lay.tp <= gpn else "across nodes"
+        crosses = layout_placement(result.work.cluster, lay).tp.crosses_nodes
+        where = "across nodes" if crosses else "inside one node (NVLink-class links)"
         lines.append(f"Tensor parallelism of {lay.tp} splits each layer's weights and activations {where}.")
     if lay.pp > 1:
         lines.append(f"Pipeline parallelism of {lay.pp} ({lay.schedule}"

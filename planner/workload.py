@@ -55,7 +55,7 @@ class Workload:
         window = getattr(spec, "sliding_window", None)
         if window is not None and spec.seq_length > window:
             raise PlanError(f"{spec.name}: sliding_window {window} is shorter than the sequence ({spec.seq_length:,} "
-                            f"tokens{'' if seq_length else ': the max_position_embeddings'}): attention over a sliding "
+                            f"tokens{'' if seq_length else ': the spec default'}): attention over a sliding "
                             f"window is not modelled; plan with --seq-len {window} or less (the window then covers "
                             "every sequence)")
         cl = load_cluster(cluster, nodes=nodes) if isinstance(cluster, str) else (

@@ -793,7 +793,7 @@ def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
     for torchtitan cannot run (context parallelism with learned positions, a tied head across pipeline stages);
     dense first layers without latent attention; fp16; a sequence torchtitan cannot split."""
     gpt = _tiny_plan(tmp_path / "gpt.json", "gpt-tiny", "--dp", "2", "--tp", "1", "--pp", "1")
-    tied_pp = _tiny_plan(tmp_path / "gpt-pp.json", "gpt-tiny", "--dp", "1", "--tp", "1", "--pp", "2")
+    _tiny_plan(tmp_path / "gpt-pp.json", "gpt-tiny", "--dp", "1", "--tp", "1", "--pp", "2")
     p = cli("export", "--plan", str(tmp_path / "gpt-pp.json"), "--to", "torchtitan", "--out", str(tmp_path / "g.toml"))
     assert_one_line_error(p, "torchtitan cannot express a head tied to the token embedding with pipeline "
                           "parallelism (pp 2)", "tied_embeddings: false")
@@ -802,7 +802,6 @@ def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
                           "head tied")
     with pytest.raises(ExportRefused, match=r"context parallelism \(cp 2\) with learned position embeddings"):
         export_plan(gpt.replace(layout=gpt.layout.replace(cp=2, dp=1)), "torchtitan")
-    assert tied_pp.layout.pp == 2
     plan, _ = plans["z3"]
     bert_spec = load_model_spec("bert-large")
     bert = plan.replace(model="bert-large", model_spec=bert_spec.to_dict(), stages=even_stages(bert_spec, 1))

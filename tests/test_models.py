@@ -226,7 +226,7 @@ def test_hf_llama_config_reads_head_dim_and_defaults_the_ffn_as_transformers_doe
     windowed = write("e.json", json.dumps({**HF_CONFIGS["mistral"][0], "sliding_window": 4096}))
     assert load_model_spec(windowed).sliding_window == 4096
     with pytest.raises(PlanError, match=r"sliding_window 4096 is shorter than the sequence \(32,768 tokens: the "
-                                        r"max_position_embeddings\).*--seq-len 4096 or less"):
+                                        r"spec default\).*--seq-len 4096 or less"):
         Workload.create(windowed, "dgx-h100", 64)
     assert Workload.create(windowed, "dgx-h100", 64, seq_length=4096).spec.seq_length == 4096
 

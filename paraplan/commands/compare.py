@@ -55,8 +55,10 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _all_to_all(time_s: dict) -> str:
-    """The MoE token all-to-alls of a layout's time breakdown (planner/moe.py), where it has any."""
-    return f" / all-to-all {time_s['ep_comm']:.3g}" if time_s.get("ep_comm") else ""
+    """The MoE token all-to-alls, context parallelism's exchange and the framework's host seconds of a layout's
+    time breakdown, where it has any."""
+    parts = (("ep_comm", "all-to-all"), ("cp_comm", "cp"), ("host", "host"))
+    return "".join(f" / {label} {time_s[k]:.3g}" for k, label in parts if time_s.get(k))
 
 
 def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layouts, dp_rows, dp_base,

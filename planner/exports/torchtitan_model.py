@@ -290,6 +290,9 @@ def _gpt(plan: Plan, spec: TransformerSpec) -> TitanModel:
     """paraplan's gpt model for torchtitan (executor/torchtitan_gpt.py): what it cannot run is refused by name."""
     lay = plan.layout
     refusals = [(spec.is_moe, "experts in a gpt model", "executor/torchtitan_gpt.py builds dense gpt layers only"),
+                (spec.qk_norm, "q/k norms in a gpt model", "executor/torchtitan_gpt.py's gpt has none"),
+                (lay.dtype == "fp8", "fp8 for a gpt model", "executor/torchtitan_gpt.py has no float8 tensor-parallel "
+                 "styles (torchtitan's llama3 has): export a bf16 plan"),
                 (spec.head_dim != spec.hidden_size // spec.num_attention_heads,
                  f"head size {spec.head_dim} (not hidden/heads) in a gpt model",
                  "executor/torchtitan_gpt.py's gpt takes hidden / heads"),
@@ -302,6 +305,7 @@ def _gpt(plan: Plan, spec: TransformerSpec) -> TitanModel:
     for refused, what, why in refusals:
         if refused:
             raise ExportRefused(TARGET, what, why)
+    spec = spec.replace(seq_length=_seq(plan, spec))  # the positions table the plan trains (training.seq_len)
     m = TitanModel("paraplan_gpt", spec.name, _assets_path(plan, spec), base="gpt", args_class="GPTArgs",
                    runtime="paraplan.executor.torchtitan_gpt", num_parameters=count_parameters(spec))
     m.notes.append("torchtitan has no gpt model: the flavor module registers paraplan's (paraplan.executor."
