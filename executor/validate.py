@@ -292,8 +292,9 @@ def fit_factors(rows: list[Row]) -> tuple[float, float]:
     import numpy as np
 
     done = [r for r in rows if r.measured_s and r.prediction]
-    comp = np.array([sum(r.prediction.time_s[k] for k in COMPUTE_KEYS) for r in done])
-    comm = np.array([sum(r.prediction.time_s[k] for k in COMM_KEYS) for r in done])
+    comp = np.array([sum(r.prediction.time_s.get(k, 0.0) for k in COMPUTE_KEYS) for r in done])
+    # (a breakdown may lack cp, ep or host seconds: absent parts read as zero)
+    comm = np.array([sum(r.prediction.time_s.get(k, 0.0) for k in COMM_KEYS) for r in done])
     meas = np.array([r.measured_s for r in done])
     a_mat = np.stack([comp / meas, comm / meas], axis=1)
     if comm.sum() > 0.02 * comp.sum():
