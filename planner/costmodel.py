@@ -1300,7 +1300,7 @@ def validate_layout(model: CostModel, lay: Layout) -> None:
         raise InvalidLayout(f"the {work.framework.name} stack runs the {' or '.join(work.framework.schedules)} "
                             f"pipeline schedule{'s' if len(work.framework.schedules) > 1 else ''}, not {lay.schedule}",
                             f"{lay.schedule} not run by the stack")
-    if work.framework.moe_tp_needs_sp and lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
+    if work.framework.moe_tp_needs_sp and lay.experts_beside_tp_without_sp:
         raise InvalidLayout(f"the {work.framework.name} stack runs expert with tensor parallelism only with sequence "
                             "parallelism (--sequence-parallel)", "ep with tp needs sequence parallelism")
     stages = work.framework.zero_stages

@@ -82,6 +82,12 @@ class Layout:
         return self.global_batch // (self.dp * self.micro_batch)
 
     @property
+    def experts_beside_tp_without_sp(self) -> bool:
+        """Expert and tensor parallelism without sequence parallelism: what Megatron-Core refuses
+        (Framework.moe_tp_needs_sp; model_parallel_config.py)."""
+        return self.ep > 1 and self.tp > 1 and not self.sequence_parallel
+
+    @property
     def num_stages(self) -> int:
         """Model chunks in the pipeline: pp ranks x virtual stages each."""
         return self.pp * self.virtual_stages

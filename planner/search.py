@@ -184,10 +184,10 @@ def enumerate_layouts(work: Workload, gpus: int, dtype: str, schedules: tuple[st
                     for zero in (zero_stages if dp > 1 else (0,)):
                         for sp in ((False, True) if tp > 1 and transformer else (False,)):
                             for ep, etp in experts:
-                                if ep > 1 and tp > 1 and not sp and work.framework.moe_tp_needs_sp:
-                                    continue  # the stack refuses it (costmodel.validate_layout)
-                                out.append(make(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual_stages=v,
-                                                zero=zero, sequence_parallel=sp, ep=ep, etp=etp))
+                                lay = make(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual_stages=v,
+                                           zero=zero, sequence_parallel=sp, ep=ep, etp=etp)
+                                if not (work.framework.moe_tp_needs_sp and lay.experts_beside_tp_without_sp):
+                                    out.append(lay)  # (the stack refuses the others: costmodel.validate_layout)
     if context_parallel:  # a layout with cp > 1 is one of gpus/cp GPUs with each sequence split over cp ranks
         for degree in cp_degrees(work.spec, gpus):
             out += enumerate_layouts(work, gpus // degree, dtype, schedules, zero_stages, context_parallel=False,

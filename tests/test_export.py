@@ -21,13 +21,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tomllib
-import types
 import warnings
 from pathlib import Path
 
 import pytest
+from torchtitan_ranks import bare_package, install_stand_ins
 
 from conftest import ROOT, assert_one_line_error, run_cli
 from paraplan.cli import main
@@ -393,10 +392,7 @@ def torchtitan_config():
     if found is None:
         pytest.fail("torchtitan is not installed: make setup installs it (pip install --no-deps torchtitan==0.2.2 "
                     "tyro docstring-parser typeguard)")
-    if "torchtitan" not in sys.modules:
-        package = types.ModuleType("torchtitan")
-        package.__path__ = list(found.submodule_search_locations)
-        sys.modules["torchtitan"] = package
+    bare_package()
     from torchtitan.config import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.tools.logging import logger
@@ -437,36 +433,13 @@ def parse_torchtitan(tools, toml_text: str | None, tmp_path: Path, world_size: i
     return cfg, dims
 
 
-# torchtitan's data, tokenizer and metrics plumbing needs packages its CPU test install lacks (tokenizers, datasets,
-# torchdata, tensorboard), and its MoE kernels need triton: stand-ins where those do not import, so that the
-# models, their args and train specs (all real) import.
-TORCHTITAN_STAND_INS = ("torchtitan.components.tokenizer", "torchtitan.components.dataloader",
-                        "torchtitan.components.metrics", "torchtitan.hf_datasets.text_datasets",
-                        "torchtitan.models.moe.kernels")
-
-
 @pytest.fixture(scope="module")
 def torchtitan_models(torchtitan_config):
     """torchtitan's model registry (get_train_spec, register_train_spec's table), with stand-ins for the
-    training-only modules that do not import here."""
-    def stand_in(name: str) -> types.ModuleType:
-        module = types.ModuleType(name)
-
-        def placeholder(attr: str):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return type(attr, (), {})
-
-        module.__getattr__ = placeholder
-        return module
-
+    training-only modules that do not import here (tests/torchtitan_ranks.install_stand_ins)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script_method, used by torch modules it loads
-        for name in TORCHTITAN_STAND_INS:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                sys.modules[name] = stand_in(name)
+        install_stand_ins()
         from torchtitan.protocols import train_spec
 
         for model in ("llama3", "llama4", "qwen3", "deepseek_v3"):

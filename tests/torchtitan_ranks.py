@@ -15,19 +15,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# torchtitan's training-only modules that need packages the CPU test install lacks (tests/test_export.py says why)
+# torchtitan's data, tokenizer and metrics plumbing needs packages its CPU test install lacks (tokenizers, datasets,
+# torchdata, tensorboard), and its MoE kernels need triton: stand-ins where those do not import, so that the
+# models, their args and train specs (all real) import.
 STAND_INS = ("torchtitan.components.tokenizer", "torchtitan.components.dataloader", "torchtitan.components.metrics",
              "torchtitan.hf_datasets.text_datasets", "torchtitan.models.moe.kernels")
 
 
-def install_stand_ins() -> None:
-    """torchtitan's package without its __init__ (which needs its training deps), then modules whose every
-    attribute is an empty class where the real one does not import."""
-    found = importlib.util.find_spec("torchtitan")
+def bare_package() -> None:
+    """torchtitan's package without its __init__ (which needs its training deps)."""
     if "torchtitan" not in sys.modules:
         package = types.ModuleType("torchtitan")
-        package.__path__ = list(found.submodule_search_locations)
+        package.__path__ = list(importlib.util.find_spec("torchtitan").submodule_search_locations)
         sys.modules["torchtitan"] = package
+
+
+def install_stand_ins() -> None:
+    """:func:`bare_package`, then modules whose every attribute is an empty class where the real one does not
+    import."""
+    bare_package()
 
     def placeholder(attr: str):
         if attr.startswith("__"):

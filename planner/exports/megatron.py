@@ -75,7 +75,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
                             "re-plan or simulate with --schedule interleaved-1f1b")
     if lay.dtype not in DTYPE_FLAGS:
         raise ExportRefused(TARGET, f"dtype {lay.dtype}", f"known: {', '.join(DTYPE_FLAGS)}")
-    if lay.ep > 1 and lay.tp > 1 and not lay.sequence_parallel:
+    if lay.experts_beside_tp_without_sp:
         raise ExportRefused(TARGET, f"expert parallelism (ep {lay.ep}) with tensor parallelism (tp {lay.tp}) "
                             "without sequence parallelism", "Megatron-Core requires sequence parallelism there "
                             "(megatron/core/model_parallel_config.py); re-plan or simulate with --sequence-parallel")
