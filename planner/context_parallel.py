@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from . import comm
 from .layout import recomputes_core
-from .placement import cp_group
+from .placement import cp_group, ring_senders
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,13 @@ def layer_cost(model, lay, place, mode: str, elem: int, core_fwd: float) -> CPCo
     if fw.cp_comm == "ring":
         chunk = full / cp
         cross = group.crosses_nodes
-        step = comm.p2p(chunk, cross, cluster, busy)  # send one chunk while receiving the previous rank's
+        # a ring's slowest step: a rank whose successor is on another node, sharing the network with the other
+        # ranks of its node that send out of it (placement.ring_senders)
+        senders = max(1, ring_senders(cluster, cp, lay.tp)) if cross else busy
+        step = comm.p2p(chunk, cross, cluster, senders)  # send one chunk while receiving the previous rank's
         hidden = (cp - 1) / cp
         fwd = max(0.0, (cp - 1) * step - hidden * core_fwd)
-        bwd = max(0.0, (cp - 1) * comm.p2p(2 * chunk, cross, cluster, busy) - hidden * core_bwd)
+        bwd = max(0.0, (cp - 1) * comm.p2p(2 * chunk, cross, cluster, senders) - hidden * core_bwd)
         repeat = 1 if mode == "full" or recomputes_core(mode) else 0
         sends = (1 + repeat) * 2 * (cp - 1) * chunk + 2 * 2 * (cp - 1) * chunk  # sent and received
         return CPCost(fwd=fwd, bwd=bwd + repeat * fwd, traffic={"send_recv": sends})

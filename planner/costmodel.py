@@ -324,7 +324,7 @@ class _LayoutStages:
         place = layout_placement(model.work.cluster, lay)
         key = model._table_key(lay, place)
         fixed = model.stage_host_overhead(lay)
-        group = (key, lay.schedule, lay.pp, lay.num_stages, place.pp_cross_node, fixed)
+        group = (key, lay.schedule, lay.pp, lay.num_stages, place.pp_cross_node, place.pp_senders_per_node, fixed)
         got = model._stage_groups.get(group)
         if got is None:
             got = model._stage_groups[group] = _LayoutStages(model, lay, place, key, fixed)
@@ -712,12 +712,14 @@ class CostModel:
         transfer, or — where the framework overlaps an interleaved pipeline's sends with the next chunk's
         compute (Megatron-Core's overlap_p2p_comm) — only its latency (the stage and the ILP both use this)."""
         overlapped = self.work.framework.overlap_p2p and lay.virtual_stages > 1 and nbytes > 0
-        key = (nbytes, cross_node, place.gpus_per_node_busy, overlapped)  # all it depends on: thousands of layouts
+        # across nodes, the node's network is shared by the ranks sending out of it at once (placement.py)
+        senders = max(1, place.pp_senders_per_node)
+        key = (nbytes, cross_node, senders, overlapped)  # all it depends on: thousands of layouts
         t = self._p2p.get(key)
         if t is None:
-            t = comm.p2p(nbytes, cross_node, self.work.cluster, place.gpus_per_node_busy)
+            t = comm.p2p(nbytes, cross_node, self.work.cluster, senders)
             if overlapped:
-                link = comm.network_share(self.work.cluster, place.gpus_per_node_busy) if cross_node else \
+                link = comm.network_share(self.work.cluster, senders) if cross_node else \
                     self.work.cluster.intra_node
                 t = min(t, link.latency_s)
             self._p2p[key] = t

@@ -5,6 +5,10 @@ Ranks are placed tensor-parallel innermost, then data-parallel, then pipeline (M
 never leaves its node; data-parallel groups come next, pipeline neighbours are the farthest apart. Where a
 degree does not divide the GPUs per node (6-GPU nodes and tp 4), groups of one kind sit differently (ranks 4-7
 span two nodes, 0-3 do not): each kind is priced by its worst-placed group, the one every step waits for.
+Pipeline boundaries too: where several stages share a node (tp 2, pp 8 on 8-GPU nodes: four stages a node) most
+boundaries stay inside a node and one in four leaves it; a pipeline's steady state runs at its slowest stage's
+pace, so every boundary is priced as the slowest one, across nodes whenever the pipeline spans nodes, the node's
+network shared by the ranks that send out of it at once.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ class Placement:
 
     tp: GroupSpan
     dp: GroupSpan
-    pp_cross_node: bool  # do pipeline neighbours sit on different nodes
+    pp_cross_node: bool  # do some pipeline neighbours sit on different nodes (each boundary priced as the worst)
     gpus_per_node_busy: int  # GPUs per node that take part (sharing the node's NICs)
+    pp_senders_per_node: int = 0  # of them, the most on one node whose next stage sits on another (0: none leaves)
 
 
 def placement(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> Placement:
@@ -52,14 +57,22 @@ def cp_group(cluster: ClusterSpec, lay) -> GroupSpan:
 @lru_cache(maxsize=4096)
 def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Placement:
     world = dp * tp * pp
-    # the first stage's boundary stands for every one (2 stages per node: the first pair shares a node, the
-    # second does not; pricing each boundary apart is not done: p2p_seconds takes one kind of pair)
-    cross = pp > 1 and (tp * dp) // gpus_per_node != 0
     busy = min(gpus_per_node, world)
     reach = lambda block: min(world, _period(block, gpus_per_node))  # noqa: E731  (the cache's key: what is looked at)
+    senders = _stage_senders(gpus_per_node, tp * dp, world) if pp > 1 else 0
     return Placement(tp=_groups_span(gpus_per_node, tp, 1, reach(tp)),
                      dp=_groups_span(gpus_per_node, dp, tp, reach(tp * dp)),
-                     pp_cross_node=cross, gpus_per_node_busy=busy)
+                     pp_cross_node=senders > 0, gpus_per_node_busy=busy, pp_senders_per_node=senders)
+
+
+@lru_cache(maxsize=4096)
+def _stage_senders(gpus_per_node: int, stage_ranks: int, world: int) -> int:
+    """The most ranks of one node whose counterpart in the next pipeline stage (``stage_ranks`` further on) sits on
+    another node: those share the node's network when the stages send at once. 0 where no boundary leaves a node
+    (the whole pipeline on one). The pattern repeats every lcm(stage_ranks, GPUs per node) ranks."""
+    end = min(world - stage_ranks, _period(stage_ranks, gpus_per_node))
+    out = Counter(r // gpus_per_node for r in range(end) if r // gpus_per_node != (r + stage_ranks) // gpus_per_node)
+    return max(out.values(), default=0)
 
 
 def _period(block: int, gpus_per_node: int) -> int:
@@ -90,6 +103,26 @@ def consecutive_group(cluster: ClusterSpec, size: int, stride: int = 1) -> Group
     groups are consecutive ranks; the ranks holding the same classifier shard are ``stride`` apart), the
     worst-placed of such groups: blocks of size·stride ranks, each holding ``stride`` of them."""
     return _span_cached(cluster.gpus_per_node, size, stride)
+
+
+def ring_senders(cluster: ClusterSpec, size: int, stride: int = 1) -> int:
+    """The most ranks of one node that send to another node at once when every group of :func:`consecutive_group`
+    passes data round its ring (each rank to the next of its group, the last to the first: context parallelism's
+    K/V ring). Only a group's node-leaving edges use the network: cp 4 at stride 4 on 8-GPU nodes has 4 such
+    senders a node, not all 8 GPUs of groups that leave it."""
+    return _ring_senders(cluster.gpus_per_node, size, stride)
+
+
+@lru_cache(maxsize=4096)
+def _ring_senders(gpus_per_node: int, size: int, stride: int) -> int:
+    block = size * stride
+    out: Counter = Counter()
+    for b in range(0, _period(block, gpus_per_node), block):
+        for j in range(stride):
+            ring = [b + j + i * stride for i in range(size)]
+            out.update(r // gpus_per_node for r, nxt in zip(ring, ring[1:] + ring[:1], strict=True)
+                       if r // gpus_per_node != nxt // gpus_per_node)
+    return max(out.values(), default=0)
 
 
 @lru_cache(maxsize=4096)

@@ -149,6 +149,30 @@ def test_groups_that_straddle_nodes_are_priced_by_the_worst(write):
     assert sim(files[0]) == pytest.approx(sim(files[1]), rel=1e-9)
 
 
+def test_pipeline_boundaries_are_priced_by_the_one_that_leaves_a_node(write):
+    """tp 2, pp 8 on 8-GPU nodes: four stages a node, the boundary between stages 3 and 4 crosses nodes (ranks 6, 7
+    send to 8, 9) while the first does not. The steady state runs at the slowest stage's pace, so every boundary is
+    priced across nodes, the node's network shared by the 2 ranks sending out of it — as on 2-GPU nodes, where every
+    boundary leaves its node with 2 senders; a pipeline inside one node never crosses."""
+    c = load_cluster("dgx-h100", nodes=2)
+    pl = placement(c, dp=1, tp=2, pp=8)
+    assert pl.pp_cross_node and pl.pp_senders_per_node == 2
+    assert not placement(c, dp=1, tp=2, pp=4).pp_cross_node  # 8 GPUs: one node
+    # 6-GPU nodes, 4 ranks a stage, 3 stages: ranks 2-5 send to 6-9 on the next node (4 senders on node 0)
+    links = "intra_node: {bandwidth_GBps: 450, latency_us: 2}\ninter_node: {bandwidth_GBps: 50, latency_us: 5}\n"
+    odd = load_cluster(write("odd6.yaml", f"name: odd6\ngpu: h100-sxm-80gb\nnodes: 2\ngpus_per_node: 6\n{links}"))
+    assert placement(odd, dp=2, tp=2, pp=3).pp_senders_per_node == 4
+    pairs = load_cluster(write("two2.yaml", f"name: two2\ngpu: h100-sxm-80gb\nnodes: 8\ngpus_per_node: 2\n{links}"))
+    eight = load_cluster(write("eight8.yaml", f"name: eight8\ngpu: h100-sxm-80gb\nnodes: 2\ngpus_per_node: 8\n{links}"))
+    work = lambda cl: Workload.create("llama2-7b", cl, global_batch=16)  # noqa: E731
+    lay = Layout(dp=1, tp=2, pp=8, micro_batch=1, global_batch=16, schedule="1f1b")
+    pp_comm = [CostModel(work(cl)).evaluate(lay, default_stages(CostModel(work(cl)), lay)).time_s["pp_comm"]
+               for cl in (eight, pairs)]
+    assert pp_comm[0] == pytest.approx(pp_comm[1], rel=1e-9)
+    assert pp_comm[0] > 10 * CostModel(work(eight)).evaluate(
+        lay.replace(pp=4, global_batch=16), default_stages(CostModel(work(eight)), lay.replace(pp=4))).time_s["pp_comm"]
+
+
 def test_parameter_server_grows_with_workers_ring_stays_flat():
     """PS (Li et al. 2014): a server moves workers·M/k each way; ring all-reduce 2(n-1)/n·M."""
     c = load_cluster("dgx-h100", nodes=16)

@@ -90,6 +90,23 @@ def test_overlapped_all_gather_form():
     assert c.bwd == pytest.approx(max(0.0, gather - 2e-4 / 2))
 
 
+def test_ring_across_nodes_shares_the_network_among_its_node_leaving_senders():
+    """cp 4 at tp 4 on 8-GPU nodes: rings 0-4-8-12 (and 1-5-9-13, ...) leave node 0 from ranks 4-7 alone, so
+    each of those 4 senders gets a quarter of the node's network, not an eighth; a step of the ring is then one
+    chunk over that share (Megatron-Core's ring, forward with nothing to hide behind)."""
+    from paraplan.planner.placement import ring_senders
+
+    model = _model("megatron-core")
+    cluster = model.work.cluster
+    assert ring_senders(cluster, 4, 4) == 4 and ring_senders(cluster, 2, 4) == 0 and ring_senders(cluster, 2, 8) == 8
+    lay = _lay(cp=4, tp=4)
+    place = layout_placement(cluster, lay)
+    bare = context_parallel.layer_cost(model, lay, place, "none", 2, core_fwd=0.0)
+    chunk = 8 * MIB / 4 / 4  # the K/V of one tensor-parallel rank (a quarter of the heads), a quarter of it
+    share = comm.network_share(cluster, 4)
+    assert bare.fwd == pytest.approx(3 * (share.latency_s + chunk / share.bandwidth_Bps))
+
+
 def test_cp_group_sits_tp_apart():
     cluster = _model().work.cluster
     assert cp_group(cluster, _lay(cp=2, tp=4)) == GroupSpan(size=2, nodes=1, max_per_node=2)
