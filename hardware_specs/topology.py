@@ -46,21 +46,35 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
 class GroupSpan:
     """Where a communication group's ranks sit: how many nodes, and the most ranks on one node;
     ``senders_per_node``: of a node's GPUs, the most that send across nodes at once in groups of this kind (0: not
-    known, every busy GPU of the node; fewer where some groups of the kind stay inside their node)."""
+    known, every busy GPU of the node; fewer where some groups of the kind stay inside their node);
+    ``min_per_node``: the fewest ranks on one of its nodes where they differ (4 + 1), 0 where every node holds
+    ``max_per_node`` of them."""
 
     size: int
     nodes: int
     max_per_node: int
     senders_per_node: int = 0
+    min_per_node: int = 0
 
     @property
     def crosses_nodes(self) -> bool:
         return self.nodes > 1
 
+    @property
+    def fewest_per_node(self) -> int:
+        """The fewest ranks on one node: across nodes, each of them carries 1/fewest of the data."""
+        return self.min_per_node or self.max_per_node
+
+    @staticmethod
+    def of_counts(per_node: Counter) -> GroupSpan:
+        """The span of a group with ``per_node`` ranks on each node it touches."""
+        most, least = max(per_node.values()), min(per_node.values())
+        return GroupSpan(size=sum(per_node.values()), nodes=len(per_node), max_per_node=most,
+                         min_per_node=least if least != most else 0)
+
 
 def group_span(cluster: ClusterSpec, ranks: list[int]) -> GroupSpan:
-    per_node = Counter(cluster.node_of(r) for r in ranks)
-    return GroupSpan(size=len(ranks), nodes=len(per_node), max_per_node=max(per_node.values()))
+    return GroupSpan.of_counts(Counter(cluster.node_of(r) for r in ranks))
 
 
 def path_link(graph: nx.Graph, a: int, b: int) -> LinkSpec:

@@ -7,7 +7,8 @@ Sources of the formulas:
 - Tree all-reduce (NCCL's double binary tree, Sanders et al. 2009): ~2·M / B, 2·log2(n) latency steps.
 - Hierarchical collectives when a group spans nodes (as NCCL does): reduce-scatter inside the node,
   all-reduce of the 1/r shard across nodes (r = the group's ranks per node, each with its own shard in
-  parallel), all-gather inside the node. The node's NICs are shared by every GPU of the node that
+  parallel; where nodes hold unequal shares (4 + 1), the node with the fewest ranks sends the largest shards,
+  and it sets the pace), all-gather inside the node. The node's NICs are shared by every GPU of the node that
   sends across the network at the same time (``busy`` GPUs per node).
 - Parameter server (Li et al. 2014, OSDI): N workers push their gradient to k servers holding 1/k of the
   parameters each and pull the parameters back; each server moves N·M/k bytes each way through its link.
@@ -60,10 +61,10 @@ def all_reduce(nbytes: float, span: GroupSpan, cluster: ClusterSpec, busy: int) 
     if not span.crosses_nodes:
         return min(ring_all_reduce(nbytes, span.size, cluster.intra_node),
                    tree_all_reduce(nbytes, span.size, cluster.intra_node))
-    r, k = span.max_per_node, span.nodes
+    r, k, fewest = span.max_per_node, span.nodes, span.fewest_per_node
     net = network_share(cluster, senders(span, busy))
     inside = 2 * ring_gather(nbytes, r, cluster.intra_node)  # reduce-scatter + all-gather in the node
-    across = min(ring_all_reduce(nbytes / r, k, net), tree_all_reduce(nbytes / r, k, net))
+    across = min(ring_all_reduce(nbytes / fewest, k, net), tree_all_reduce(nbytes / fewest, k, net))
     return inside + across
 
 
@@ -74,7 +75,7 @@ def gather(nbytes: float, span: GroupSpan, cluster: ClusterSpec, busy: int) -> f
     if not span.crosses_nodes:
         return ring_gather(nbytes, span.size, cluster.intra_node)
     r, k = span.max_per_node, span.nodes
-    return ring_gather(nbytes, r, cluster.intra_node) + ring_gather(nbytes / r, k,
+    return ring_gather(nbytes, r, cluster.intra_node) + ring_gather(nbytes / span.fewest_per_node, k,
                                                                     network_share(cluster, senders(span, busy)))
 
 

@@ -323,7 +323,8 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
     """One all-to-all where every rank of a group placed as ``span`` sends ``nbytes`` (its whole send buffer,
     1/n of it to itself): (n-1)/n of it leaves the rank — (r-1)/n to the r-1 peers in its node over NVLink,
     (n-r)/n to other nodes through its share of the node's network — both at once, each paying its link's
-    latency once (every peer is sent to at once, as NCCL's grouped send/receive does)."""
+    latency once (every peer is sent to at once, as NCCL's grouped send/receive does). Where nodes hold unequal
+    shares of the group, a rank of the emptiest sends the most across."""
     n = span.size
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -333,7 +334,8 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
     if n == r:
         return t_intra
     net = comm.network_share(cluster, comm.senders(span, busy))
-    t_inter = (n - r) / n * nbytes / net.bandwidth_Bps + net.latency_s
+    # a rank on the node holding the fewest of the group (4 + 1) sends the most through the network
+    t_inter = (n - span.fewest_per_node) / n * nbytes / net.bandwidth_Bps + net.latency_s
     return max(t_intra, t_inter)
 
 

@@ -80,21 +80,21 @@ def _period(block: int, gpus_per_node: int) -> int:
 
 
 def _span(ranks: list[int], node_of) -> GroupSpan:
-    per_node = Counter(node_of(r) for r in ranks)
-    return GroupSpan(size=len(ranks), nodes=len(per_node), max_per_node=max(per_node.values()))
+    return GroupSpan.of_counts(Counter(node_of(r) for r in ranks))
 
 
 def _worst(groups, node_of) -> GroupSpan:
     """The span of the worst-placed of ``groups`` (lists of ranks): on the most nodes, then with the fewest ranks
-    on its fullest node (the most traffic through the network); with the most GPUs of one node in groups that
-    leave their node (what shares that node's network when every group of the kind communicates at once)."""
+    on one node (each of them carries that much more through the network), then on its fullest; with the most GPUs
+    of one node in groups that leave their node (what shares that node's network when every group of the kind
+    communicates at once)."""
     spans, crossing = [], Counter()
     for g in groups:
         span = _span(g, node_of)
         spans.append(span)
         if span.crosses_nodes:
             crossing.update(node_of(r) for r in g)
-    worst = max(spans, key=lambda s: (s.nodes, -s.max_per_node))
+    worst = max(spans, key=lambda s: (s.nodes, -s.fewest_per_node, -s.max_per_node))
     return dataclasses.replace(worst, senders_per_node=max(crossing.values(), default=0))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -147,6 +148,23 @@ def test_groups_that_straddle_nodes_are_priced_by_the_worst(write):
                                        "--dp", "6", "--tp", "4", "--pp", "1", "--micro-batch", "1", "--zero", "1",
                                        "--sequence-parallel", "--json").stdout)["time_s"]["tp_comm"]
     assert sim(files[0]) == pytest.approx(sim(files[1]), rel=1e-9)
+
+
+def test_a_group_split_unevenly_is_paced_by_its_emptiest_node(write):
+    """dp 5 on 4-GPU nodes: ranks 0-3 on one node, rank 4 alone on the next. Across nodes each node's ranks carry
+    1/(its ranks) of the data, the lone rank all of it: the all-reduce takes at least as long as one between two
+    lone ranks on those nodes (it was priced as if each node carried a quarter)."""
+    links = "intra_node: {bandwidth_GBps: 450, latency_us: 2}\ninter_node: {bandwidth_GBps: 50, latency_us: 5}\n"
+    c = load_cluster(write("quad.yaml", f"name: quad\ngpu: h100-sxm-80gb\nnodes: 2\ngpus_per_node: 4\n{links}"))
+    span = placement(c, dp=5, tp=1, pp=1).dp
+    assert (span.size, span.nodes, span.max_per_node, span.fewest_per_node) == (5, 2, 4, 1)
+    m = 1e9
+    lone = dataclasses.replace(span, size=2, max_per_node=1, min_per_node=0)
+    assert comm.all_reduce(m, span, c, busy=4) >= comm.all_reduce(m, lone, c, busy=4)
+    assert comm.gather(m, span, c, busy=4) >= comm.gather(m, lone, c, busy=4)
+    even = placement(c, dp=8, tp=1, pp=1).dp  # 4 + 4: a quarter each
+    assert even.min_per_node == 0 and even.fewest_per_node == 4
+    assert comm.all_reduce(m, even, c, busy=4) < comm.all_reduce(m, lone, c, busy=4)
 
 
 def test_pipeline_boundaries_are_priced_by_the_one_that_leaves_a_node(write):
