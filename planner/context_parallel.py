@@ -78,7 +78,7 @@ def layer_cost(model, lay, place, mode: str, elem: int, core_fwd: float) -> CPCo
         cross = group.crosses_nodes
         # a ring's slowest step: a rank whose successor is on another node, sharing the network with the other
         # ranks of its node that send out of it (placement.ring_senders)
-        senders = max(1, ring_senders(cluster, cp, lay.tp)) if cross else busy
+        senders = max(1, ring_senders(cluster, cp, lay.tp, lay.num_gpus)) if cross else busy
         step = comm.p2p(chunk, cross, cluster, senders)  # send one chunk while receiving the previous rank's
         hidden = (cp - 1) / cp
         fwd = max(0.0, (cp - 1) * step - hidden * core_fwd)

@@ -624,7 +624,7 @@ class CostModel:
         gpu, cluster = work.cluster.gpu, work.cluster
         times = estimate_pass_times(layer, b * k, k, False, gpu, lay.dtype, work.attention)
         times = times.scaled(self.cpu_share.compute(place.gpus_per_node_busy))  # 1 but on a CPU (cpu_share.py)
-        group = consecutive_group(cluster, k)
+        group = consecutive_group(cluster, k, world=lay.num_gpus)
         busy = place.gpus_per_node_busy
         feats = sum(ib for style, ib, _, _ in layer.region_io if style == "class_sharded") * b * k
         samples = sum(tok for style, _, _, tok in layer.region_io if style == "class_sharded") * b * k

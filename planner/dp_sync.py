@@ -104,7 +104,7 @@ def dp_exposures(model, lay: Layout, place: Placement, root_params: float, tied_
     gather = lambda n: comm.gather(n, place.dp, cluster, busy)  # noqa: E731
     window = Affine(window=1.0) if work.overlap_dp else Affine()
     if lay.head_parallel > 1:  # trunk over every dp rank, each classifier shard over its dp/k holders
-        shard = consecutive_group(cluster, lay.dp // lay.head_parallel, lay.head_parallel)
+        shard = consecutive_group(cluster, lay.dp // lay.head_parallel, lay.head_parallel, lay.num_gpus)
         head = head_params * ge
         both = lambda n: comm.all_reduce(n - head, place.dp, cluster, busy) + comm.all_reduce(  # noqa: E731
             head, shard, cluster, busy)

@@ -414,7 +414,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
     fwd = bwd = 0.0
     skipped = 0.0  # forward seconds a recomputation does not rerun
     if lay.ep > 1:
-        span = consecutive_group(cluster, lay.ep, lay.etp)
+        span = consecutive_group(cluster, lay.ep, lay.etp, lay.num_gpus)
         # every token copy the rank routes (balanced: also what it receives): one per routed expert, or with a
         # deduplicating dispatcher one per GPU holding any of the token's experts (deduplicated_dispatch)
         copies = token_destinations(e, k, span.size, fw.moe_routing) if fw.moe_dispatcher == "hybridep" else k
@@ -438,7 +438,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
     if lay.etp > 1:  # received tokens gathered over the etp group, the results reduce-scattered; both passes
         full = lay.etp * tokens * k * h * elem
-        group = consecutive_group(cluster, lay.etp)
+        group = consecutive_group(cluster, lay.etp, world=lay.num_gpus)
         one = comm.gather(full, group, cluster, busy) * routed_load(fw)
         fwd += 2 * one
         bwd += 2 * one
@@ -480,7 +480,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
     n = edp(lay)
     if n <= 1 or lay.dp_mode == "ps" or not getattr(work.spec, "is_moe", False) or not expert_parallel(lay, fw):
         return []
-    group = consecutive_group(cluster, n, lay.ep * lay.etp)
+    group = consecutive_group(cluster, n, lay.ep * lay.etp, lay.num_gpus)
     all_reduce = lambda nbytes: comm.all_reduce(nbytes, group, cluster, busy)  # noqa: E731
     gather = lambda nbytes: comm.gather(nbytes, group, cluster, busy)  # noqa: E731
     ge, wb, m = grad_bytes(work, lay), weight_bytes(lay), lay.num_micro_batches

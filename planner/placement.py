@@ -51,17 +51,16 @@ def layout_placement(cluster: ClusterSpec, lay) -> Placement:
 
 def cp_group(cluster: ClusterSpec, lay) -> GroupSpan:
     """Where a context-parallel group sits: cp ranks ``tp`` apart (tensor parallelism innermost)."""
-    return consecutive_group(cluster, lay.cp, lay.tp)
+    return consecutive_group(cluster, lay.cp, lay.tp, lay.num_gpus)
 
 
 @lru_cache(maxsize=4096)
 def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Placement:
     world = dp * tp * pp
     busy = min(gpus_per_node, world)
-    reach = lambda block: min(world, _period(block, gpus_per_node))  # noqa: E731  (the cache's key: what is looked at)
     senders = _stage_senders(gpus_per_node, tp * dp, world) if pp > 1 else 0
-    return Placement(tp=_groups_span(gpus_per_node, tp, 1, reach(tp)),
-                     dp=_groups_span(gpus_per_node, dp, tp, reach(tp * dp)),
+    return Placement(tp=_groups_span(gpus_per_node, tp, 1, _reach(tp, gpus_per_node, world)),
+                     dp=_groups_span(gpus_per_node, dp, tp, _reach(tp * dp, gpus_per_node, world)),
                      pp_cross_node=senders > 0, gpus_per_node_busy=busy, pp_senders_per_node=senders)
 
 
@@ -98,36 +97,38 @@ def _worst(groups, node_of) -> GroupSpan:
     return dataclasses.replace(worst, senders_per_node=max(crossing.values(), default=0))
 
 
-def consecutive_group(cluster: ClusterSpec, size: int, stride: int = 1) -> GroupSpan:
+def consecutive_group(cluster: ClusterSpec, size: int, stride: int = 1, world: int | None = None) -> GroupSpan:
     """Where a group of ``size`` ranks j, j + stride, j + 2·stride, ... sits (hybrid parallelism's classifier
     groups are consecutive ranks; the ranks holding the same classifier shard are ``stride`` apart), the
-    worst-placed of such groups: blocks of size·stride ranks, each holding ``stride`` of them."""
-    return _span_cached(cluster.gpus_per_node, size, stride)
+    worst-placed of such groups: blocks of size·stride ranks, each holding ``stride`` of them, among the job's
+    ``world`` ranks (None: as if it went on; a job of 4 ranks on 6-GPU nodes has no group straddling two nodes)."""
+    return _groups_span(cluster.gpus_per_node, size, stride, _reach(size * stride, cluster.gpus_per_node, world))
 
 
-def ring_senders(cluster: ClusterSpec, size: int, stride: int = 1) -> int:
+def _reach(block: int, gpus_per_node: int, world: int | None) -> int:
+    """How far the groups' pattern need be looked at: it repeats every lcm(block, GPUs per node) ranks."""
+    period = _period(block, gpus_per_node)
+    return period if world is None else min(world, period)
+
+
+def ring_senders(cluster: ClusterSpec, size: int, stride: int = 1, world: int | None = None) -> int:
     """The most ranks of one node that send to another node at once when every group of :func:`consecutive_group`
     passes data round its ring (each rank to the next of its group, the last to the first: context parallelism's
     K/V ring). Only a group's node-leaving edges use the network: cp 4 at stride 4 on 8-GPU nodes has 4 such
-    senders a node, not all 8 GPUs of groups that leave it."""
-    return _ring_senders(cluster.gpus_per_node, size, stride)
+    senders a node, not all 8 GPUs of groups that leave it. ``world``: as consecutive_group's."""
+    return _ring_senders(cluster.gpus_per_node, size, stride, _reach(size * stride, cluster.gpus_per_node, world))
 
 
 @lru_cache(maxsize=4096)
-def _ring_senders(gpus_per_node: int, size: int, stride: int) -> int:
+def _ring_senders(gpus_per_node: int, size: int, stride: int, reach: int) -> int:
     block = size * stride
     out: Counter = Counter()
-    for b in range(0, _period(block, gpus_per_node), block):
+    for b in range(0, reach, block):
         for j in range(stride):
             ring = [b + j + i * stride for i in range(size)]
             out.update(r // gpus_per_node for r, nxt in zip(ring, ring[1:] + ring[:1], strict=True)
                        if r // gpus_per_node != nxt // gpus_per_node)
     return max(out.values(), default=0)
-
-
-@lru_cache(maxsize=4096)
-def _span_cached(gpus_per_node: int, size: int, stride: int) -> GroupSpan:
-    return _groups_span(gpus_per_node, size, stride, None)
 
 
 @lru_cache(maxsize=4096)

@@ -139,6 +139,7 @@ def test_groups_that_straddle_nodes_are_priced_by_the_worst(write):
     assert pl.tp == GroupSpan(size=4, nodes=2, max_per_node=2, senders_per_node=2)
     assert pl.dp.size == 6 and pl.dp.crosses_nodes
     assert consecutive_group(odd, 4) == pl.tp  # expert-parallel groups of 4: the same worst group
+    assert not consecutive_group(odd, 4, world=4).crosses_nodes  # a 4-GPU job has no group on ranks 4-7
     m = 1e9
     assert comm.all_reduce(m, pl.tp, odd, busy=6) == comm.all_reduce(m, placement(pairs, 6, 4, 1).tp, pairs, busy=2)
     aligned = placement(load_cluster("dgx-a100-80gb", nodes=8), dp=8, tp=8, pp=1)
