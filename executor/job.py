@@ -138,6 +138,11 @@ class Job:
             s = self.seq_length
             if spec.family != "llama" and s > spec.seq_length:
                 raise ExecutionError(f"{src}: seq_length {s} exceeds the model's {spec.seq_length} positions")
+            window = getattr(spec, "sliding_window", None)
+            if window is not None and s > window:  # Workload.create refuses it; a hand edit: here
+                raise ExecutionError(f"{src}: seq_length {s} exceeds {spec.name}'s sliding_window {window}: this "
+                                     "executor attends over whole sequences (no sliding window), so it would train "
+                                     f"another model; use seq_length {window} or less")
             chunks = 2 * lay.cp if spec.causal else lay.cp
             if lay.cp > 1 and s % chunks:
                 raise ExecutionError(f"{src}: context parallelism {lay.cp} cuts the sequence into {chunks} equal "

@@ -191,3 +191,24 @@ def test_a_prediction_of_another_step_is_left_out(tmp_path):
     assert job.plan.prediction is None and job.plan.memory_warning() is None
     assert f"prices {8 * 2 * data['seq_length']:,} tokens a step, the plan runs {8 * data['seq_length']:,}" in \
         job.stale_prediction
+
+
+def test_a_plan_edited_past_its_sliding_window_is_refused(tmp_path):
+    """A Mistral-style sliding window is not run (the executor attends over whole sequences): a plan whose sequence
+    the window covers loads, one edited to a longer sequence is refused by name instead of training another model."""
+    from paraplan.executor.errors import ExecutionError
+    from paraplan.executor.job import Job
+
+    spec = tmp_path / "windowed.yaml"
+    spec.write_text("family: llama\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nvocab_size: 128\n"
+                    "seq_length: 32\nsliding_window: 32\n")
+    path = tmp_path / "plan.json"
+    p = run_cli("simulate", "--model", str(spec), "--cluster", "local", "--global-batch", "4", "--dp", "1", "--tp",
+                "1", "--pp", "1", "--micro-batch", "2", "--no-calibrate", "--write-plan", str(path))
+    assert p.returncode == 0, p.stderr
+    assert Job.load(str(path)).seq_length == 32
+    data = json.loads(path.read_text())
+    data["seq_length"] = 64
+    path.write_text(json.dumps(data))
+    with pytest.raises(ExecutionError, match="seq_length 64 exceeds windowed's sliding_window 32"):
+        Job.load(str(path))
