@@ -1,7 +1,8 @@
 """Read a Hugging Face ``config.json`` into a spec mapping, with each model type's own field names.
 
-Dense: GPT-2, LLaMA, Mistral, BERT, Qwen3. Mixtures of experts: Mixtral (``num_local_experts``, experts
-``intermediate_size`` wide), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, per-head q/k norms,
+Dense: GPT-2, LLaMA, Mistral, BERT, Qwen2 / Qwen2.5 (biased q, k and v projections), Phi-3 (LLaMA's layer with
+fused q/k/v and gate/up weights: the same parameters), Qwen3. Mixtures of experts: Mixtral (``num_local_experts``,
+experts ``intermediate_size`` wide), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, per-head q/k norms,
 ``decoder_sparse_step`` / ``mlp_only_layers``), DeepSeek-V2/V3 (multi-head latent attention,
 ``n_routed_experts`` + ``n_shared_experts``, ``first_k_dense_replace``, sigmoid scores,
 ``num_nextn_predict_layers``), Llama 4 (its ``text_config``: ``num_local_experts`` experts and one shared
@@ -39,6 +40,8 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
              "vocab_size": ("vocab_size",), "seq_length": ("max_position_embeddings",),
              "tied_embeddings": ("tie_word_embeddings",)},
     "qwen3": _QWEN3,
+    "qwen2": _LLAMA_LIKE,  # Qwen2Config has no head_dim: hidden / heads
+    "phi3": {**_LLAMA_LIKE, "head_dim": ("head_dim",)},
     # Mixtral's experts are intermediate_size wide (Megatron: moe_ffn_hidden_size defaults to ffn_hidden_size).
     "mixtral": {**_LLAMA_LIKE, "head_dim": ("head_dim",), "num_experts": ("num_local_experts",),
                 "experts_per_token": ("num_experts_per_tok",), "moe_aux_loss_coeff": ("router_aux_loss_coef",)},
@@ -63,7 +66,7 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
 _FIELDS["deepseek_v2"] = _FIELDS["deepseek_v3"]
 # What transformers' config class takes for a missing intermediate_size (LlamaConfig, MistralConfig, Qwen3Config,
 # MixtralConfig defaults): a config.json without it loads with this width
-_FFN_DEFAULTS = {"llama": 11008, "mistral": 14336, "qwen3": 22016, "mixtral": 14336}
+_FFN_DEFAULTS = {"llama": 11008, "mistral": 14336, "qwen3": 22016, "mixtral": 14336, "qwen2": 22016, "phi3": 8192}
 # Switches of a llama-style layer that add parameters this family does not model (it has no biases)
 _UNMODELLED = ("attention_bias", "mlp_bias")
 _FAMILY = {"gpt2": "gpt", "bert": "bert"}  # every other type is a llama-style decoder
@@ -98,8 +101,13 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
             raise ModelSpecError(f"{source}: {key} true is not supported (this model family has no biases; "
                                  "its parameter count and traffic would be wrong)")
     window = data.get("sliding_window")
-    if model_type == "mistral" and window is not None:  # only sequences the window covers are planned (workload)
+    # only sequences a window covers are planned (workload): Mistral's and Phi-3's apply when given, Qwen2's only
+    # with use_sliding_window (its config carries a window it does not use)
+    if window is not None and (model_type in ("mistral", "phi3") or (model_type == "qwen2" and
+                                                                     data.get("use_sliding_window"))):
         out["sliding_window"] = window
+    if model_type == "qwen2":
+        out["qkv_bias"] = True  # Qwen2Attention: q_proj, k_proj, v_proj with bias, o_proj without
     if model_type == "gpt2" and "tied_embeddings" not in out:
         out["tied_embeddings"] = True  # GPT-2 ties its LM head to the token embedding
     if model_type == "bert" and data.get("type_vocab_size", 2) != 2:

@@ -28,6 +28,8 @@ def attention_params(spec: TransformerSpec) -> int:
     n = h * q_out + 2 * h * kv_out + q_out * h
     if spec.family != "llama":
         n += q_out + 2 * kv_out + h  # biases
+    elif spec.qkv_bias:  # Qwen2: on q, k and v, not on the output projection
+        n += q_out + 2 * kv_out
     if spec.qk_norm:
         n += 2 * spec.head_dim
     return n

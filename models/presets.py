@@ -10,6 +10,8 @@ Sources, per family:
 - ResNet-50: He et al. 2016; VGG-16: Simonyan & Zisserman 2015 (torchvision layouts).
 - Mixtral 8x7B / 8x22B: Jiang et al. 2024 (arXiv 2401.04088) and HF mistralai/Mixtral-8x7B-v0.1,
   Mixtral-8x22B-v0.1 config.json (experts are `intermediate_size` wide; router_aux_loss_coef).
+- Qwen2.5-7B: Qwen2.5 technical report (arXiv 2412.15115, Table 1) and HF Qwen/Qwen2.5-7B config.json (28
+  layers, 3584 hidden, 28 heads, 4 K/V heads, 18944 FFN, 152,064 ids, biased q/k/v projections: 7.62 B parameters).
 - Qwen3-30B-A3B / 235B-A22B: Qwen3 technical report (arXiv 2505.09388, Table 2) and HF Qwen/* config.json
   (head_dim 128, q/k RMSNorm, 128 experts of moe_intermediate_size, top-8, router_aux_loss_coef 0.001).
 - DeepSeek-V3: arXiv 2412.19437 (Sec. 4.2: MLA ranks, 1 shared + 256 routed experts, top-8, first 3 layers
@@ -67,6 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                        ffn_hidden_size=28672, vocab_size=128256, seq_length=8192),
     "llama3-405b": dict(family="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
                         num_kv_heads=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192),
+    "qwen2.5-7b": dict(family="llama", num_layers=28, hidden_size=3584, num_attention_heads=28, num_kv_heads=4,
+                       ffn_hidden_size=18944, vocab_size=152064, seq_length=4096, qkv_bias=True),
     "mixtral-8x7b": dict(family="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
                          ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, num_experts=8,
                          experts_per_token=2, moe_aux_loss_coeff=0.02),
@@ -120,6 +124,7 @@ PUBLISHED_NUMERICS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(rope_theta=1e6, rms_norm_eps=1e-5, rope_scaling=None, source="mistralai/Mixtral-8x7B-v0.1"),
     "mixtral-8x22b": dict(rope_theta=1e6, rms_norm_eps=1e-5, rope_scaling=None,
                           source="mistralai/Mixtral-8x22B-v0.1"),
+    "qwen2.5-7b": dict(rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=None, source="Qwen/Qwen2.5-7B"),
     "qwen3-30b-a3b": dict(rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=None, source="Qwen/Qwen3-30B-A3B"),
     "qwen3-235b-a22b": dict(rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=None, source="Qwen/Qwen3-235B-A22B"),
     "deepseek-v3": dict(rope_theta=10000.0, rms_norm_eps=1e-6,

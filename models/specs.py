@@ -53,8 +53,8 @@ _OPTIONAL_FIELDS = frozenset({
     "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
     "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff",
-    "sliding_window"})
-_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk"})
+    "sliding_window", "qkv_bias"})
+_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
 
@@ -92,6 +92,7 @@ class TransformerSpec(ModelSpec):
     # size qk_nope_head_dim + qk_rope_head_dim. qk_norm: RMSNorm on each head's query and key (Qwen3).
     head_dim: int | None = None
     qk_norm: bool = False
+    qkv_bias: bool = False  # biases on the query, key and value projections of a llama layer (Qwen2, Qwen2.5)
     # attention over the last sliding_window tokens only (Mistral's): not modelled, so only sequences it covers
     # are planned (planner/workload.py refuses longer ones); None: full causal attention
     sliding_window: int | None = None
@@ -201,6 +202,10 @@ class TransformerSpec(ModelSpec):
         rotary = self.qk_rope_head_dim if self.mla else self.head_dim
         if self.family == "llama" and rotary % 2:
             raise ModelSpecError(f"{source}: llama's rotary embedding needs an even head size, got {rotary}")
+        if self.qkv_bias and (self.family != "llama" or self.mla):
+            raise ModelSpecError(f"{source}: field 'qkv_bias' applies to llama layers with plain attention "
+                                 f"(gpt and bert have biases everywhere; latent attention none), not "
+                                 f"{'latent attention' if self.mla else self.family}")
         self._validate_moe(source)
 
     def _validate_mla(self, source: str) -> None:

@@ -146,9 +146,10 @@ class Attention(nn.Module):
         self.head_dim = d
         self.causal = spec.family != "bert"
         self.rotary = spec.family == "llama"
-        self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=bias)
-        self.wk = nn.Linear(h, spec.kv_heads * d, bias=bias)
-        self.wv = nn.Linear(h, spec.kv_heads * d, bias=bias)
+        qkv_bias = bias or spec.qkv_bias  # Qwen2's llama layer: biased q, k and v, not o
+        self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=qkv_bias)
+        self.wk = nn.Linear(h, spec.kv_heads * d, bias=qkv_bias)
+        self.wv = nn.Linear(h, spec.kv_heads * d, bias=qkv_bias)
         self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+CHILD_NICENESS = 5  # the chart server's priority below the command's (its drawing waits for the search anyway)
 CHILD_WAIT_S = 300.0  # a chart child still drawing after this is stopped and its charts drawn in line
 
 
@@ -276,6 +277,7 @@ def _server(conn) -> None:
     draw them and send {key: (drawn, notes)}. On any failure it stops sending: the parent draws what is missing."""
     try:
         _own_group(0)
+        os.nice(CHILD_NICENESS)  # its imports run beside the search: the search, and its solvers, go first
         module_lines: list[str] = []
         ready = charts_module(module_lines) is not None
         conn.send_bytes(pickle.dumps(module_lines))

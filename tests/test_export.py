@@ -43,7 +43,8 @@ MEGATRON_FLAGS = {
     "--max-position-embeddings", "--group-query-attention", "--num-query-groups", "--normalization", "--swiglu",
     "--position-embedding-type", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--multi-latent-attention", "--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-    "--v-head-dim", "--kv-channels", "--qk-layernorm", "--mtp-num-layers", "--num-experts", "--moe-router-topk",
+    "--v-head-dim", "--kv-channels", "--qk-layernorm", "--add-qkv-bias", "--mtp-num-layers", "--num-experts",
+    "--moe-router-topk",
     "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
@@ -794,6 +795,20 @@ def test_torchtitan_refuses_what_no_torchtitan_model_is(plans, tmp_path):
     # the model's 8192 positions split into 2·cp chunks (the plan is valid), but the plan trains 8190-token sequences
     with pytest.raises(ExportRefused, match=r"sequence length 8190 with tp 1 and cp 2"):
         export_plan(plan.replace(seq_length=8190, layout=plan.layout.replace(cp=2, dp=1)), "torchtitan")
+
+
+def test_qwen2_qkv_biases_export_to_megatron_and_are_refused_by_torchtitan(plans):
+    """Qwen2's biased q/k/v projections: Megatron-LM's --add-qkv-bias beside --disable-bias-linear (its other
+    linears stay bias-free); torchtitan's attention projections have none, so that export refuses rather than train
+    another model."""
+    plan, _ = plans["z3"]
+    spec = load_model_spec("qwen2.5-7b")
+    qwen = plan.replace(model="qwen2.5-7b", model_spec=spec.to_dict(), stages=even_stages(spec, 1))
+    text = export_plan(qwen, "megatron").text
+    assert "--add-qkv-bias" in text and "--disable-bias-linear" in text
+    assert "--add-qkv-bias" not in export_plan(plan, "megatron").text
+    with pytest.raises(ExportRefused, match="biases on the q, k and v projections .* export --to megatron"):
+        export_plan(qwen, "torchtitan")
 
 
 def test_torchtitan_command_line_form_takes_the_same_flavor_module(tmp_path, torchtitan_config, torchtitan_models):

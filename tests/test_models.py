@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -200,6 +201,19 @@ HF_CONFIGS = {
                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32768, "head_dim": 128,
                  "max_position_embeddings": 32768, "sliding_window": None, "tie_word_embeddings": False},
                 7_248_023_552),
+    # Qwen2.5-7B: biased q/k/v projections (Qwen2Attention); 7,615,616,512 parameters on its model card's
+    # safetensors count (the q, k and v biases: 3584 + 2 x 512 a layer). Its config carries a sliding window it
+    # does not use (use_sliding_window false).
+    "qwen2": ({"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+               "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+               "max_position_embeddings": 131072, "sliding_window": 131072, "use_sliding_window": False,
+               "tie_word_embeddings": False, "rope_theta": 1000000.0}, 7_615_616_512),
+    # Phi-3-mini-4k: LLaMA's layer with fused qkv and gate/up weights, the same parameters (3,821,079,552 on its
+    # model card's safetensors count)
+    "phi3": ({"model_type": "phi3", "num_hidden_layers": 32, "hidden_size": 3072, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 32064,
+              "max_position_embeddings": 4096, "sliding_window": 2047, "tie_word_embeddings": False},
+             3_821_079_552),
 }
 
 
@@ -246,6 +260,30 @@ def test_hf_config_loading(write, kind):
     path = write("config.json", json.dumps(config))
     spec = load_model_spec(path)
     assert count_parameters(spec) == expected
+
+
+def test_qwen2_biases_q_k_and_v_alone_and_phi3_keeps_its_window(write):
+    """Qwen2's layer is LLaMA's with biases on the q, k and v projections (not o, not the MLP): the executor's model
+    builds them, the preset counts the published 7.62 B; a spec asking for them outside a plain llama layer is
+    refused. Phi-3-mini's window (2047 of 4096 positions) applies, as Mistral's: planned only where it covers the
+    sequence; Qwen2's configured window does not apply unless use_sliding_window is set."""
+    from paraplan.planner.errors import PlanError
+    from paraplan.planner.workload import Workload
+
+    spec = load_model_spec(write("config.json", json.dumps(HF_CONFIGS["qwen2"][0])))
+    assert spec.qkv_bias and spec.sliding_window is None
+    attn = build_model(dataclasses.replace(spec, num_layers=1), "meta").layers["0"].attn
+    assert all(getattr(attn, w).bias is not None for w in ("wq", "wk", "wv")) and attn.wo.bias is None
+    assert count_parameters(load_model_spec("qwen2.5-7b")) == HF_CONFIGS["qwen2"][1]
+    windowed = {**HF_CONFIGS["qwen2"][0], "use_sliding_window": True, "sliding_window": 4096}
+    assert load_model_spec(write("w.json", json.dumps(windowed))).sliding_window == 4096
+    with pytest.raises(ModelSpecError, match="'qkv_bias' applies to llama layers"):
+        load_model_spec(write("g.yaml", "family: gpt\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                                        "vocab_size: 128\nseq_length: 32\nqkv_bias: true\n"))
+    phi3 = write("p.json", json.dumps(HF_CONFIGS["phi3"][0]))
+    with pytest.raises(PlanError, match="sliding_window 2047 is shorter than the sequence"):
+        Workload.create(phi3, "dgx-h100", 8)
+    assert Workload.create(phi3, "dgx-h100", 8, seq_length=2047).spec.seq_length == 2047
 
 
 def test_hf_config_unsupported_type(write):

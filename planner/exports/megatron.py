@@ -130,6 +130,8 @@ def model_args(spec, seq_length: int) -> Args:
         a.append(("--kv-channels", spec.head_dim))
     if getattr(spec, "qk_norm", False):
         a.append(("--qk-layernorm", None))
+    if getattr(spec, "qkv_bias", False):  # with --disable-bias-linear: biases on q, k and v alone (Qwen2)
+        a.append(("--add-qkv-bias", None))
     a += _moe_args(spec)  # no --mtp-num-layers: the plan has no multi-token-prediction module (export's note)
     return a
 
