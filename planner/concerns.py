@@ -16,7 +16,10 @@ Vocabulary:
   time function and the kind of traffic it is (all_reduce, all_gather, reduce_scatter, send_recv);
 - :class:`Exposure`: ``count`` times what of a Sync the rank waits for: max(floor, time - hidden), with
   ``hidden`` the compute it overlaps and ``floor`` 0 (it may hide entirely), nothing (it may not), or the
-  time of its last bucket, min(message, bucket) (bucketed overlap: DDP, FSDP units).
+  time of its last bucket, min(message, bucket) (bucketed overlap: DDP, FSDP units). Collectives that run in
+  the same window over the same network (ZeRO-3's backward: the next layer's weights gathered while this
+  layer's gradients are reduce-scattered) are one Exposure (``also``): their times add up before the window
+  is taken off, so one window never hides each of them whole.
 """
 
 from __future__ import annotations
@@ -114,13 +117,21 @@ class Exposure:
     floor: str = "none"  # "zero": may hide entirely; "none": never below its time - hidden; "bucket": see below
     bucket_bytes: float = 0.0  # floor "bucket": at least the time of min(message, bucket_bytes)
     bucket_time: Callable[[float], float] | None = None  # that last bucket's collective (default: the sync's)
+    also: tuple[Sync, ...] = ()  # collectives sharing its window and network, each ``count`` times (times add up)
+
+    def __post_init__(self) -> None:
+        assert not (self.also and self.floor == "bucket"), "a bucketed floor is one collective's"
+
+    @property
+    def syncs(self) -> tuple[Sync, ...]:
+        return (self.sync, *self.also)
 
     @property
     def last_bucket_time(self) -> Callable[[float], float]:
         return self.bucket_time or self.sync.time
 
     def seconds(self, load: RankLoad) -> float:
-        t = self.sync.seconds(load) - self.hidden.at(load)
+        t = sum(s.seconds(load) for s in self.syncs) - self.hidden.at(load)
         if self.floor == "zero":
             t = max(0.0, t)
         elif self.floor == "bucket":  # the last bucket's collective, min(message, bucket), cannot hide (a part of
@@ -135,13 +146,13 @@ class Exposure:
         least cost per byte — every collective time here is concave in the message (the faster of ring and
         tree, hierarchical sums of those, latencies >= 0), so time(n) >= n x its slope for large n — the
         floor relaxed to zero, and nothing for what overlaps the makespan, which a bound does not know."""
-        if self.hidden.makespan or self.sync.extra.makespan:
+        if self.hidden.makespan or any(s.extra.makespan for s in self.syncs):
             return 0.0
-        t = least_slope(self.sync.time) * self.sync.nbytes(load) + self.sync.extra.at(load) - self.hidden.at(load)
+        t = sum(least_slope(s.time) * s.nbytes(load) + s.extra.at(load) for s in self.syncs) - self.hidden.at(load)
         return self.count * (t if self.floor == "none" else max(0.0, t))
 
-    def traffic(self, load: RankLoad) -> tuple[str, float]:
-        return self.sync.kind, self.count * self.sync.nbytes(load)
+    def traffic(self, load: RankLoad) -> list[tuple[str, float]]:
+        return [(s.kind, self.count * s.nbytes(load)) for s in self.syncs]
 
 
 def least_slope(time: Callable[[float], float]) -> float:
@@ -161,17 +172,19 @@ def sync_summary(items: list[Exposure], load: RankLoad) -> dict:
     (``exposed_s``, never more: :meth:`Exposure.seconds` takes only what hides)."""
     kinds: list[tuple[str, float]] = []
     for e in items:
-        if kinds and kinds[-1][0] == e.sync.kind:
-            kinds[-1] = (e.sync.kind, kinds[-1][1] + e.count)
-        else:
-            kinds.append((e.sync.kind, e.count))
+        for s in e.syncs:
+            if kinds and kinds[-1][0] == s.kind:
+                kinds[-1] = (s.kind, kinds[-1][1] + e.count)
+            else:
+                kinds.append((s.kind, e.count))
     return dict(kinds=kinds, bytes=sum(traffic(items, load).values()),
-                unhidden_s=sum(e.count * e.sync.seconds(load) for e in items), exposed_s=exposed_seconds(items, load))
+                unhidden_s=sum(e.count * s.seconds(load) for e in items for s in e.syncs),
+                exposed_s=exposed_seconds(items, load))
 
 
 def traffic(items: list[Exposure], load: RankLoad) -> dict[str, float]:
     out: dict[str, float] = {}
     for e in items:
-        kind, nbytes = e.traffic(load)
-        out[kind] = out.get(kind, 0.0) + nbytes
+        for kind, nbytes in e.traffic(load):
+            out[kind] = out.get(kind, 0.0) + nbytes
     return out

@@ -40,7 +40,7 @@ from .fused_activations import fused_layer_bytes
 from .layout import Layout, recomputes_core, recomputes_mlp, recomputes_norm_act
 from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
-from .schedules import closed_form_makespan, in_flight, neighbouring_ranks, peak_matrices, rank_stages, stage_rank
+from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
@@ -324,7 +324,7 @@ class _LayoutStages:
         place = layout_placement(model.work.cluster, lay)
         key = model._table_key(lay, place)
         fixed = model.stage_host_overhead(lay)
-        group = (key, lay.schedule, lay.pp, lay.num_stages, place.pp_cross_node, place.pp_senders_per_node, fixed)
+        group = (key, lay.schedule, lay.pp, lay.num_stages, place.pp_crossings, place.pp_senders_per_node, fixed)
         got = model._stage_groups.get(group)
         if got is None:
             got = model._stage_groups[group] = _LayoutStages(model, lay, place, key, fixed)
@@ -362,7 +362,7 @@ class _LayoutStages:
             other_rank = stage_rank(lay.schedule, other, lay.pp)
             if other_rank == st.rank:
                 continue
-            cross = place.pp_cross_node if neighbouring_ranks(st.rank, other_rank, lay.pp) else True
+            cross = place.crosses(st.rank, other_rank)
             t = self.model.p2p_seconds(lay, boundary, cross, place)
             if outgoing:
                 st.p2p_fwd += t

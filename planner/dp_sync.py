@@ -93,7 +93,7 @@ def dp_exposures(model, lay: Layout, place: Placement, root_params: float, tied_
     m = lay.num_micro_batches
     items: list[Exposure] = []
     if tied_elements and lay.pp > 1:
-        link = comm.network_share(cluster, busy) if place.pp_cross_node else cluster.intra_node
+        link = comm.network_share(cluster, busy) if place.crosses(lay.pp - 1, 0) else cluster.intra_node
         items.append(Exposure(Sync("all_reduce", lambda n: comm.ring_all_reduce(n, 2, link),
                                    const_bytes=tied_elements * ge)))
     if lay.dp_mode == "ps":
@@ -140,22 +140,25 @@ def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str
     once (:func:`reduces_once`: after a pipeline's last backward, exposed; without a pipeline under the last
     micro-batch's backward), the weights gathered once (ZeRO-2) or before every micro-batch's forward
     and backward (ZeRO-3). ``per``: the load the bytes scale with (``per_param``; ``per_expert`` for the
-    expert-parallel experts over their edp group, planner/moe.py)."""
+    expert-parallel experts over their edp group, planner/moe.py). Under ZeRO-3 a backward both gathers the
+    weights and reduce-scatters the gradients, over one network: the two share its window (Exposure.also)."""
     gathers = Sync("all_gather", gather, **{per: wb})
+    scatter = Sync("reduce_scatter", gather, **{per: ge})
     fwd, bwd = Affine(fwd=1.0), Affine(bwd=1.0)
-    if reduces_once(fw, lay):
-        if lay.pp > 1:
-            items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}))]
-        else:
-            items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}), hidden=bwd, floor="zero")]
-    else:
-        items = [Exposure(Sync("reduce_scatter", gather, **{per: ge}), count=m, hidden=bwd, floor="zero")]
     if lay.zero == 2:
-        items.append(Exposure(gathers, hidden=fwd, floor="zero"))
-    else:
-        items += [Exposure(gathers, count=m, hidden=fwd, floor="zero"),
-                  Exposure(gathers, count=m, hidden=bwd, floor="zero")]
-    return items
+        if reduces_once(fw, lay):
+            items = [Exposure(scatter)] if lay.pp > 1 else [Exposure(scatter, hidden=bwd, floor="zero")]
+        else:
+            items = [Exposure(scatter, count=m, hidden=bwd, floor="zero")]
+        return items + [Exposure(gathers, hidden=fwd, floor="zero")]
+    items = [Exposure(gathers, count=m, hidden=fwd, floor="zero")]
+    if not reduces_once(fw, lay):  # every micro-batch's backward gathers and reduce-scatters
+        return items + [Exposure(scatter, count=m, hidden=bwd, floor="zero", also=(gathers,))]
+    if lay.pp > 1:  # after the pipeline's last backward, exposed
+        return items + [Exposure(gathers, count=m, hidden=bwd, floor="zero"), Exposure(scatter)]
+    # once, under the last micro-batch's backward, beside that backward's gathers
+    return items + [Exposure(gathers, count=m - 1, hidden=bwd, floor="zero"),
+                    Exposure(scatter, hidden=bwd, floor="zero", also=(gathers,))]
 
 
 def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: int,
@@ -172,13 +175,16 @@ def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: in
         if lay.zero == 1:  # each owner broadcasts its updated 16-bit weights
             items.append(Exposure(Sync("all_gather", gather, per_param=wb)))
         return items
-    if lay.zero >= 2 and fw.zero23_every_micro_batch:
-        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), count=m, hidden=Affine(bwd=1.0),
-                          floor="zero")]
-    else:
-        items = [Exposure(Sync("reduce_scatter", gather, per_param=ge), hidden=window, floor="bucket",
-                          bucket_bytes=bucket_bytes(fw, lay, ge))]
     gathers = Sync("all_gather", gather, per_param=wb)
+    scatter = Sync("reduce_scatter", gather, per_param=ge)
+    every = lay.zero >= 2 and fw.zero23_every_micro_batch
+    if every and lay.zero == 3:  # each backward gathers the weights and reduce-scatters, sharing its window
+        return [Exposure(gathers, count=m, hidden=Affine(fwd=1.0), floor="zero"),
+                Exposure(scatter, count=m, hidden=Affine(bwd=1.0), floor="zero", also=(gathers,))]
+    if every:
+        items = [Exposure(scatter, count=m, hidden=Affine(bwd=1.0), floor="zero")]
+    else:
+        items = [Exposure(scatter, hidden=window, floor="bucket", bucket_bytes=bucket_bytes(fw, lay, ge))]
     if lay.zero == 3:  # weights gathered for every micro-batch's forward and backward
         items += [Exposure(gathers, count=m, hidden=Affine(fwd=1.0), floor="zero"),
                   Exposure(gathers, count=m, hidden=Affine(bwd=1.0), floor="zero")]

@@ -171,8 +171,7 @@ def _exposure_expression(prob: pulp.LpProblem, items: list[Exposure], load: Rank
     auxiliary variable, a bucketed floor min(message, bucket) by a binary that picks its regime."""
     total = 0
     for j, e in enumerate(items):
-        time = e.sync.secant(e.sync.nbytes(guess))
-        piece = time.at(load) - e.hidden.at(load)
+        piece = sum(s.secant(s.nbytes(guess)).at(load) for s in e.syncs) - e.hidden.at(load)
         if e.floor == "none":
             total += e.count * piece
             continue
@@ -220,7 +219,7 @@ class StageILP:
         a, b = stage_rank(self.schedule, s, self.p), stage_rank(self.schedule, s + 1, self.p)
         if a == b:
             return 0.0
-        cross = self.place.pp_cross_node if (b - a) % self.p in (1, self.p - 1) else True
+        cross = self.place.crosses(a, b)
         nbytes = self.cost[(last_block, self.modes[0])].output_bytes
         return self.model.p2p_seconds(self.lay, nbytes, cross, self.place)
 

@@ -5,10 +5,9 @@ Ranks are placed tensor-parallel innermost, then data-parallel, then pipeline (M
 never leaves its node; data-parallel groups come next, pipeline neighbours are the farthest apart. Where a
 degree does not divide the GPUs per node (6-GPU nodes and tp 4), groups of one kind sit differently (ranks 4-7
 span two nodes, 0-3 do not): each kind is priced by its worst-placed group, the one every step waits for.
-Pipeline boundaries too: where several stages share a node (tp 2, pp 8 on 8-GPU nodes: four stages a node) most
-boundaries stay inside a node and one in four leaves it; a pipeline's steady state runs at its slowest stage's
-pace, so every boundary is priced as the slowest one, across nodes whenever the pipeline spans nodes, the node's
-network shared by the ranks that send out of it at once.
+Pipeline boundaries each as placed: where several stages share a node (tp 2, pp 8 on 8-GPU nodes: four stages a
+node) the boundaries between them stay on NVLink and one in four leaves the node, through the node's network shared
+by the ranks that send out of it at once.
 """
 
 from __future__ import annotations
@@ -33,9 +32,23 @@ class Placement:
 
     tp: GroupSpan
     dp: GroupSpan
-    pp_cross_node: bool  # do some pipeline neighbours sit on different nodes (each boundary priced as the worst)
+    pp_cross_node: bool  # do some pipeline neighbours sit on different nodes
     gpus_per_node_busy: int  # GPUs per node that take part (sharing the node's NICs)
     pp_senders_per_node: int = 0  # of them, the most on one node whose next stage sits on another (0: none leaves)
+    pp_crossings: tuple[bool, ...] = ()  # per pipeline rank r: does its boundary with rank r + 1 (mod pp) leave a node
+
+    def crosses(self, a: int, b: int) -> bool:
+        """Does a send between pipeline ranks ``a`` and ``b`` leave a node? Neighbours (mod pp, the interleaved
+        schedule's wrap from the last rank to the first included): their boundary's own placement; any other pair
+        (no schedule here sends between them): where any boundary does."""
+        pp = len(self.pp_crossings)
+        if a == b or pp == 0:
+            return False
+        if (a + 1) % pp == b:
+            return self.pp_crossings[a]
+        if (b + 1) % pp == a:
+            return self.pp_crossings[b]
+        return self.pp_cross_node
 
 
 def placement(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> Placement:
@@ -61,7 +74,18 @@ def _placement(gpus_per_node: int, nodes: int, dp: int, tp: int, pp: int) -> Pla
     senders = _stage_senders(gpus_per_node, tp * dp, world) if pp > 1 else 0
     return Placement(tp=_groups_span(gpus_per_node, tp, 1, _reach(tp, gpus_per_node, world)),
                      dp=_groups_span(gpus_per_node, dp, tp, _reach(tp * dp, gpus_per_node, world)),
-                     pp_cross_node=senders > 0, gpus_per_node_busy=busy, pp_senders_per_node=senders)
+                     pp_cross_node=senders > 0, gpus_per_node_busy=busy, pp_senders_per_node=senders,
+                     pp_crossings=_stage_crossings(gpus_per_node, tp * dp, pp) if pp > 1 else ())
+
+
+def _stage_crossings(gpus_per_node: int, stage_ranks: int, pp: int) -> tuple[bool, ...]:
+    """Per pipeline rank r, whether some rank of stage r's ``stage_ranks`` has its counterpart in rank r + 1's (mod
+    pp) on another node. A stage of a node or more always does (its counterpart is at least a node further on)."""
+    if stage_ranks >= gpus_per_node:
+        return (True,) * pp
+    node = lambda r: r // gpus_per_node  # noqa: E731
+    return tuple(any(node(r * stage_ranks + x) != node((r + 1) % pp * stage_ranks + x) for x in range(stage_ranks))
+                 for r in range(pp))
 
 
 @lru_cache(maxsize=4096)

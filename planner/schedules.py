@@ -27,12 +27,6 @@ def stage_rank(schedule: str, stage: int, pp: int) -> int:
     return stage % pp
 
 
-def neighbouring_ranks(a: int, b: int, pp: int) -> bool:
-    """Are pipeline ranks ``a`` and ``b`` next to each other in the ring (placed on consecutive GPUs: a send between
-    them crosses nodes only where the pipeline's neighbours do, Placement.pp_cross_node)?"""
-    return (b - a) % pp in (1, pp - 1)
-
-
 @lru_cache(maxsize=65536)
 def rank_stages(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]:
     return tuple(s for s in range(pp * v) if stage_rank(schedule, s, pp) == rank)

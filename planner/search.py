@@ -41,7 +41,7 @@ from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, m
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
-from .schedules import in_flight, neighbouring_ranks, rank_stages, stage_rank
+from .schedules import in_flight, rank_stages, stage_rank
 from .workload import Workload
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -392,22 +392,31 @@ def _send_floor(model: CostModel, lay: Layout, place, table) -> tuple[float, flo
     if lay.pp == 1:
         return 0.0, 0.0
     smallest = table.smallest_output
-    near, far = (model.p2p_seconds(lay, smallest, cross, place) for cross in (place.pp_cross_node, True))
-    per_rank = [a * near + b * far for a, b in _boundaries(lay.schedule, lay.pp, lay.virtual_stages)]
+    near, far = (model.p2p_seconds(lay, smallest, cross, place) for cross in (False, True))
+    per_rank = [a * near + b * far for a, b in _boundary_counts(lay.schedule, lay.pp, lay.virtual_stages, place)]
     return sum(per_rank), min(per_rank)
 
 
 @lru_cache(maxsize=1024)
-def _boundaries(schedule: str, p: int, v: int) -> tuple[tuple[int, int], ...]:
-    """Per pipeline rank, the stage boundaries it sends or receives across: (to a neighbouring rank, to another)."""
-    count = [[0, 0] for _ in range(p)]
+def _boundaries(schedule: str, p: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline rank, the stage boundaries it sends or receives across, as (sending rank, receiving rank)."""
+    pairs: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     for s in range(p * v - 1):
         a, b = stage_rank(schedule, s, p), stage_rank(schedule, s + 1, p)
         if a != b:
-            kind = 0 if neighbouring_ranks(a, b, p) else 1
-            count[a][kind] += 1
-            count[b][kind] += 1
-    return tuple((x, y) for x, y in count)
+            pairs[a].append((a, b))
+            pairs[b].append((a, b))
+    return tuple(tuple(x) for x in pairs)
+
+
+@lru_cache(maxsize=4096)
+def _boundary_counts(schedule: str, p: int, v: int, place) -> tuple[tuple[int, int], ...]:
+    """Per pipeline rank, its boundaries (:func:`_boundaries`) inside a node and across nodes (Placement.crosses)."""
+    out = []
+    for pairs in _boundaries(schedule, p, v):
+        across = sum(place.crosses(a, b) for a, b in pairs)
+        out.append((len(pairs) - across, across))
+    return tuple(out)
 
 
 def _equalised_bytes(states: list[float], least: list[int], counts: list[int], acts: list[float]) -> list[float]:

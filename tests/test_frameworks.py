@@ -8,7 +8,7 @@ import pytest
 from paraplan.cli import FRAMEWORK_CHOICES
 from paraplan.planner import comm
 from paraplan.planner.compute import estimate_pass_times
-from paraplan.planner.costmodel import CostModel
+from paraplan.planner.costmodel import CostModel, default_stages
 from paraplan.planner.dp_sync import DDP_BUCKET_BYTES, dp_exposures
 from paraplan.planner.errors import PlanError
 from paraplan.planner.framework import FRAMEWORKS, framework
@@ -506,3 +506,20 @@ def _valid(model, lay) -> bool:
     except InvalidLayout:
         return False
     return True
+
+
+def test_zero3_gathers_and_reduce_scatters_share_the_backward_window(write):
+    """ZeRO-3 (this executor's FSDP2, and DeepSpeed's every-micro-batch reduce-scatter): each backward gathers the
+    next weights and reduce-scatters the gradients over one network, so one backward's compute cannot hide each of
+    them whole. On 2 nodes of 4 GPUs joined at 1 GB/s the collectives alone, back to back, take longer than the
+    compute, and the step can be no shorter than them (it was priced below: 26.1 s against 27.0 s of transfers)."""
+    path = write("slow.yaml", "name: slow\ngpu: a100-80gb\nnodes: 2\ngpus_per_node: 4\n"
+                              "intra_node: {bandwidth_GBps: 100, latency_us: 2}\n"
+                              "inter_node: {bandwidth_GBps: 1, latency_us: 10}\n")
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=16, zero=3)  # 2 micro-batches per replica
+    for fw in ("paraplan", "deepspeed"):
+        model = CostModel(Workload.create("llama2-7b", path, 16, framework=fw))
+        pred = model.evaluate(lay, default_stages(model, lay))
+        transfers = pred.dp_sync_of()[0]["unhidden_s"]
+        assert transfers > pred.time_s["compute"]
+        assert pred.iteration_time_s >= transfers, fw
