@@ -11,7 +11,7 @@ import errno
 import os
 import socket
 
-from paraplan.hardware_specs import ClusterSpec, HardwareSpecError, load_cluster
+from paraplan.hardware_specs import ClusterSpec, HardwareSpecError
 from paraplan.planner.plan import Plan
 
 from .errors import ExecutionError
@@ -20,7 +20,7 @@ from .errors import ExecutionError
 def plan_cluster(plan: Plan) -> ClusterSpec | None:
     """The plan's cluster spec, or None where this machine does not know it."""
     try:
-        return load_cluster(plan.cluster, nodes=plan.nodes)
+        return plan.load_cluster()
     except HardwareSpecError:
         return None
 

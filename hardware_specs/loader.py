@@ -46,7 +46,7 @@ def _number(where: str, key: str, value: Any, allow_zero: bool = False) -> float
     if not math.isfinite(value):  # YAML's .nan and .inf
         raise HardwareSpecError(f"{where}: '{key}' must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise HardwareSpecError(f"{where}: '{key}' must be positive, got {value}")
+        raise HardwareSpecError(f"{where}: '{key}' must be {'zero or more' if allow_zero else 'positive'}, got {value}")
     return float(value)
 
 

@@ -6,6 +6,10 @@ the Prediction and the runnable Plan (DESIGN.md: one object from planner to simu
 
 from __future__ import annotations
 
+import os
+
+from paraplan.hardware_specs import cluster_mapping
+
 from .costmodel import CostModel, Prediction, framework_stages, validate_layout
 from .errors import PlanError
 from .framework import switches_of
@@ -30,6 +34,7 @@ def plan_for(work: Workload, lay: Layout, stages: list[list[int]], prediction: P
     names = [x.name for x in work.profile(lay.dtype).layers]
     return Plan(model=work.model_ref, cluster=work.cluster_ref, layout=lay,
                 stages=[[names[i] for i in s] for s in stages], seed=seed, model_spec=work.spec.to_dict(),
+                cluster_spec=cluster_mapping(work.cluster) if os.path.isfile(work.cluster_ref) else None,
                 seq_length=work.seq_length, nodes=work.cluster.nodes, stage_recompute=stage_recompute,
                 layer_strategies=layer_strategies or {}, attention=work.attention, framework=work.framework.name,
                 framework_switches=switches_of(work.framework),
@@ -77,7 +82,8 @@ def predict_plan(plan: Plan, spec=None) -> Prediction:
         spec = spec_from_mapping(plan.model_spec, "plan") if plan.model_spec else load_model_spec(plan.model)
     if plan.seq_length and spec.is_transformer and plan.seq_length != spec.seq_length:
         spec = spec.replace(seq_length=plan.seq_length)
-    work = Workload.create(spec, plan.cluster, plan.layout.global_batch, nodes=plan.nodes,
+    work = Workload.create(spec, plan.load_cluster() if plan.cluster_spec else plan.cluster, plan.layout.global_batch,
+                           nodes=plan.nodes,
                            framework=plan.framework, attention=plan.attention, **plan.framework_switches)
     model = CostModel(work)
     lay = plan.layout

@@ -21,7 +21,7 @@ from .costmodel import CostModel, Prediction, validate_layout
 from .errors import InvalidLayout
 from .ilp import best_partition
 from .layout import Layout
-from .placement import placement
+from .placement import layout_placement, placement
 from .schedules import rank_stages
 from .search import Candidate, enumerate_layouts, search
 from .strategies import parse_strategy, strategy_layout
@@ -201,11 +201,13 @@ def dp_per_layout(work: Workload, rows: list[Row]) -> list[DPLayoutRow]:
         if row.prediction is None:
             continue
         lay, pred = row.layout, row.prediction
-        span = placement(work.cluster, lay.dp, lay.tp, lay.pp).dp
-        where = "" if lay.dp == 1 else (f" over {span.nodes} nodes" if span.crosses_nodes else " in one node")
+        span = layout_placement(work.cluster, lay).dp  # gradients reduce over dp x cp ranks (cp: each its tokens)
+        n = lay.dp * lay.cp
+        where = "" if n == 1 else (f" over {span.nodes} nodes" if span.crosses_nodes else " in one node")
+        cp = f" (dp {lay.dp} x cp {lay.cp})" if lay.cp > 1 else ""
         summary, grads = _sync_view(work, pred)
         kept = grads / lay.data_ranks if lay.zero >= 2 and lay.dp_mode != "ps" else grads
-        out.append(DPLayoutRow(row.name, lay, f"{lay.dp} GPU{'s' if lay.dp > 1 else ''}{where}", _kinds(summary, lay),
+        out.append(DPLayoutRow(row.name, lay, f"{n} GPU{'s' if n > 1 else ''}{cp}{where}", _kinds(summary, lay),
                                grads, kept, summary["bytes"], summary["unhidden_s"], summary["exposed_s"],
                                pred.iteration_time_s))
     return out

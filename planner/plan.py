@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from paraplan.hardware_specs import read_data_file
+from paraplan.hardware_specs import ClusterSpec, HardwareSpecError, cluster_from_mapping, load_cluster, read_data_file
 
 from .atomic import atomic_open
 from .compute import ATTENTION_KERNELS
@@ -23,7 +23,8 @@ from .layout import RECOMPUTE, Layout
 PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp", "schedule",
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
 OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
-                 "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework", "framework_switches")
+                 "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework", "framework_switches",
+                 "cluster_spec")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class Plan:
     stages: list[list[str]]
     seed: int = 0
     model_spec: dict[str, Any] | None = None  # the spec itself, so a plan runs where the model file is not
+    # a cluster file's spec itself (hardware_specs.cluster_mapping), so the plan reads the same where the file is not
+    # (a named cluster is the package's everywhere; 'local' is each machine's own calibration)
+    cluster_spec: dict[str, Any] | None = None
     seq_length: int | None = None
     nodes: int | None = None
     stage_recompute: list[str] | None = None  # per stage, when the planner chose recomputation per stage
@@ -58,6 +62,8 @@ class Plan:
         }
         if self.framework_switches:
             out["framework_switches"] = dict(self.framework_switches)
+        if self.cluster_spec is not None:
+            out["cluster_spec"] = self.cluster_spec
         if self.stage_recompute is not None:
             out["stage_recompute"] = self.stage_recompute
         strategies = dict(self.layer_strategies)
@@ -68,6 +74,14 @@ class Plan:
         if self.prediction is not None:
             out["prediction"] = self.prediction
         return out
+
+    def load_cluster(self) -> ClusterSpec:
+        """The plan's cluster for its ``nodes``: the spec it carries, else its name or file as found here
+        (HardwareSpecError where neither is known)."""
+        if self.cluster_spec is not None:
+            return cluster_from_mapping(self.cluster_spec, f"{self.cluster} (the plan's cluster_spec)").with_nodes(
+                self.nodes or self.cluster_spec["nodes"])
+        return load_cluster(self.cluster, nodes=self.nodes)
 
     def memory_warning(self) -> str | None:
         """Why this plan will run out of GPU memory, by its own prediction (``simulate --write-plan`` writes plans
@@ -142,7 +156,8 @@ class Plan:
             raise PlanError(f"{source}: num_micro_batches {data['num_micro_batches']} disagrees with "
                             f"global_batch / (dp x micro_batch) = {layout.num_micro_batches}")
         return cls(model=str(data["model"]), cluster=str(data["cluster"]), layout=layout, stages=stages,
-                   seed=data["seed"], model_spec=data.get("model_spec"), seq_length=data.get("seq_length"),
+                   seed=data["seed"], model_spec=data.get("model_spec"), cluster_spec=data.get("cluster_spec"),
+                   seq_length=data.get("seq_length"),
                    nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
                    layer_strategies={k: v for k, v in strategies.items() if k != "head"},
                    attention=data.get("attention", "flash"), framework=framework, framework_switches=switches,
@@ -244,6 +259,12 @@ def _check_optional(data: dict, layout: Layout, source: str) -> None:
         # a model named (not a file): the plan trains model_spec, its exports are labelled by 'model'
         raise PlanError(f"{source}: 'model' {ref!r} disagrees with 'model_spec', which describes {spec['name']!r} "
                         "(the model the plan trains): edit both, or neither")
+    cluster = data.get("cluster_spec")
+    if cluster is not None:
+        try:
+            cluster_from_mapping(cluster, f"{source}: 'cluster_spec'")
+        except HardwareSpecError as e:
+            raise PlanError(str(e)) from None
     modes = data.get("stage_recompute")
     if modes is not None:
         if not isinstance(modes, list) or len(modes) != layout.num_stages or \

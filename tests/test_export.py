@@ -1037,8 +1037,9 @@ def test_every_target_refuses_stages_that_do_not_cover_the_model(piped, target):
 
 def test_a_plan_whose_cluster_file_cannot_be_read_is_refused(piped, tmp_path):
     """The plan names a cluster YAML that is here but broken: one line naming 'cluster' and what is wrong (its GPUs
-    cannot be checked), not an export that skips the check; a cluster file that is not here (planned elsewhere)
-    still exports."""
+    cannot be checked), not an export that skips the check; a cluster file that is not here (planned elsewhere) and
+    that the plan does not carry (cluster_spec) is refused too: its nodes and GPUs per node shape every launch line
+    (a guess of one node of every GPU launched another shape)."""
     data, path = piped
     broken = tmp_path / "cluster.yaml"
     broken.write_text("name: mine\ngpu: [unclosed\n")
@@ -1047,7 +1048,8 @@ def test_a_plan_whose_cluster_file_cannot_be_read_is_refused(piped, tmp_path):
     assert_one_line_error(p, str(bad), "'cluster'", str(broken))
     assert p.returncode == 2 and not p.stdout
     elsewhere = corrupted(data, path, "cluster-elsewhere", cluster=str(tmp_path / "absent.yaml"))
-    assert cli("export", "--plan", str(elsewhere), "--to", "megatron").returncode == 0
+    assert_one_line_error(cli("export", "--plan", str(elsewhere), "--to", "megatron"), "megatron: cannot read the "
+                          f"plan's cluster '{tmp_path / 'absent.yaml'}'", "no cluster_spec")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -1312,3 +1314,32 @@ def test_megatron_refuses_experts_with_tensor_parallelism_without_sequence_paral
         export_plan(plan, "megatron")
     sp = plan.replace(layout=plan.layout.replace(sequence_parallel=True))
     assert "--sequence-parallel" in export_plan(sp, "megatron").text
+
+
+def test_a_plan_carries_its_cluster_file_and_refuses_an_unknown_one(tmp_path):
+    """A plan priced on a cluster file carries the spec (cluster_spec): moved to a machine without the file it
+    exports the same launch shape (2 nodes x 6 GPUs, not one node of 12) and predicts the same; a plan whose cluster
+    is known neither by it nor here is refused by every target in one line instead of guessing one node."""
+    from paraplan.planner.api import predict_plan
+
+    yaml = tmp_path / "six.yaml"
+    yaml.write_text("name: six\ngpu: h100-sxm-80gb\nnodes: 2\ngpus_per_node: 6\n"
+                    "intra_node: {bandwidth_GBps: 450, latency_us: 2}\n"
+                    "inter_node: {bandwidth_GBps: 50, latency_us: 5}\n")
+    path = tmp_path / "plan.json"
+    p = cli("simulate", "--model", "llama2-7b", "--cluster", str(yaml), "--global-batch", "24", "--dp", "6", "--tp",
+            "2", "--pp", "1", "--micro-batch", "1", "--zero", "1", "--write-plan", str(path), "--json")
+    assert p.returncode == 0, p.stderr
+    priced = json.loads(p.stdout)["iteration_time_s"]
+    yaml.unlink()
+    plan = Plan.read(str(path))
+    assert plan.cluster_spec["gpus_per_node"] == 6 and plan.load_cluster().nodes == 2
+    assert predict_plan(plan).iteration_time_s == pytest.approx(priced, rel=1e-9)
+    text = export_plan(plan, "megatron").text
+    assert '--nnodes "${NNODES:-2}" --nproc-per-node 6' in text
+    data = json.loads(path.read_text())
+    del data["cluster_spec"]
+    path.write_text(json.dumps(data))
+    for target in ("megatron", "deepspeed", "torchtitan", "slurm"):
+        assert_one_line_error(cli("export", "--plan", str(path), "--to", target), "cannot read the plan's cluster",
+                              "no cluster_spec")

@@ -96,6 +96,8 @@ def test_compare_strategies_and_classic_comparisons(tmp_path):
     ("tp=\u00b2", "positive whole number"),  # "²".isdigit() is True, int() of it fails
     ("dp_mode=allreduce,ps=2", "ps is a parameter-server setting"),
     ("staleness=3", "staleness is a parameter-server setting"),
+    # each strategy parses but none can be priced: nothing compared is a failure, not an empty table
+    ("dp=16,zero=5", "none of the strategies compared can run: dp=16,zero=5: invalid: zero must be 0, 1, 2 or 3"),
 ])
 def test_bad_strategies_are_one_line_errors(strategy, fragment):
     p = run_cli("compare", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--nodes", "2", "--global-batch",

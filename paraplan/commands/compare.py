@@ -136,6 +136,8 @@ def run(args) -> int:
     out = report_folder(args.out, f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     work = ensure_calibrated(args, work)
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
+    if rows and all(r.prediction is None for r in rows):  # nothing to compare: a script must see it failed
+        raise PlanError("none of the strategies compared can run: " + "; ".join(f"{r.name}: {r.status}" for r in rows))
     workers, series = ps_vs_ring(work, dtype, max(gpus, 2))
     dp_layouts = dp_per_layout(work, rows)
     # accumulation (and 16-bit gradient reduction) on the fastest compared layout that syncs over data parallelism

@@ -58,6 +58,9 @@ def run(args) -> int:
         _check_out(args.gantt, "--gantt")
         if not args.gantt.lower().endswith(".png"):  # the timeline is drawn as a PNG, whatever the name says
             raise PlanError(f"--gantt {args.gantt}: the timeline is a PNG image; give a .png file name")
+    # the layout's own checks first (one line, as simulate's): calibrating a machine (a minute) for a layout it
+    # cannot run helps nobody
+    lay.validate(work.spec, len(work.profile(lay.dtype).layers), work.cluster.num_gpus)
     work = ensure_calibrated(args, work)
     pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt), event_sim=True if args.event_sim else None)
     calibrated, cal_notes, suffix = calibration_labels(work)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from paraplan.hardware_specs import HardwareSpecError, load_cluster
+from paraplan.hardware_specs import HardwareSpecError
 from paraplan.models import ModelSpec, ModelSpecError, TransformerSpec, load_model_spec, spec_from_mapping
 from paraplan.profiler.errors import ProfileError
 
@@ -84,11 +84,11 @@ def check_plan(plan: Plan, spec: ModelSpec, plan_path: str) -> None:
     if spec.family == "custom":  # its blocks come from running the user's code, which nothing here does
         raise PlanError(f"{plan_path}: model {plan.model} is a python callable; plans of the zoo's families export")
     try:
-        cluster = load_cluster(plan.cluster, nodes=plan.nodes)
+        cluster = plan.load_cluster()
     except HardwareSpecError as e:
-        if os.path.isfile(plan.cluster):  # a cluster file here that cannot be read: say so, as plan would
+        if plan.cluster_spec is not None or os.path.isfile(plan.cluster):  # one here that cannot be read: say so
             raise PlanError(f"{plan_path}: 'cluster': {e}") from None
-        cluster = None  # a cluster only known elsewhere: its GPUs are not checked here (placement() neither)
+        cluster = None  # a cluster only known elsewhere: the export's placement() refuses it
     try:
         blocks = model_blocks(spec, lay.dtype)
     except (ModelSpecError, ProfileError) as e:
@@ -151,21 +151,25 @@ def refuse_ps_and_sharded_heads(plan: Plan, target: str) -> None:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the plan's ranks go: nodes and processes per node (None when the cluster is unknown)."""
+    """Where the plan's ranks go: nodes and processes per node."""
 
     world_size: int
-    nodes: int | None
-    per_node: int | None
+    nodes: int
+    per_node: int
     gpus: bool  # False for the CPU ('local') cluster
 
 
-def placement(plan: Plan) -> Placement:
-    """Fewest nodes of the plan's cluster that hold its ranks, with the same count on every node."""
+def placement(plan: Plan, target: str) -> Placement:
+    """Fewest nodes of the plan's cluster that hold its ranks, with the same count on every node. A cluster known
+    neither by the plan (cluster_spec) nor here is refused: its nodes and GPUs per node decide every launch line,
+    and a guess (one node of all the GPUs) would launch another shape."""
     world = plan.layout.world_size
     try:
-        cluster = load_cluster(plan.cluster, nodes=plan.nodes)
+        cluster = plan.load_cluster()
     except HardwareSpecError:
-        return Placement(world, None, None, True)
+        raise PlanError(f"{target}: cannot read the plan's cluster {plan.cluster!r} (no such spec name or file here, "
+                        "and the plan carries no cluster_spec; its nodes and GPUs per node decide the launch); export "
+                        "where that spec is known") from None
     gpn = cluster.gpus_per_node
     # the most ranks per node (at most gpn) that divides the world: one per node always does
     per_node = next(k for k in range(min(gpn, world), 0, -1) if world % k == 0)

@@ -30,9 +30,9 @@ TARGET = "deepspeed"
 def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
     refuse_ps_and_sharded_heads(plan, TARGET)
     config, notes = ds_config(plan)
-    place = placement(plan)
-    nodes = place.nodes or 1
-    launch = (f"deepspeed --num_nodes {nodes} --num_gpus {place.per_node or place.world_size} "
+    place = placement(plan, TARGET)
+    nodes = place.nodes
+    launch = (f"deepspeed --num_nodes {nodes} --num_gpus {place.per_node} "
               + ("--hostfile hostfile " if nodes > 1 else "") + "your_train.py --deepspeed_config ds_config.json")
     about = (" / ".join(header_lines(plan, plan_path, "DeepSpeed config")) + f"; the data-parallel size "
              f"({plan.layout.dp}) comes from the launch (world size / (tp x pp)) or the model code's mpu")

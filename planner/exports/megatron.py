@@ -94,12 +94,12 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
         env = ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP needs more than one connection"]
     elif lay.tp > 1 or lay.cp > 1:
         env = ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron requires it with tensor or context parallelism"]
-    place = placement(plan)
+    place = placement(plan, TARGET)
     text = _render(plan, plan_path, spec, groups, env, place)
     flags = [flag for args in groups.values() for flag, _ in args] + ["--train-iters", "--lr", "--save", "--load",
                                                                         "--save-interval", "--mock-data",
                                                                         "--tokenizer-type", "--vocab-size"]
-    nodes = place.nodes or 1
+    nodes = place.nodes
     launch = ("MEGATRON_LM=/path/to/Megatron-LM" + (" RDZV_ENDPOINT=<first-node>:29500" if nodes > 1 else "")
               + " bash megatron.sh")
     return Export(target=TARGET, text=text, filename="megatron.sh", launch=launch, notes=notes,
@@ -352,8 +352,8 @@ def _render(plan: Plan, plan_path: str, spec, groups: dict[str, Args], env: list
               f"DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size {spec.vocab_size})", "",
               "MEGATRON_ARGS=(\"${" + "[@]}\" \"${".join([*groups, "RUN_ARGS", "DATA_ARGS"]) + "[@]}\")", "",
               'if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then',
-              f"    exec torchrun --nnodes \"${{NNODES:-{place.nodes or 1}}}\" "
-              f"--nproc-per-node {place.per_node or place.world_size} \\",
+              f"    exec torchrun --nnodes \"${{NNODES:-{place.nodes}}}\" "
+              f"--nproc-per-node {place.per_node} \\",
               "        --rdzv-backend c10d --rdzv-endpoint \"${RDZV_ENDPOINT:-localhost:29500}\" "
               "--rdzv-id \"${RDZV_ID:-paraplan}\" \\",
               "        \"${MEGATRON_LM:?set MEGATRON_LM to your Megatron-LM checkout}/pretrain_gpt.py\" "

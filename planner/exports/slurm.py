@@ -16,7 +16,6 @@ import shlex
 
 from paraplan.models import ModelSpec
 
-from ..errors import PlanError
 from ..plan import Plan
 from .common import Export, header_lines, placement
 
@@ -27,10 +26,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, execute_flags: frozenset
            no_checkpoints: str | None = None) -> Export:
     """``no_checkpoints``: why ``paraplan execute`` would refuse this plan's checkpoint flags (then left out, with
     a note in the script and the export's notes)."""
-    place = placement(plan)
-    if place.nodes is None:
-        raise PlanError(f"slurm: cannot read the plan's cluster {plan.cluster!r} (its nodes and GPUs per node "
-                        "decide the allocation); export where that spec is known")
+    place = placement(plan, TARGET)
     model = plan.model if not os.path.isfile(plan.model) else os.path.splitext(os.path.basename(plan.model))[0]
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in f"paraplan-{model}")[:64]
     lines = ["#!/bin/bash"]

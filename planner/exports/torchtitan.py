@@ -62,10 +62,10 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, filename: str = "torchti
     lines += [f"# Note: {n}" for n in notes]
     lines += ["# Run: torchrun ... -m torchtitan.train --job.config_file <this file>", ""]
     text = "\n".join(lines) + "\n" + to_toml(config)
-    place = placement(plan)
-    nodes = place.nodes or 1
+    place = placement(plan, TARGET)
+    nodes = place.nodes
     launch = (python_path(filename, model)
-              + f"torchrun --nnodes {nodes} --nproc-per-node {place.per_node or place.world_size} "
+              + f"torchrun --nnodes {nodes} --nproc-per-node {place.per_node} "
               + ("--rdzv-backend c10d --rdzv-endpoint <first-node>:29500 " if nodes > 1 else "")
               + f"-m torchtitan.train --job.config_file {filename}")
     par, tr = config["parallelism"], config["training"]

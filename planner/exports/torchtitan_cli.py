@@ -29,8 +29,8 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, filename: str = "torchti
     module = module_name(filename)
     config, notes, model = job_config(plan, spec, module)
     pairs = cli_pairs(config)
-    place = placement(plan)
-    nodes = place.nodes or 1
+    place = placement(plan, TARGET)
+    nodes = place.nodes
     lines = ["#!/usr/bin/env bash"]
     what = f"torchtitan command-line overrides ({TORCHTITAN_SOURCE})"
     lines += [f"# {x}" for x in header_lines(plan, plan_path, what)]
@@ -47,7 +47,7 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec, filename: str = "torchti
                   "export PYTHONPATH", ""]
     lines += ['if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then',
               f"    exec torchrun --nnodes \"${{NNODES:-{nodes}}}\" "
-              f"--nproc-per-node {place.per_node or place.world_size} \\",
+              f"--nproc-per-node {place.per_node} \\",
               "        --rdzv-backend c10d --rdzv-endpoint \"${RDZV_ENDPOINT:-localhost:29500}\" "
               "--rdzv-id \"${RDZV_ID:-paraplan}\" \\",
               "        -m torchtitan.train \"${TORCHTITAN_ARGS[@]}\"", "fi", ""]
