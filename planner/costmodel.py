@@ -564,7 +564,8 @@ class CostModel:
         hbm_Bps = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
         if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # quantising the FP8 GEMMs' operands (fp8.py)
             cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp, hbm_Bps,
-                                              gpu.efficiency.op_overhead_us * 1e-6, moe_layer)
+                                              gpu.efficiency.op_overhead_us * 1e-6, moe_layer,
+                                              moe.local_experts(work.spec, lay) if moe_layer else 1)
             times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
         if moe_layer and fw.moe_kernels == "fused":  # the fused MoE kernels' traffic (fused_moe.py via moe.py)
             moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)

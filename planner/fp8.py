@@ -20,7 +20,10 @@ peak and the GPU's FP8 efficiency curve; this module adds what FP8 costs around 
   scaling each cast is preceded by an amax pass over the tensor (2 more bytes read), the weight is cast
   every forward and again, transposed, in backward, and the saved bf16 input is cast again (transposed)
   for the weight gradient: 5 bytes per element of input, output gradient and weight per use;
-- one kernel per cast (two with dynamic scaling: amax, then cast), at the GPU's per-kernel overhead;
+- one kernel per cast (two with dynamic scaling: amax, then cast), at the GPU's per-kernel overhead; a grouped
+  expert GEMM's operand is cast expert by expert with current scaling (TE's GroupedLinear split_quantize: only
+  delayed scaling has the fused multi-tensor cast, transformer_engine/pytorch/csrc/extensions/cast.cpp), so each of
+  a rank's E/ep experts pays the three kernels for its fc1 and fc2 input forward and output gradient backward;
 - memory: TE saves a linear's input for the weight gradient as its FP8 (transposed) copy — 1 byte per
   element instead of 2 — while torchao saves the bf16 tensor (not counted for multi-head latent attention, whose
   saved tensors fused_activations.mla_bytes counts in 16 bits); FP8 weight copies, where a stack keeps them,
@@ -118,14 +121,19 @@ def layer_linears(spec, tp: int, sp: bool, moe_layer: bool = False, experts: boo
 
 
 def cast_seconds(spec, framework, tokens: float, tp: int, sp: bool, hbm_Bps: float, kernel_s: float,
-                 moe_layer: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch of ``tokens`` tokens' FP8 quantisation in one layer."""
+                 moe_layer: bool = False, local_experts: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of ``tokens`` tokens' FP8 quantisation in one layer;
+    ``local_experts``: the routed experts on the rank (E/ep), whose grouped GEMMs' operands current scaling casts
+    one expert at a time."""
     shapes = layer_linears(spec, tp, sp, moe_layer, framework.fp8_experts)
     if shapes is None:
         return 0.0, 0.0
     scaling = framework.fp8_scaling
     per = CAST_BYTES[scaling]
-    kernels = CAST_KERNELS[scaling] * shapes.linears
+    casts = shapes.linears
+    if scaling == "current" and moe_layer and framework.fp8_experts and framework.moe_grouped_gemm:
+        casts += 2 * (max(local_experts, 1) - 1)  # fc1's and fc2's operand split per expert: one cast each
+    kernels = CAST_KERNELS[scaling] * casts
     if scaling in ("delayed", "current"):  # TE: inputs in forward, output gradients in backward (weights are FP8
         # parameters or cast once per step: negligible per micro-batch)
         fwd_bytes = per * tokens * shapes.inputs

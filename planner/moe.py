@@ -64,6 +64,7 @@ from .placement import Placement, consecutive_group, layout_placement
 
 COUNT_BYTES = 8  # one int64 token count per expert in the executor's split-size exchange
 AUX_BYTES = 4  # the auxiliary loss's tokens per expert, fp32 (models/moe.py sequence_aux_loss)
+ROUTING_MAP_BYTES = 1  # HybridEP's routing map: one bool per token and expert
 # SMs an all-to-all kernel holds while it runs beside compute: DeepSeek-V3's report (Sec. 3.2.2) runs its
 # dispatch and combine on 20 of the H800's 132 SMs, enough to saturate InfiniBand and NVLink (DeepEP's Buffer
 # default num_sms is 20); taken for every dispatcher (NCCL's all-to-all runs one block per channel, a like count)
@@ -295,10 +296,15 @@ def norm_act_recompute_seconds(spec, lay: Layout, framework, tokens: float, moe_
     return moved / hbm_Bps + kernels * kernel_s
 
 
+def local_experts(spec, lay: Layout) -> int:
+    """The routed experts one rank holds: E/ep (each split over etp ranks, still E/ep of them)."""
+    return max(1, spec.num_experts // lay.ep)
+
+
 def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float) -> tuple[float, float]:
     """(forward, backward) seconds of the fused MoE kernels' memory traffic (planner/fused_moe.py) on a rank
     routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (:func:`routed_load`)."""
-    local = spec.num_experts // lay.ep
+    local = local_experts(spec, lay)
     per = fused_moe.block_bytes(spec, local, framework.moe_dispatcher, lay.dtype == "fp8" and framework.fp8_experts)
     routed = tokens / lay.tp * routed_load(framework)
     return per.fwd * routed / hbm_Bps, per.bwd * routed / hbm_Bps
@@ -425,6 +431,12 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
             one = all_to_all(sent, span, cluster, busy)
         one *= routed_load(fw)
         counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
+        if fw.moe_dispatcher == "hybridep":  # its forward first all-gathers every rank's routing map over the ep
+            # group, a token x expert bool each (DeepEP's hybrid_ep_buffer.py, dispatch without a cached handle:
+            # all_gather_into_tensor; the backward reuses the handle)
+            routing_map = lay.ep * tokens * e * ROUTING_MAP_BYTES
+            counts += comm.gather(routing_map, span, cluster, busy)
+            traffic["all_gather"] = traffic.get("all_gather", 0.0) + (1 + repeat) * routing_map
         a2a_fwd = a2a_bwd = 2 * one
         if a2a_overlap_applies(fw, lay, mode):  # each exchange beside a stretch of another micro-batch's other pass
             q = paired_share(fw, lay)  # the passes that have one; the rest (warm-up, cool-down) run theirs alone
@@ -435,7 +447,8 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
                                                        cluster.gpu.sm_count)
         fwd += a2a_fwd + counts
         bwd += a2a_bwd
-        traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + ((1 + repeat) * e * COUNT_BYTES if counts else 0.0)
+        traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + \
+            ((1 + repeat) * e * COUNT_BYTES if fw.states == "executor" else 0.0)
     if lay.etp > 1:  # received tokens gathered over the etp group, the results reduce-scattered; both passes
         full = lay.etp * tokens * k * h * elem
         group = consecutive_group(cluster, lay.etp, world=lay.num_gpus)

@@ -780,3 +780,41 @@ def test_nemo_automodel_runs_zero_2_and_3_only():
                 "--seq-len", "1024", "--dp", "8", "--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1",
                 "--zero", "1", "--framework", "nemo-automodel")
     assert p.returncode == 2 and "the nemo-automodel stack runs ZeRO 2 or 3 over data parallelism, not 1" in p.stderr
+
+
+def test_hybridep_gathers_every_rank_s_routing_map_each_forward():
+    """HybridEP's dispatch (Megatron-Core's flex dispatcher) first all-gathers the ep group's routing maps, one bool
+    per token and expert (DeepEP hybrid_ep_buffer.py: all_gather_into_tensor; the backward reuses the handle): ep x
+    T x E bytes gathered each forward, again under full recomputation; the all-to-all dispatcher sends none."""
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, nodes=2, framework="megatron-core",
+                           moe_dispatcher="hybridep")
+    model, layer = CostModel(work), _layer(work)
+    lay = Layout(dp=16, tp=1, pp=1, ep=16, micro_batch=1, global_batch=64, zero=1)
+    place = layout_placement(work.cluster, lay)
+    tokens = work.tokens_per_sample  # one sequence, tp 1
+    expected = 16 * tokens * 128
+    assert moe.layer_cost(model, layer, lay, place, 1, "none").traffic["all_gather"] == expected
+    assert moe.layer_cost(model, layer, lay, place, 1, "full").traffic["all_gather"] == 2 * expected
+    plain = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, nodes=2, framework="megatron-core",
+                            moe_dispatcher="alltoall")
+    assert "all_gather" not in moe.layer_cost(CostModel(plain), layer, lay, place, 1, "none").traffic
+
+
+def test_current_scaling_casts_grouped_expert_operands_one_expert_at_a_time():
+    """TE's GroupedLinear quantises its per-expert splits one by one under per-tensor current scaling (split_quantize;
+    only delayed scaling has the fused multi-tensor cast: transformer_engine/pytorch/csrc/extensions/cast.cpp), three
+    kernels each: with E/ep experts on a rank, fc1's and fc2's operands take 2 x (E/ep - 1) casts more per pass
+    than one grouped tensor would; delayed scaling's do not grow."""
+    from paraplan.planner import fp8
+    from paraplan.planner.framework import framework
+
+    spec = load_model_spec("qwen3-30b-a3b")
+    kernel, hbm, tokens = 1e-5, 1e12, 4096
+    current = framework("megatron-core", fp8_recipe="tensorwise")
+    one = fp8.cast_seconds(spec, current, tokens, 1, False, hbm, kernel, True, 1)
+    eight = fp8.cast_seconds(spec, current, tokens, 1, False, hbm, kernel, True, 8)
+    for f_or_b in (0, 1):  # forward: the inputs; backward: the output gradients
+        assert eight[f_or_b] - one[f_or_b] == pytest.approx(2 * 7 * 3 * kernel)
+    delayed = framework("megatron-core")
+    assert fp8.cast_seconds(spec, delayed, tokens, 1, False, hbm, kernel, True, 8) == \
+        fp8.cast_seconds(spec, delayed, tokens, 1, False, hbm, kernel, True, 1)
