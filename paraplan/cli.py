@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload(p)
     _add_layout(p, required=True)
     p.add_argument("--gpus", type=_positive_int, help="GPUs the layout must use (checks dp x tp x pp)")
+    p.add_argument("--stages", metavar="N,N,...",
+                   help="blocks per pipeline stage, in model order (pp x virtual-stages counts summing to the model's "
+                        "blocks, embedding and head included: the report's 'stages' row); default: the framework's "
+                        "split")
+    p.add_argument("--stage-recompute", metavar="MODE,MODE,...",
+                   help="recomputation per stage (one --recompute mode each), as a plan's report lists them")
     p.add_argument("--write-plan", metavar="PLAN.json", help="write the runnable plan")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the per-rank pipeline timeline")
     p.add_argument("--event-sim", action="store_true",

@@ -1004,13 +1004,13 @@ def _accept(cand: Candidate, part, best_times: list[float], top_k: int) -> None:
     cand.status, cand.prediction = "ok", part.prediction
     cand.stages, cand.stage_recompute = part.stages, part.recompute
     cand.solver = part.ilp_status
-    cand.layout = cand.layout.replace(recompute=_summary_mode(part.recompute))
+    cand.layout = cand.layout.replace(recompute=summary_mode(part.recompute))
     heapq.heappush(best_times, -part.prediction.iteration_time_s)
     if len(best_times) > top_k:
         heapq.heappop(best_times)
 
 
-def _summary_mode(modes: list[str]) -> str:
+def summary_mode(modes: list[str]) -> str:
     """The layout's recompute label: the heaviest mode any stage uses (the plan lists each stage's)."""
     return next((u for u in ("full", "selective+mlp", "mlp", "selective", "norm+act") if u in modes), "none")
 

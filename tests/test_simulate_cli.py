@@ -95,3 +95,26 @@ def test_what_the_executor_would_not_run_is_said(tmp_path):
     assert p.returncode == 0 and "warning: the plan does not fit" in p.stderr
     p = run_cli("simulate", *moe, "--dp", "8", "--ep", "2", "--write-plan", str(tmp_path / "q.json"))
     assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
+
+
+def test_simulate_prices_a_planned_split_as_plan_did(tmp_path):
+    """A plan's stage split and per-stage recomputation, given to simulate as its report lists them (--stages,
+    --stage-recompute), price its layout exactly as plan did: one number for one plan (the demo's plans include a
+    pipeline whose stages recompute differently)."""
+    got = run_cli_json("plan", "--no-charts", "--out", str(tmp_path / "r"))
+    mixed = [c for c in got["top_k"] if len(set(c["plan"]["stage_recompute"])) > 1]
+    piped = [c for c in got["top_k"] if c["plan"]["pp"] > 1]
+    assert mixed and piped
+    for c in (mixed[0], piped[0]):
+        plan = c["plan"]
+        flags = [f"--{k.replace('_', '-')}={plan[k]}" for k in ("dp", "tp", "pp", "cp", "micro_batch", "schedule",
+                                                                 "virtual_stages", "zero", "dtype")]
+        flags += ["--sequence-parallel"] if plan["sequence_parallel"] else []
+        again = run_cli_json("simulate", "--model", "llama2-70b", "--cluster", "dgx-h100", "--global-batch", "512",
+                             *flags, "--stages", ",".join(str(len(s)) for s in plan["stages"]),
+                             "--stage-recompute", ",".join(plan["stage_recompute"]))
+        assert again["iteration_time_s"] == pytest.approx(c["iteration_time_s"], rel=1e-12)
+        assert again["peak_memory_gib"] == pytest.approx(c["peak_memory_gib"], rel=1e-12)
+    p = run_cli("simulate", "--model", "llama2-70b", "--cluster", "dgx-h100", "--global-batch", "512", "--dp", "8",
+                "--tp", "1", "--pp", "8", "--micro-batch", "1", "--stages", "10,10,10,10,10,10,10,13")
+    assert_one_line_error(p, "--stages 10,10,10,10,10,10,10,13", "sum to the model's 82 blocks")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from paraplan.planner import chart_guard
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
+from paraplan.planner.layout import RECOMPUTE
 from paraplan.planner.plan import label_prediction
+from paraplan.planner.search import summary_mode
 from paraplan.planner.units import tflops_text
 
 from .common import calibration_labels, ensure_calibrated, layout_from_args, workload_from_args
@@ -47,6 +49,36 @@ def _draw_gantt(pred, path: str, note: str, notes: list[str]) -> bool:
     return charts is not None and chart_guard.draw(notes, "timeline", lambda: charts.gantt(pred, path, note=note))
 
 
+def stages_from_counts_arg(text: str | None, n_blocks: int, lay) -> list[list[int]] | None:
+    """``--stages 6,6,5``: that many blocks in each stage, in model order (None: not given)."""
+    if text is None:
+        return None
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PlanError(f"--stages {text}: give whole numbers of blocks per stage, e.g. 6,6,5") from None
+    if len(counts) != lay.num_stages:
+        raise PlanError(f"--stages {text}: {len(counts)} stages, but pp x virtual-stages = {lay.num_stages}")
+    if any(c <= 0 for c in counts) or sum(counts) != n_blocks:
+        raise PlanError(f"--stages {text}: every stage needs a block or more, and the counts must sum to the model's "
+                        f"{n_blocks} blocks (embedding and head included), not {sum(counts)}")
+    bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(counts))]
+
+
+def stage_modes_arg(text: str | None, lay) -> list[str] | None:
+    """``--stage-recompute full,none,...``: one recomputation mode per stage (None: not given)."""
+    if text is None:
+        return None
+    modes = text.split(",")
+    if len(modes) != lay.num_stages:
+        raise PlanError(f"--stage-recompute {text}: {len(modes)} modes, but pp x virtual-stages = {lay.num_stages}")
+    unknown = [m for m in modes if m not in RECOMPUTE]
+    if unknown:
+        raise PlanError(f"--stage-recompute: unknown mode {unknown[0]!r} (one of {', '.join(RECOMPUTE)})")
+    return modes
+
+
 def run(args) -> int:
     work = workload_from_args(args)
     lay = layout_from_args(args, work)
@@ -60,9 +92,18 @@ def run(args) -> int:
             raise PlanError(f"--gantt {args.gantt}: the timeline is a PNG image; give a .png file name")
     # the layout's own checks first (one line, as simulate's): calibrating a machine (a minute) for a layout it
     # cannot run helps nobody
-    lay.validate(work.spec, len(work.profile(lay.dtype).layers), work.cluster.num_gpus)
+    n_blocks = len(work.profile(lay.dtype).layers)
+    lay.validate(work.spec, n_blocks, work.cluster.num_gpus)
+    stages = stages_from_counts_arg(args.stages, n_blocks, lay)
+    modes = stage_modes_arg(args.stage_recompute, lay)
+    if modes is not None:
+        if args.recompute not in ("none", summary_mode(modes)):
+            raise PlanError(f"--recompute {args.recompute} disagrees with --stage-recompute, whose heaviest mode is "
+                            f"{summary_mode(modes)} (the layout's label): give one of them")
+        lay = lay.replace(recompute=summary_mode(modes))
     work = ensure_calibrated(args, work)
-    pred, plan = simulate(work, lay, keep_timeline=bool(args.gantt), event_sim=True if args.event_sim else None)
+    pred, plan = simulate(work, lay, stages, modes, keep_timeline=bool(args.gantt),
+                          event_sim=True if args.event_sim else None)
     calibrated, cal_notes, suffix = calibration_labels(work)
     label_prediction(plan, work)  # the plan file says so too, with the notes that say why
     if args.write_plan:
