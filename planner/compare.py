@@ -1,6 +1,8 @@
 """Several strategies and the optimum side by side, plus the classic comparisons.
 
-- user strategies (``--strategy``), each priced with its ILP stage split;
+- user strategies (``--strategy``), each priced as ``plan`` prices that layout: the search's split and
+  recomputation per stage (quick split, ILP or polish), then the event simulation (refine.simulate_ranked), so a
+  row and plan's row of the same layout agree;
 - when none are given, the families a textbook sets side by side: pure data parallelism, pure tensor
   parallelism, pure pipeline parallelism, data x tensor, and full 3D (the optimum), each at its best
   micro-batch, schedule and ZeRO stage;
@@ -19,7 +21,6 @@ from paraplan.hardware_specs import HardwareSpecError
 from . import comm
 from .costmodel import CostModel, Prediction, validate_layout
 from .errors import InvalidLayout
-from .ilp import best_partition
 from .layout import Layout
 from .placement import layout_placement, placement
 from .schedules import rank_stages
@@ -39,14 +40,19 @@ class Row:
 
 
 def price_layout(model: CostModel, lay: Layout, name: str, fixed_recompute: bool) -> Row:
+    """``lay`` priced by the search alone (as ``plan`` prices it among the others), then by the event simulation."""
+    from .refine import simulate_ranked
+
     try:
         validate_layout(model, lay)
-        allowed = (lay.recompute,) if fixed_recompute else None
-        part = best_partition(model, lay, allowed)
     except InvalidLayout as e:
-        status = str(e) if str(e).startswith("out of memory") or "fits in memory" in str(e) else f"invalid: {e}"
-        return Row(name, lay, None, status)
-    return Row(name, lay, part.prediction, "ok", part.stages, part.recompute)
+        return Row(name, lay, None, f"invalid: {e}")
+    result = search(model.work, lay.num_gpus, top_k=1, dtype=lay.dtype, layouts=[lay], model=model,
+                    allowed_modes=(lay.recompute,) if fixed_recompute else None)
+    simulate_ranked(result, model)
+    if result.best is None:
+        return Row(name, lay, None, result.candidates[0].status_text())
+    return from_candidate(name, result.best)
 
 
 def from_candidate(name: str, cand: Candidate | None, valid: bool = True) -> Row:
@@ -88,7 +94,7 @@ def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimu
     for text in strategies:
         fields = parse_strategy(text)
         lay = strategy_layout(fields, gpus, work.global_batch, dtype, text)
-        rows.append(_simulated(model, price_layout(model, lay, text, "recompute" in fields)))
+        rows.append(price_layout(model, lay, text, "recompute" in fields))
 
     def best_of(layouts: list[Layout] | None = None):
         result = search(work, gpus, top_k=1, dtype=dtype, layouts=layouts, model=model)
@@ -105,17 +111,6 @@ def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimu
     if optimum:
         rows.append(from_candidate("optimum (3D search)", best_of().best))
     return rows
-
-
-def _simulated(model: CostModel, row: Row) -> Row:
-    """``row`` re-priced by the event simulation (as simulate prices a layout), where its pipeline is small enough."""
-    from .api import EVENT_SIM_MAX_TASKS, event_sim_tasks
-
-    lay = row.layout
-    if row.prediction is None or event_sim_tasks(lay) > EVENT_SIM_MAX_TASKS:
-        return row
-    row.prediction = model.evaluate(lay, row.stages, row.stage_recompute, simulate=True)
-    return row
 
 
 def ps_vs_ring(work: Workload, dtype: str, max_workers: int, servers: tuple[int, ...] = (1, 2, 4)
