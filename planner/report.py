@@ -175,6 +175,9 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     if callable(scaling):
         replans, points = scaling, []  # the re-plans at fewer GPUs; if they fail, no scaling chart or table
         scaling = points if chart_guard.draw(result.notes, "scaling", lambda: points.extend(replans())) else []
+    faster = fewer_gpus_faster(result, scaling)
+    if faster:
+        result.notes.append(faster)
 
     def every_candidate() -> None:
         write_candidates_csv(result, files["candidates"])
@@ -281,6 +284,22 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
 
 
 CHART_FILES = ("time_breakdown.png", "memory.png", "timeline.png", "scaling.png", "pareto.png")
+
+
+def fewer_gpus_faster(result: SearchResult, scaling: list[ScalingPoint]) -> str:
+    """A note where a re-plan on fewer GPUs (the scaling table's) trains faster than the best plan on all of them:
+    the search uses every GPU it is given, and a small job spread over more of them (across nodes) can be slower."""
+    best = result.best
+    if best is None:
+        return ""
+    quicker = [sp for sp in scaling if sp.best is not None and sp.gpus < result.gpus and
+               sp.best.prediction.tokens_per_s > best.prediction.tokens_per_s]
+    if not quicker:
+        return ""
+    top = max(quicker, key=lambda sp: sp.best.prediction.tokens_per_s)
+    return (f"{top.gpus} GPUs train faster than {result.gpus}: {top.best.layout.short()} at "
+            f"{top.best.prediction.tokens_per_s:,.0f} tokens/s against {best.prediction.tokens_per_s:,.0f} (the "
+            f"search uses every GPU it is given; plan --gpus {top.gpus} plans on fewer)")
 
 
 def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> list[chart_guard.ChartRequest]:

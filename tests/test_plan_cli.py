@@ -307,3 +307,24 @@ def test_compare_prices_a_layout_as_simulate_and_plan_do(tmp_path):
                      str(tmp_path))
     [row] = r["strategies"]
     assert row["method"] == "event simulation"
+
+
+def test_a_note_says_when_fewer_gpus_train_faster(write):
+    """GPT-2, one sample a step, on two 6-GPU nodes: every layout of all 12 GPUs spreads the model over both nodes
+    (tp 12 across them), while tp 6 inside one node trains faster; the search uses every GPU it is given, so the
+    report (and plan's notes) say so from the scaling table's re-plans, with the flag that plans on fewer."""
+    from paraplan.planner.report import fewer_gpus_faster
+    from paraplan.planner.scaling import ScalingPoint
+    from paraplan.planner.search import search
+    from paraplan.planner.workload import Workload
+
+    path = write("six.yaml", "name: six\ngpu: h100-sxm-80gb\nnodes: 2\ngpus_per_node: 6\n"
+                             "intra_node: {bandwidth_GBps: 300, latency_us: 2}\n"
+                             "inter_node: {bandwidth_GBps: 25, latency_us: 10}\n")
+    work = Workload.create("gpt2", path, 1)
+    full, half = search(work, 12, top_k=1), search(work, 6, top_k=1)
+    assert half.best.prediction.tokens_per_s > full.best.prediction.tokens_per_s
+    note = fewer_gpus_faster(full, [ScalingPoint(6, half.best), ScalingPoint(12, full.best)])
+    assert note.startswith("6 GPUs train faster than 12: dp1 tp6") and "plan --gpus 6" in note
+    cut = ScalingPoint(3, None, "re-plan stopped after 3 s")
+    assert fewer_gpus_faster(half, [cut, ScalingPoint(6, half.best)]) == ""
