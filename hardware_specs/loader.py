@@ -169,11 +169,17 @@ def _link_field(where: str, key: str, value: Any) -> LinkSpec:
 
 
 def cluster_from_mapping(data: Any, where: str) -> ClusterSpec:
-    data = _check_keys(where, data, {"name", "gpu", "nodes", "gpus_per_node", "intra_node", "inter_node"},
-                       {"nics_per_node", "cost_per_gpu_hour_usd", "machine"})
+    data = _check_keys(where, data, {"name", "gpu", "nodes", "gpus_per_node", "intra_node"},
+                       {"nics_per_node", "cost_per_gpu_hour_usd", "machine", "inter_node"})
     nics = _integer(where, "nics_per_node", data.get("nics_per_node", 1), 64)
-    inter = _link_field(where, "inter_node", data["inter_node"])
-    if isinstance(data["inter_node"], str):  # a named link spec is one port: the node has nics_per_node of them
+    networked = "inter_node" in data
+    if not networked and _integer(where, "nodes", data["nodes"], 1 << 20) != 1:
+        raise HardwareSpecError(f"{where}: missing key 'inter_node' (the network between its {data['nodes']} nodes; "
+                                "only a one-node cluster may leave it out)")
+    # one node without a network: no rank ever sends across nodes, so the link is never priced (a stand-in)
+    inter = _link_field(where, "inter_node", data["inter_node"]) if networked else \
+        LinkSpec(name="none", kind="none", bandwidth_GBps=1.0, latency_us=0.0)
+    if networked and isinstance(data["inter_node"], str):  # a named link: one port, nics_per_node a node
         inter = LinkSpec(name=f"{nics}x {inter.name}", kind=inter.kind, bandwidth_GBps=inter.bandwidth_GBps * nics,
                          latency_us=inter.latency_us, efficiency=inter.efficiency)
     cost = data.get("cost_per_gpu_hour_usd")
@@ -186,7 +192,7 @@ def cluster_from_mapping(data: Any, where: str) -> ClusterSpec:
         gpus_per_node=_integer(where, "gpus_per_node", data["gpus_per_node"], 1024),
         intra_node=_link_field(where, "intra_node", data["intra_node"]), inter_node=inter, nics_per_node=nics,
         cost_per_gpu_hour_usd=None if cost is None else _number(where, "cost_per_gpu_hour_usd", cost),
-        source=where, machine=machine, calibrated=machine is not None and why is None, notes=notes)
+        source=where, machine=machine, calibrated=machine is not None and why is None, notes=notes, networked=networked)
 
 
 def load_cluster(ref: str, nodes: int | None = None) -> ClusterSpec:
@@ -231,9 +237,10 @@ def cluster_mapping(cluster: ClusterSpec) -> dict:
                                "memory_bound": eff.memory_bound, "op_overhead_us": eff.op_overhead_us,
                                **({"framework_us": dict(eff.framework_us)} if eff.framework_us else {})}},
         "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
-        "intra_node": dataclasses.asdict(cluster.intra_node), "inter_node": dataclasses.asdict(cluster.inter_node),
-        "nics_per_node": cluster.nics_per_node,
+        "intra_node": dataclasses.asdict(cluster.intra_node), "nics_per_node": cluster.nics_per_node,
     }
+    if cluster.networked:
+        out["inter_node"] = dataclasses.asdict(cluster.inter_node)
     if cluster.cost_per_gpu_hour_usd is not None:
         out["cost_per_gpu_hour_usd"] = cluster.cost_per_gpu_hour_usd
     if cluster.machine is not None:

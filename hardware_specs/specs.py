@@ -108,7 +108,8 @@ class LinkSpec:
 @dataclass(frozen=True)
 class ClusterSpec:
     """Nodes of identical GPUs. ``intra_node`` is one GPU's bandwidth to its node peers;
-    ``inter_node`` is one node's network bandwidth, all its NICs together (DESIGN.md)."""
+    ``inter_node`` is one node's network bandwidth, all its NICs together (DESIGN.md). A one-node spec may leave
+    the network out (``networked`` False: a workstation); it then refuses more nodes."""
 
     name: str
     gpu: GPUSpec
@@ -124,6 +125,7 @@ class ClusterSpec:
     machine: dict | None = field(default=None, compare=False)
     calibrated: bool = field(default=False, compare=False)
     notes: tuple[str, ...] = field(default=(), compare=False)
+    networked: bool = True  # False: a one-node spec without inter_node (never priced: no rank leaves the node)
 
     @property
     def num_gpus(self) -> int:
@@ -132,6 +134,9 @@ class ClusterSpec:
     def with_nodes(self, nodes: int) -> ClusterSpec:
         if nodes <= 0:
             raise HardwareSpecError(f"--nodes must be positive, got {nodes}")
+        if nodes > 1 and not self.networked:
+            raise HardwareSpecError(f"cluster {self.name} is one node without an inter_node link: give its network "
+                                    f"(inter_node) to plan on {nodes} nodes")
         return replace(self, nodes=nodes)
 
     def node_of(self, rank: int) -> int:

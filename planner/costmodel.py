@@ -998,6 +998,10 @@ class CostModel:
             notes.append(f"MFU counts the attention scores' full s x s FLOPs ({core_share:.0%} of this model's at "
                          f"sequence {work.tokens_per_sample:,}), as Narayanan et al. 2021's and PaLM's MFU formulas "
                          f"do; a causal kernel computes about half of them: {causal_mfu:.1%} MFU counted that way")
+        if place.tp.crosses_nodes:  # priced so (placement.py), and rarely meant: Megatron keeps tp inside a node
+            notes.append(f"tensor-parallel groups of {lay.tp} span {place.tp.nodes} nodes ({cluster.gpus_per_node} "
+                         "GPUs per node): their collectives cross the network on every layer; a tp dividing the GPUs "
+                         "per node keeps them inside one")
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")

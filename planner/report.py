@@ -208,7 +208,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
           + (f", sequence {work.seq_length}" if work.seq_length else "") + ")",
           f"- cluster: {cl.name}: {cl.nodes} nodes x {cl.gpus_per_node} {cl.gpu.name} "
           f"({cl.gpu.memory_GiB:g} GiB), {cl.intra_node.bandwidth_GBps:g} GB/s inside a node, "
-          f"{cl.inter_node.bandwidth_GBps:g} GB/s per node across",
+          + (f"{cl.inter_node.bandwidth_GBps:g} GB/s per node across" if cl.networked else "no network (one node)"),
           f"- GPUs used: {result.gpus}; global batch {lay.global_batch} samples"
           + (f" ({lay.global_batch * work.tokens_per_sample:,} tokens)" if work.seq_length else "")
           + f"; {result.dtype}",

@@ -120,3 +120,21 @@ def test_a_cluster_written_back_keeps_its_gpu_s_sm_count(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cluster_mapping(load_cluster("dgx-h100"))))
     assert load_cluster(str(path)).gpu.sm_count == 132
+
+
+def test_a_one_node_cluster_may_leave_the_network_out(write):
+    """A workstation's spec needs no inter_node: one node never sends across nodes. It refuses more nodes (and a
+    spec of several nodes still needs its network) in one line; written back (a plan's cluster_spec) it stays
+    without one."""
+    from paraplan.hardware_specs import cluster_from_mapping, cluster_mapping
+    from paraplan.hardware_specs.specs import HardwareSpecError
+
+    body = "name: ws\ngpu: h100-sxm-80gb\ngpus_per_node: 4\nintra_node: {bandwidth_GBps: 300, latency_us: 2}\n"
+    ws = load_cluster(write("ws.yaml", "nodes: 1\n" + body))
+    assert ws.num_gpus == 4 and not ws.networked
+    with pytest.raises(HardwareSpecError, match="one node without an inter_node link: give its network"):
+        ws.with_nodes(2)
+    with pytest.raises(HardwareSpecError, match="missing key 'inter_node'"):
+        load_cluster(write("two.yaml", "nodes: 2\n" + body))
+    again = cluster_from_mapping(cluster_mapping(ws), "round trip")
+    assert "inter_node" not in cluster_mapping(ws) and not again.networked and again.num_gpus == 4

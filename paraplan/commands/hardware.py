@@ -31,5 +31,6 @@ def run(args) -> int:
     stdout.print(table("Clusters", ["name", "gpu", "nodes x gpus", "intra-node GB/s", "inter-node GB/s (node)",
                                     "$/GPU-hour"],
                        [[c.name, c.gpu.name, f"{c.nodes} x {c.gpus_per_node}", fmt(c.intra_node.bandwidth_GBps),
-                         fmt(c.inter_node.bandwidth_GBps), fmt(c.cost_per_gpu_hour_usd)] for c in clusters], 2))
+                         fmt(c.inter_node.bandwidth_GBps) if c.networked else "-", fmt(c.cost_per_gpu_hour_usd)]
+                        for c in clusters], 2))
     return 0
