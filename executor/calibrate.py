@@ -326,12 +326,13 @@ def calibrated_spec(base: ClusterSpec, cal: Calibration) -> dict:
     if cal.link_bandwidth_GBps is not None:
         intra.update(bandwidth_GBps=round(cal.link_bandwidth_GBps, 4), latency_us=round(cal.link_latency_us, 3),
                      efficiency=1.0, name=f"{base.intra_node.name} (calibrated)")
-    inter = dataclasses.asdict(base.inter_node)
     out = {"name": base.name, "gpu": gpu_map, "nodes": base.nodes, "gpus_per_node": base.gpus_per_node,
-           "intra_node": intra, "inter_node": inter, "nics_per_node": base.nics_per_node,
+           "intra_node": intra, "nics_per_node": base.nics_per_node,
            "machine": {**(cal.machine or machine_identity(cal.device)),
                        # the GEMMs, bandwidth and kernel overhead were timed in one process alone (cpu_share.py)
                        **({"threads": cal.threads, "ranks": 1} if cal.device == "cpu" else {})}}
+    if base.networked:  # a one-node spec without a network keeps none (ClusterSpec.networked)
+        out["inter_node"] = dataclasses.asdict(base.inter_node)
     if base.cost_per_gpu_hour_usd is not None:
         out["cost_per_gpu_hour_usd"] = base.cost_per_gpu_hour_usd
     cluster_from_mapping(out, "calibrated spec")  # it must load back

@@ -321,7 +321,7 @@ def update_spec(work: Workload, rows: list[Row], out: str | None = None) -> tupl
     gpu["efficiency"]["op_overhead_us"] = gpu["efficiency"]["op_overhead_us"] * a
     gpu["efficiency"]["framework_us"] = {k: v * a for k, v in gpu["efficiency"].get("framework_us", {}).items()}
     gpu["efficiency"]["source"] = f"{gpu['efficiency'].get('source', '')}; rescaled by validate (compute x{a:.3f})"
-    for link in ("intra_node", "inter_node"):
+    for link in (x for x in ("intra_node", "inter_node") if x in spec):  # a one-node spec may have no network
         spec[link]["bandwidth_GBps"] = spec[link]["bandwidth_GBps"] / c
         spec[link]["latency_us"] = spec[link]["latency_us"] * c
     from paraplan.hardware_specs.identity import machine_identity

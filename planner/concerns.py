@@ -170,14 +170,11 @@ def sync_summary(items: list[Exposure], load: RankLoad) -> dict:
     (``kinds``: [(kind, count)]), their message bytes per iteration (``bytes``, as :func:`traffic` counts them),
     their seconds back to back as if nothing overlapped them (``unhidden_s``) and what the rank waits for
     (``exposed_s``, never more: :meth:`Exposure.seconds` takes only what hides)."""
-    kinds: list[tuple[str, float]] = []
+    counts: dict[str, float] = {}  # by kind, in the order first seen
     for e in items:
         for s in e.syncs:
-            if kinds and kinds[-1][0] == s.kind:
-                kinds[-1] = (s.kind, kinds[-1][1] + e.count)
-            else:
-                kinds.append((s.kind, e.count))
-    return dict(kinds=kinds, bytes=sum(traffic(items, load).values()),
+            counts[s.kind] = counts.get(s.kind, 0.0) + e.count
+    return dict(kinds=list(counts.items()), bytes=sum(traffic(items, load).values()),
                 unhidden_s=sum(e.count * s.seconds(load) for e in items for s in e.syncs),
                 exposed_s=exposed_seconds(items, load))
 

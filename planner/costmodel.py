@@ -406,7 +406,7 @@ class CostModel:
         experts = (lay.ep, lay.etp, moe.paired_share(work.framework, lay)) if moe.is_moe(layer) else (1, 1, 0.0)
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
                place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay),
-               lay.pp > 1 and i == n - 1, lay.cp, *experts)
+               lay.pp > 1 and i == n - 1, lay.cp, lay.num_gpus, *experts)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -650,8 +650,9 @@ class CostModel:
 
     def _table_key(self, lay: Layout, place: Placement) -> tuple:
         """What a layout's block table depends on besides the recomputation mode (block_cost's key)."""
+        # the job's size too: its consecutive groups (cp, ep, classifier shards) are placed within its own ranks
         return (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, place.tp, place.gpus_per_node_busy,
-                lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp,
+                lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp, lay.num_gpus,
                 moe.paired_share(self.work.framework, lay))
 
     def block_table(self, lay: Layout, place: Placement, mode: str, key: tuple | None = None) -> _BlockTable:

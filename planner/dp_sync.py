@@ -166,7 +166,10 @@ def _zero_accounting(lay: Layout, fw, all_reduce, gather, window: Affine, ge: in
     """Megatron-LM / DeepSpeed data parallelism, by the framework's switches: ``dp_sync_pipelined`` (with a
     pipeline, reduce after the flush, exposed, or under the last backward), ``zero1`` (ZeRO 1 as an all-reduce
     plus the owners' broadcast, or a reduce-scatter plus an all-gather), ``zero23_every_micro_batch`` (ZeRO 2/3
-    reduce-scatter each micro-batch's gradients under its backward, or once per step)."""
+    reduce-scatter each micro-batch's gradients under its backward, or once per step). Under ZeRO-3 reducing every
+    micro-batch, each backward's gathers and reduce-scatter share its window (Exposure.also); reducing once per
+    step, the bucketed reduce-scatter and the last backward's gathers are still each hidden by that backward (not
+    shared: a bucketed floor is one collective's), which can price a slow network's ZeRO-3 step a little short."""
     if lay.pp > 1 and fw.dp_sync_pipelined == "end":
         window = Affine()  # reduced after the pipeline's last backward: nothing left to hide behind
     if lay.zero == 0 or (lay.zero == 1 and fw.zero1 == "allreduce+broadcast"):

@@ -92,7 +92,9 @@ def _stage_crossings(gpus_per_node: int, stage_ranks: int, pp: int) -> tuple[boo
 def _stage_senders(gpus_per_node: int, stage_ranks: int, world: int) -> int:
     """The most ranks of one node whose counterpart in the next pipeline stage (``stage_ranks`` further on) sits on
     another node: those share the node's network when the stages send at once. 0 where no boundary leaves a node
-    (the whole pipeline on one). The pattern repeats every lcm(stage_ranks, GPUs per node) ranks."""
+    (the whole pipeline on one). The pattern repeats every lcm(stage_ranks, GPUs per node) ranks. The interleaved
+    schedule's wrap (the last stage's ranks back to the first's) is left out: its senders sit on the last node, which
+    no forward boundary leaves, and number at most stage_ranks (or the node's GPUs), as many as at any node edge."""
     end = min(world - stage_ranks, _period(stage_ranks, gpus_per_node))
     out = Counter(r // gpus_per_node for r in range(end) if r // gpus_per_node != (r + stage_ranks) // gpus_per_node)
     return max(out.values(), default=0)

@@ -158,3 +158,22 @@ def test_search_enumerates_cp_where_the_sequence_allows():
     assert {x.cp for x in long} == {1, 2, 4}  # 8192 / cp >= 2048
     assert all(x.num_gpus == 16 for x in long)
     assert any(x.cp == 4 and x.tp == 2 and x.dp == 2 for x in long)
+
+
+def test_a_shared_cost_model_prices_each_job_size_on_its_own_groups():
+    """Context-parallel groups of 3 ranks, 2 apart, on 8-GPU nodes sit differently in a 12-GPU job than in a 24-GPU
+    one (groups are placed within the job's ranks): one cost model pricing both (the scaling chart's re-plans share
+    the search's) gives each what a fresh model gives it, in either order."""
+    work = Workload.create("llama2-7b", "dgx-h100", 24, seq_length=3072, nodes=3, framework="megatron-core")
+    big = Layout(dp=2, tp=2, pp=2, cp=3, micro_batch=1, global_batch=24)
+    small = big.replace(dp=1)
+
+    def cp_seconds(model, lay):
+        return model.evaluate(lay, default_stages(model, lay)).time_s["cp_comm"]
+
+    fresh = {lay: cp_seconds(CostModel(work), lay) for lay in (big, small)}
+    assert fresh[big] != fresh[small]
+    for order in ((big, small), (small, big)):
+        shared = CostModel(work)
+        for lay in order:
+            assert cp_seconds(shared, lay) == pytest.approx(fresh[lay], rel=1e-12)

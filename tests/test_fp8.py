@@ -136,7 +136,8 @@ def test_fp8_recipe_switch_from_the_cli_prices_exports_and_reads_back(tmp_path):
     assert current["iteration_time_s"] > delayed["iteration_time_s"]
     for dtype in ("bf16", None):
         assert_one_line_error(run_cli(*core, *(("--dtype", dtype) if dtype else ()), "--fp8-recipe", "tensorwise"),
-                              "--fp8-recipe tensorwise", "changes nothing in a bf16 plan: add --dtype fp8")
+                              "--fp8-recipe tensorwise", "changes nothing in a plan that is not fp8",
+                              f"({dtype or 'the default dtype'}): add --dtype fp8")
     plan = tmp_path / "cs.json"
     first = run_cli_json(*core, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "--write-plan", str(plan))
     assert json.loads(plan.read_text())["framework_switches"] == {"fp8_recipe": "tensorwise"}

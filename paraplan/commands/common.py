@@ -12,8 +12,10 @@ from paraplan.planner.workload import Workload
 
 def workload_from_args(args, global_batch: int | None = None) -> Workload:
     if args.fp8_recipe is not None and getattr(args, "dtype", None) != "fp8":  # as the MoE switches on a dense model
+        dtype = getattr(args, "dtype", None)
+        advice = ": add --dtype fp8" if hasattr(args, "dtype") else f" ({args.command} runs none)"
         raise PlanError(f"--fp8-recipe {args.fp8_recipe} sets how FP8 training scales its casts; it changes nothing "
-                        f"in a {getattr(args, 'dtype', None) or 'bf16'} plan: add --dtype fp8")
+                        f"in a plan that is not fp8 ({dtype or 'the default dtype'}){advice}")
     return Workload.create(args.model, args.cluster, global_batch or args.global_batch, seq_length=args.seq_len,
                            nodes=args.nodes, framework=args.framework, attention=args.attention,
                            overlap_dp=args.overlap_dp, overlap_tp=args.overlap_tp,

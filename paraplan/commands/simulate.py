@@ -67,10 +67,13 @@ def stages_from_counts_arg(text: str | None, n_blocks: int, lay) -> list[list[in
 
 
 def stage_modes_arg(text: str | None, lay) -> list[str] | None:
-    """``--stage-recompute full,none,...``: one recomputation mode per stage (None: not given)."""
+    """``--stage-recompute full,none,...``: one recomputation mode per stage, or one for every stage (None: not
+    given); spaces after the commas are allowed, as a report lists them."""
     if text is None:
         return None
-    modes = text.split(",")
+    modes = [m.strip() for m in text.split(",")]
+    if len(modes) == 1:
+        modes = modes * lay.num_stages
     if len(modes) != lay.num_stages:
         raise PlanError(f"--stage-recompute {text}: {len(modes)} modes, but pp x virtual-stages = {lay.num_stages}")
     unknown = [m for m in modes if m not in RECOMPUTE]
