@@ -954,6 +954,7 @@ class CostModel:
         tp_comm = tp_comm if tp_comm > 1e-12 * makespan else 0.0  # float residue where only cp/ep/host count
         pp_comm = m * sum(costs[s].p2p_fwd + costs[s].p2p_bwd for s in rs)
         bubble = max(0.0, makespan - m * rank_time[rb])
+        bubble = bubble if bubble > 1e-12 * makespan else 0.0  # the event simulation's float residue without a bubble
         dp_comm = iteration - makespan - max(opt_time)
         dp_comm = dp_comm if dp_comm > 1e-12 * iteration else 0.0  # float residue when nothing is exposed
         time_s = {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "pp_comm": pp_comm,
