@@ -212,3 +212,18 @@ def test_a_plan_edited_past_its_sliding_window_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ExecutionError, match="seq_length 64 exceeds windowed's sliding_window 32"):
         Job.load(str(path))
+
+
+def test_a_dry_run_refuses_a_plan_whose_cluster_is_unknown_here(tmp_path):
+    """The dry run traces the plan's devices and their memory (a bf16 GPU plan traced on this CPU would run fp32 and
+    read twice its weights): a plan naming a cluster known neither here nor by itself (no cluster_spec) is refused
+    in one line, as export refuses it."""
+    path = tmp_path / "plan.json"
+    p = run_cli("simulate", "--model", "gpt-tiny", "--cluster", "dgx-h100", "--global-batch", "8", "--dp", "8",
+                "--tp", "1", "--pp", "1", "--micro-batch", "1", "--write-plan", str(path))
+    assert p.returncode == 0, p.stderr
+    data = json.loads(path.read_text())
+    data["cluster"] = "mystery-cluster"
+    path.write_text(json.dumps(data))
+    assert_one_line_error(run_cli("execute", "--plan", str(path), "--dry-run"),
+                          "--dry-run: the plan's cluster 'mystery-cluster' is not known here")

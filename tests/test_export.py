@@ -262,6 +262,11 @@ def test_megatron_carries_a_config_json_s_rope_and_norm(plans, tmp_path):
     assert (flags["--rotary-base"], flags["--norm-epsilon"], flags["--rope-scaling-factor"]) == ("500000", "1e-06",
                                                                                                   "8.0")
     assert "--use-rope-scaling" in flags
+    # the same HF config under another name (the planner reads any .json with a model_type as one)
+    renamed = tmp_path / "llama31-small.json"
+    renamed.write_text(json.dumps(config))
+    flags, _ = megatron_export(ours.replace(model=str(renamed)), tmp_path, spec)
+    assert (flags["--rotary-base"], flags["--norm-epsilon"]) == ("500000", "1e-06")
     flags, _ = megatron_export(plan, tmp_path)
     assert plan.model == "llama3-8b" and "--use-rope-scaling" in flags
     assert (flags["--rotary-base"], flags["--norm-epsilon"], flags["--rope-scaling-factor"]) == ("500000", "1e-05",

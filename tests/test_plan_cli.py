@@ -328,3 +328,23 @@ def test_a_note_says_when_fewer_gpus_train_faster(write):
     assert note.startswith("6 GPUs train faster than 12: dp1 tp6") and "plan --gpus 6" in note
     cut = ScalingPoint(3, None, "re-plan stopped after 3 s")
     assert fewer_gpus_faster(half, [cut, ScalingPoint(6, half.best)]) == ""
+
+
+def test_compare_labels_mixed_stage_modes_and_a_fixed_mode_loses_no_split(tmp_path):
+    """A strategy that fixes recomputation is priced no worse than the free search's split when that split already
+    uses only the fixed mode (the narrowed search's quick split need not fit in it: Mixtral 8x22B's interleaved
+    layout came out 3.6% slower with recompute=none than without); a row whose stages recompute differently says
+    so in its label ("full" alone would read as every stage recomputing)."""
+    layout = "dp=4,tp=2,pp=4,cp=2,ep=8,mb=2,schedule=interleaved-1f1b,v=4,zero=2,sp=1"
+    got = run_cli_json("compare", "--model", "mixtral-8x22b", "--cluster", "dgx-h100", "--nodes", "8",
+                       "--global-batch", "512", "--framework", "megatron-core", "--strategy", layout, "--strategy",
+                       layout + ",recompute=none", "--no-optimum", "--no-charts", "--out", str(tmp_path / "m"))
+    free, fixed = got["strategies"]
+    assert set(free["stage_recompute"]) == {"none"}
+    assert fixed["iteration_time_s"] == pytest.approx(free["iteration_time_s"], rel=1e-12)
+    mixed = "dp=2,tp=2,pp=16,mb=1,schedule=interleaved-1f1b,v=2,zero=2,sp=1"
+    got = run_cli_json("compare", "--no-optimum", "--no-charts", "--out", str(tmp_path / "l"), "--model", "llama2-70b",
+                       "--cluster", "dgx-h100", "--global-batch", "512", "--strategy", mixed)
+    [row] = got["strategies"]
+    modes = sorted(set(row["stage_recompute"]))
+    assert len(modes) > 1 and row["label"] == f"{row['layout']} [{'/'.join(modes)}]"

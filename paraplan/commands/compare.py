@@ -16,7 +16,8 @@ from .output import print_json, report_folder, stderr, stdout, table
 
 
 def _row_json(row) -> dict:
-    out = {"name": row.name, "status": row.status, "layout": row.layout.short() if row.layout else None}
+    out = {"name": row.name, "status": row.status, "layout": row.layout.short() if row.layout else None,
+           "label": row.label}
     if row.prediction is not None:
         out.update(row.prediction.to_dict())
         out["stage_recompute"] = row.stage_recompute
@@ -73,10 +74,10 @@ def _write_markdown(path: str, work, gpus: int, rows, workers, series, dp_layout
     for r in rows:
         p = r.prediction
         if p is None:
-            lines.append(f"| {r.name} | {r.layout.short() if r.layout else '-'} | {r.status} | | | | |")
+            lines.append(f"| {r.name} | {r.label} | {r.status} | | | | |")
             continue
         t = p.time_s
-        lines.append(f"| {r.name} | {r.layout.short()} | {p.iteration_time_s:.4g} | {p.tokens_per_s:,.0f} | "
+        lines.append(f"| {r.name} | {r.label} | {p.iteration_time_s:.4g} | {p.tokens_per_s:,.0f} | "
                      f"{100 * p.mfu:.1f}% | {p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'} | "
                      f"{t['tp_comm']:.3g} / {t['pp_comm']:.3g} / {t['dp_comm']:.3g}, {t['bubble']:.3g}"
                      f"{_all_to_all(t)} |")
@@ -176,9 +177,9 @@ def run(args) -> int:
     for r in rows:
         p = r.prediction
         if p is None:
-            table_rows.append([r.name, r.layout.short() if r.layout else "-", r.status, "", "", "", ""])
+            table_rows.append([r.name, r.label, r.status, "", "", "", ""])
             continue
-        table_rows.append([r.name, r.layout.short(), f"{p.iteration_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
+        table_rows.append([r.name, r.label, f"{p.iteration_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
                            f"{100 * p.mfu:.1f}%", f"{p.peak_memory_gib:.1f}{'' if p.fits else ' (OOM)'}",
                            f"tp {p.time_s['tp_comm']:.3g} / pp {p.time_s['pp_comm']:.3g} / dp {p.time_s['dp_comm']:.3g}"
                            f" / bubble {p.time_s['bubble']:.3g}{_all_to_all(p.time_s)}"])

@@ -225,6 +225,10 @@ def dry_run(args) -> int:
     from .output import stderr
 
     job = Job.load(args.plan)
+    if plan_cluster(job.plan) is None:  # its GPUs (or CPUs) decide the device, dtype and capacity traced
+        raise ExecutionError(f"--dry-run: the plan's cluster {job.plan.cluster!r} is not known here (no such spec name "
+                             "or file, and the plan carries no cluster_spec): the dry run traces the plan's devices "
+                             "and their memory from it; dry-run where that spec is known")
     progress = (lambda line: None) if args.json else (lambda line: stderr.print(line, markup=False, highlight=False))
     result = trace_plan(job, plan_device_type(job.plan), progress=progress)
     if args.json:

@@ -71,7 +71,7 @@ def stage_modes_arg(text: str | None, lay) -> list[str] | None:
     given); spaces after the commas are allowed, as a report lists them."""
     if text is None:
         return None
-    modes = [m.strip() for m in text.split(",")]
+    modes = [m.strip() for m in text.split(",") if m.strip()]  # a trailing comma is no stage
     if len(modes) == 1:
         modes = modes * lay.num_stages
     if len(modes) != lay.num_stages:

@@ -97,9 +97,9 @@ class Numerics:
 
 
 def numerics(plan: Plan) -> Numerics:
-    """The plan's config.json's numerics, or a preset's published ones (models/presets.PUBLISHED_NUMERICS), else
-    paraplan's own."""
-    if os.path.basename(plan.model) != "config.json":
+    """The plan's HF config's numerics (any .json the planner read as one: it has a model_type), or a preset's
+    published ones (models/presets.PUBLISHED_NUMERICS), else paraplan's own."""
+    if not plan.model.endswith(".json"):
         published = PUBLISHED_NUMERICS.get(plan.model)
         if published is None:
             return Numerics()
@@ -108,6 +108,8 @@ def numerics(plan: Plan) -> Numerics:
     try:
         with open(plan.model) as f:
             cfg = json.load(f)
+        if not isinstance(cfg, dict) or "model_type" not in cfg:  # a paraplan spec written as JSON: its defaults
+            return Numerics()
         return Numerics(float(cfg.get("rope_theta", ROPE_THETA)), float(cfg.get("rms_norm_eps", NORM_EPS)),
                         cfg.get("rope_scaling") or None, plan.model)
     except (OSError, ValueError, TypeError):
