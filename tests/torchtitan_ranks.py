@@ -79,7 +79,8 @@ def gpt_rank(rank: int, port: int, mode: str) -> None:
         dims.build_mesh()
         parallelize_gpt(model, dims, cfg)
 
-        tokens = torch.randint(0, args.vocab_size, (4, args.max_seq_len))  # (b, s), the same on both ranks
+        # (b, s), the same on both ranks: from a generator of its own (parallelizing may draw from the global one)
+        tokens = torch.randint(0, args.vocab_size, (4, args.max_seq_len), generator=torch.Generator().manual_seed(1))
         targets = torch.roll(tokens, -1, dims=1)
         mine = slice(None) if mode == "tp" else slice(2 * rank, 2 * rank + 2)  # FSDP: each rank half the batch
 
