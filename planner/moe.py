@@ -430,12 +430,13 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         else:
             one = all_to_all(sent, span, cluster, busy)
         one *= routed_load(fw)
-        counts = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
+        # what the forward exchanges before the tokens: the executor's token counts, HybridEP's routing maps
+        prelude = all_to_all(e * COUNT_BYTES, span, cluster, busy) if fw.states == "executor" else 0.0
         if fw.moe_dispatcher == "hybridep":  # its forward first all-gathers every rank's routing map over the ep
             # group, a token x expert bool each (DeepEP's hybrid_ep_buffer.py, dispatch without a cached handle:
             # all_gather_into_tensor; the backward reuses the handle)
             routing_map = lay.ep * tokens * e * ROUTING_MAP_BYTES
-            counts += comm.gather(routing_map, span, cluster, busy)
+            prelude += comm.gather(routing_map, span, cluster, busy)
             traffic["all_gather"] = traffic.get("all_gather", 0.0) + (1 + repeat) * routing_map
         a2a_fwd = a2a_bwd = 2 * one
         if a2a_overlap_applies(fw, lay, mode):  # each exchange beside a stretch of another micro-batch's other pass
@@ -445,7 +446,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         elif fw.moe_shared_expert_overlap and spec.num_shared_experts:  # each exchange beside a shared GEMM
             a2a_fwd, a2a_bwd = shared_expert_exchanges(one, shared_expert_gemms(spec, tokens, cluster.gpu, lay.dtype),
                                                        cluster.gpu.sm_count)
-        fwd += a2a_fwd + counts
+        fwd += a2a_fwd + prelude
         bwd += a2a_bwd
         traffic["all_to_all"] = (4 + 2 * repeat) * sent * padded + \
             ((1 + repeat) * e * COUNT_BYTES if fw.states == "executor" else 0.0)

@@ -147,23 +147,22 @@ def ring_senders(cluster: ClusterSpec, size: int, stride: int = 1, world: int | 
 
 @lru_cache(maxsize=4096)
 def _ring_senders(gpus_per_node: int, size: int, stride: int, reach: int) -> int:
-    block = size * stride
     out: Counter = Counter()
-    for b in range(0, reach, block):
-        for j in range(stride):
-            ring = [b + j + i * stride for i in range(size)]
-            out.update(r // gpus_per_node for r, nxt in zip(ring, ring[1:] + ring[:1], strict=True)
-                       if r // gpus_per_node != nxt // gpus_per_node)
+    for ring in _groups(size, stride, reach):
+        out.update(r // gpus_per_node for r, nxt in zip(ring, ring[1:] + ring[:1], strict=True)
+                   if r // gpus_per_node != nxt // gpus_per_node)
     return max(out.values(), default=0)
 
 
 @lru_cache(maxsize=4096)
-def _groups_span(gpus_per_node: int, size: int, stride: int, world: int | None) -> GroupSpan:
-    """The worst-placed group (:func:`_worst`) of the groups of ``size`` ranks ``stride`` apart, ``stride`` of them
-    in each block of size·stride consecutive ranks, over ``world`` ranks (None: as many as the pattern has; it
-    repeats after lcm(block, GPUs per node) ranks, so only that far is looked at)."""
+def _groups_span(gpus_per_node: int, size: int, stride: int, reach: int) -> GroupSpan:
+    """The worst-placed group (:func:`_worst`) of the groups of :func:`_groups` up to rank ``reach`` (:func:`_reach`:
+    the job's ranks, or as far as the pattern needs: it repeats after lcm(block, GPUs per node) ranks)."""
+    return _worst(_groups(size, stride, reach), lambda rank: rank // gpus_per_node)
+
+
+def _groups(size: int, stride: int, reach: int):
+    """The groups of ``size`` ranks ``stride`` apart, ``stride`` of them in each block of size·stride consecutive
+    ranks, in the blocks that start below ``reach``."""
     block = size * stride
-    period = _period(block, gpus_per_node)
-    end = period if world is None else min(world, period)
-    groups = ([b + j + i * stride for i in range(size)] for b in range(0, end, block) for j in range(stride))
-    return _worst(groups, lambda rank: rank // gpus_per_node)
+    return ([b + j + i * stride for i in range(size)] for b in range(0, reach, block) for j in range(stride))
