@@ -69,14 +69,24 @@ ROUTING_MAP_BYTES = 1  # HybridEP's routing map: one bool per token and expert
 # dispatch and combine on 20 of the H800's 132 SMs, enough to saturate InfiniBand and NVLink (DeepEP's Buffer
 # default num_sms is 20); taken for every dispatcher (NCCL's all-to-all runs one block per channel, a like count)
 COMM_SMS = 20
+# Of the compute's speed that the SM count leaves it beside an exchange, the share it keeps under Megatron-Core's
+# paired schedule (overlap_moe_expert_parallel_comm): the exchange's copies contend for HBM bandwidth too, and
+# the two micro-batches' streams wait on each other at every phase. Fitted, one number, on one run:
+# Megatron-Bridge 26.04's Qwen3-235B-A22B on 256 H100s (tp2 pp8 vp4 ep32, FP8, its recipe's overlap on;
+# benchmarks/fidelity_moe.py FIT) gives 0.712. With the SM share alone (1.0) every published run with the overlap
+# on was priced fast, 5-17% (the Qwen3-235B ones, DeepSeek-V3's) beside runs without it within a few percent;
+# the model zoo's pair of one Qwen3-235B layout with and without the overlap (19.7 s -> 17.6 s, 11% saved) was
+# priced as saving 25%.
+PAIRED_OVERLAP_EFFICIENCY = 0.712
 
 
-def overlapped_exposure(a2a: float, compute: float, sm_count: int) -> float:
-    """Seconds an all-to-all of ``a2a`` seconds adds to the ``compute`` it runs beside (Megatron-Core's
-    overlap_moe_expert_parallel_comm): the compute keeps r = 1 - COMM_SMS / sm_count of the GPU while the exchange
-    runs, so it ends with it (exposing a2a - compute) where a2a·r covers it, else a2a·(1 - r) later than alone.
-    Without an SM count, r = 1 (the exchange free beside compute)."""
-    r = 1.0 - COMM_SMS / sm_count if sm_count > COMM_SMS else 1.0
+def overlapped_exposure(a2a: float, compute: float, sm_count: int, efficiency: float = 1.0) -> float:
+    """Seconds an all-to-all of ``a2a`` seconds adds to the ``compute`` it runs beside: the compute keeps
+    r = efficiency x (1 - COMM_SMS / sm_count) of the GPU while the exchange runs, so it ends with it (exposing
+    a2a - compute) where a2a·r covers it, else a2a·(1 - r) later than alone. Without an SM count, r = 1 (the
+    exchange free beside compute). ``efficiency``: what else the compute loses beside the exchange
+    (PAIRED_OVERLAP_EFFICIENCY under the paired schedule; 1.0 for the shared experts' stream)."""
+    r = (1.0 - COMM_SMS / sm_count) * efficiency if sm_count > COMM_SMS else 1.0
     return a2a - compute if a2a * r >= compute else a2a * (1.0 - r)
 
 
@@ -89,8 +99,8 @@ def overlapped_layer_exchanges(one: float, times, sm_count: int) -> tuple[float,
         comm:    combine_bwd        | dispatch_fwd -> dispatch_bwd            | combine_fwd
         compute: pre_dispatch_fwd   | mlp_bwd     -> mlp_bwd_dw + mlp_fwd     | pre_dispatch_bwd
 
-    so an exchange hides only behind its own stretch (:func:`overlapped_exposure` each), not behind the whole
-    opposite pass. ``times`` (compute.PassTimes, or None for no compute): the layer's passes on the rank; its MLP
+    so an exchange hides only behind its own stretch (:func:`overlapped_exposure` each, the compute slowed by
+    PAIRED_OVERLAP_EFFICIENCY too), not behind the whole opposite pass. ``times`` (compute.PassTimes, or None for no compute): the layer's passes on the rank; its MLP
     sublayer's forward (``mlp_fwd``: the MoE block) is the ``mlp`` stretch, the rest of the forward the pre-dispatch
     one (attention, norms), and the backward splits in the forward's proportions. The attention's weight-gradient
     GEMMs run after the phases (delayed), beside none."""
@@ -100,8 +110,9 @@ def overlapped_layer_exchanges(one: float, times, sm_count: int) -> tuple[float,
         mlp_f, pre_f = times.mlp_fwd, times.fwd - times.mlp_fwd
         mlp_b, pre_b = share * times.bwd_input, (1 - share) * times.bwd_input
         mlp_dw = share * times.bwd_weight
-    fwd = overlapped_exposure(one, mlp_b, sm_count) + overlapped_exposure(one, pre_b, sm_count)
-    bwd = overlapped_exposure(one, pre_f, sm_count) + overlapped_exposure(one, mlp_dw + mlp_f, sm_count)
+    eff = PAIRED_OVERLAP_EFFICIENCY
+    fwd = overlapped_exposure(one, mlp_b, sm_count, eff) + overlapped_exposure(one, pre_b, sm_count, eff)
+    bwd = overlapped_exposure(one, pre_f, sm_count, eff) + overlapped_exposure(one, mlp_dw + mlp_f, sm_count, eff)
     return fwd, bwd
 
 
