@@ -7,7 +7,8 @@ balanced stages): the step time is compared with the published one (dgxc-benchma
 step) or with the one the published throughput implies (Megatron-Bridge: tokens/s/GPU -> seq x global batch /
 (tokens/s/GPU x GPUs)).
 
-One number is fitted to these rows (round 4, below); nothing else. The MoE settings of the megatron-core profile come from the recipes' code:
+One number is fitted to these rows (round 4, below); nothing else. The MoE settings of the megatron-core profile
+come from the recipes' code:
 ``moe_imbalance`` = 1.0 (Megatron-Bridge sets moe_router_force_load_balancing, and its tables' footnote says
 the benchmarks force-balance tokens), ``moe_grouped_gemm`` (one kernel per projection); per recipe, the
 dispatcher and all-to-all overlap (RECIPES). FIT names the two rows looked at while those choices were made

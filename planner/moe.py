@@ -100,7 +100,8 @@ def overlapped_layer_exchanges(one: float, times, sm_count: int) -> tuple[float,
         compute: pre_dispatch_fwd   | mlp_bwd     -> mlp_bwd_dw + mlp_fwd     | pre_dispatch_bwd
 
     so an exchange hides only behind its own stretch (:func:`overlapped_exposure` each, the compute slowed by
-    PAIRED_OVERLAP_EFFICIENCY too), not behind the whole opposite pass. ``times`` (compute.PassTimes, or None for no compute): the layer's passes on the rank; its MLP
+    PAIRED_OVERLAP_EFFICIENCY too), not behind the whole opposite pass. ``times`` (compute.PassTimes, or None for
+    no compute): the layer's passes on the rank; its MLP
     sublayer's forward (``mlp_fwd``: the MoE block) is the ``mlp`` stretch, the rest of the forward the pre-dispatch
     one (attention, norms), and the backward splits in the forward's proportions. The attention's weight-gradient
     GEMMs run after the phases (delayed), beside none."""
