@@ -1192,6 +1192,34 @@ def least_recompute_prediction(model: CostModel, lay: Layout, stages: list[list[
                           costs=costs)
 
 
+def memory_repaired_stages(model: CostModel, lay: Layout, stages: list[list[int]], mode: str
+                           ) -> list[list[int]] | None:
+    """``stages`` (one stage per pipeline rank) with blocks moved off the ranks that do not fit in recomputation
+    ``mode`` (the least-memory mode allowed), one at a time, until every rank fits: None where that fails. A 1F1B
+    rank early in the pipeline holds more micro-batches at its peak, so a balanced-by-time split can overflow its
+    first ranks where a split with fewer blocks there fits: a block moves from a rank that does not fit to the
+    next rank (the last rank's to the one before), never emptying a stage. What the search prices where the
+    balanced split fits in no allowed mode (search.quick_price): an uneven split that fits, for the ILP to start
+    from and the pruning to rank by."""
+    if lay.virtual_stages != 1 or lay.pp < 2:
+        return None
+    stages = [list(x) for x in stages]
+    modes = [mode] * len(stages)
+    for _ in range(sum(len(x) for x in stages)):
+        fit = model.ranks_fit(lay, stages, modes)
+        if all(fit):
+            return stages
+        r = fit.index(False)
+        to = r + 1 if r + 1 < len(stages) else r - 1
+        if len(stages[r]) < 2:
+            return None
+        if to > r:
+            stages[to].insert(0, stages[r].pop())
+        else:
+            stages[to].append(stages[r].pop(0))
+    return None
+
+
 def count_balanced_stages(model: CostModel, lay: Layout) -> list[list[int]] | None:
     """For v > 1 and a model that is not embedding + identical layers + head: the blocks dealt in contiguous stages
     whose counts differ by one at most (the planner's chunk rule for such models, ilp.chunks_balanced), the extra

@@ -47,6 +47,10 @@ from .workload import Workload
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 # The ILP's cutoff sits this far above the k-th best time (heuristic mode only; see search()).
 CUTOFF_MARGIN = 0.02
+# Heuristic mode: of the layouts whose quick split fits in no allowed recomputation mode (no quick time to rank them
+# by), this many, the lowest bounds first, get an ILP (which may find an uneven split that fits). All of them cost
+# the demo with --recompute-modes none 93 more ILPs (0.33 -> 1.47 s of search) and found no better plan.
+UNFIT_ILPS = 5
 
 
 @dataclass
@@ -826,7 +830,13 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     blocks dealt evenly, costmodel.count_balanced_stages, which the ILP accepts as its start: the faster of the two).
     ``modes``: fastest first; those in ``skip`` are already known not to fit anywhere. None: some rank fits in no
     mode on this split."""
-    from .costmodel import count_balanced_stages, default_stages, even_stages, least_recompute_prediction
+    from .costmodel import (
+        count_balanced_stages,
+        default_stages,
+        even_stages,
+        least_recompute_prediction,
+        memory_repaired_stages,
+    )
 
     tried = tuple(u for u in modes if u not in skip)
     if not tried:
@@ -835,9 +845,12 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
         got = least_recompute_prediction(model, lay, even_stages(model, lay), tried)
         if got is not None:
             return got
-    balanced = least_recompute_prediction(model, lay, default_stages(model, lay.replace(recompute=tried[0])), tried)
+    split = default_stages(model, lay.replace(recompute=tried[0]))
+    balanced = least_recompute_prediction(model, lay, split, tried)
     # chunks of unlike layers: also the blocks dealt evenly (what the ILP can start from), the faster of the two
     counted = least_recompute_prediction(model, lay, count_balanced_stages(model, lay), tried)
+    if balanced is None and counted is None:  # fits in no mode: blocks moved off the ranks that overflow, if any
+        balanced = least_recompute_prediction(model, lay, memory_repaired_stages(model, lay, split, tried[-1]), tried)
     return min((p for p in (balanced, counted) if p is not None), key=lambda p: p.iteration_time_s, default=None)
 
 
@@ -934,7 +947,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     qtime = {id(alive[idx]): q for q, idx in quick}
     workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
     time_limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S  # per ILP
-    done = unsolved = 0
+    done = unsolved = unfit_ilps = unfit_left = 0
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending:
             # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
@@ -947,8 +960,13 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 if cand.lower_bound_s >= threshold:
                     continue
                 if refine_slack is not None and qtime[id(cand)] > threshold * (1 + refine_slack):
-                    cand.status = "priced"
-                    continue
+                    # a layout whose quick split fits in no allowed mode has no quick time, but an uneven split may
+                    # fit: the UNFIT_ILPS of them with the lowest bounds get an ILP (they come in bound order)
+                    if qtime[id(cand)] < float("inf") or unfit_ilps >= UNFIT_ILPS:
+                        cand.status = "priced"
+                        unfit_left += qtime[id(cand)] == float("inf")
+                        continue
+                    unfit_ilps += 1
                 if refine_slack is not None and cand.prediction is not None and cand.layout.virtual_stages > 1 \
                         and model.repeated_blocks(cand.layout):
                     _accept(cand, polished_quick_split(model, cand.layout, cand.prediction, allowed_modes),
@@ -990,6 +1008,10 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     if limited:
         notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s of CPU each): those "
                      "layouts' splits are the best found, not proven the best")
+    if unfit_left:
+        notes.append(f"{unfit_left} layout{'s' if unfit_left > 1 else ''} whose quick splits fit in no allowed "
+                     f"recomputation mode got no ILP (the {unfit_ilps} with the lowest bounds did; another split "
+                     "might fit: plan --exhaustive gives each one)")
     if unsolved:
         notes.append(f"{unsolved} layout{'s' if unsolved > 1 else ''} with interleaved or V chunks of identical layers "
                      "kept the quick split, polished, without an ILP (the best found, not proven; plan --exhaustive "

@@ -838,3 +838,26 @@ def test_host_overhead_is_its_own_part_of_the_breakdown(write):
     assert pred.time_s["tp_comm"] == 0.0
     assert pred.time_s["host"] == pytest.approx(lay.num_micro_batches * 2 * 60e-6, rel=1e-9)
     assert sum(pred.time_s.values()) == pytest.approx(pred.iteration_time_s, rel=1e-9)
+
+
+def test_a_split_that_fits_only_unevenly_is_found_without_exhaustive_search():
+    """llama2-70b on 32 H100s, batch 256, no recomputation allowed: the best layout (dp2 tp2 pp4 cp2 1F1B ZeRO-3,
+    by --exhaustive) overflows its first rank when its blocks are balanced by time — 1F1B's first rank holds pp
+    micro-batches at its peak — and fits with fewer blocks there. The heuristic search must still find it: its
+    quick price moves blocks off the ranks that overflow (costmodel.memory_repaired_stages), where it once left such
+    layouts unpriced and answered a 20% slower plan."""
+    from paraplan.planner.costmodel import default_stages, memory_repaired_stages
+
+    work = Workload.create("llama2-70b", "dgx-h100", 256, nodes=4)
+    lay = Layout(dp=2, tp=2, pp=4, cp=2, micro_batch=1, global_batch=256, schedule="1f1b", zero=3,
+                 sequence_parallel=True, recompute="none", dtype="bf16")
+    model = CostModel(work)
+    even = default_stages(model, lay)
+    assert not all(model.ranks_fit(lay, even, ["none"] * 4))
+    repaired = memory_repaired_stages(model, lay, even, "none")
+    assert all(model.ranks_fit(lay, repaired, ["none"] * 4))
+    assert sorted(b for s in repaired for b in s) == list(range(sum(len(s) for s in even)))
+    assert len(repaired[0]) < len(even[0])
+    heuristic = search(work, 32, allowed_modes=("none",))
+    exhaustive = search(work, 32, allowed_modes=("none",), refine_slack=None)
+    assert heuristic.best.prediction.iteration_time_s <= exhaustive.best.prediction.iteration_time_s * (1 + 1e-6)
