@@ -163,12 +163,12 @@ def balanced_assignment(tokens: int, num_experts: int, k: int, device) -> tuple[
 
 
 class Router(nn.Module):
-    """Top-k token-choice router: a bias-free E x h gate, softmax or sigmoid scores."""
+    """Top-k token-choice router: an E x h gate (biased with ``bias``: GPT-OSS), softmax or sigmoid scores."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score_function: str, norm_topk: bool,
-                 scaling: float):
+                 scaling: float, bias: bool = False):
         super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = nn.Linear(hidden, num_experts, bias=bias)
         self.num_experts, self.top_k = num_experts, top_k
         self.sigmoid = score_function == "sigmoid"
         self.norm_topk, self.scaling = norm_topk, scaling
@@ -195,10 +195,13 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """E expert MLPs as stacked weights: SwiGLU w2(silu(x w1) * x w3) (gated) or GELU w2(gelu(x w1)).
 
-    w1, w3: (E, h, f); w2: (E, f, h). No biases. ``forward`` takes tokens already grouped by expert.
+    w1, w3: (E, h, f); w2: (E, f, h); with ``bias`` (GPT-OSS) b1, b3: (E, f), b2: (E, h), zero at start (as
+    Megatron-Core initialises biases). ``forward`` takes tokens already grouped by expert.
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool):
+    BIASES = ("b1", "b2", "b3")  # parameters models.reference_init starts at zero
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool, bias: bool = False):
         super().__init__()
         self.gated = gated
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
@@ -206,6 +209,9 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, ffn)) if gated else None
         for p in self.parameters():
             nn.init.normal_(p, std=0.02)  # the zoo's N(0, 0.02) (models.reference_init draws the same law)
+        self.b1 = nn.Parameter(torch.zeros(num_experts, ffn)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
+        self.b3 = nn.Parameter(torch.zeros(num_experts, ffn)) if bias and gated else None
 
     @property
     def num_experts(self) -> int:
@@ -221,11 +227,16 @@ class GroupedExperts(nn.Module):
         # traffic growing with the square of the experts)
         w1, w2 = _local(self.w1).unbind(0), _local(self.w2).unbind(0)  # E_local x (h, f), E_local x (f, h)
         w3 = _local(self.w3).unbind(0) if self.gated else None
+        b1, b2, b3 = (_local(b).unbind(0) if b is not None else None for b in (self.b1, self.b2, self.b3))
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):  # xe: (n_e, h)
-            hidden = xe @ w1[e]  # (n_e, f)
-            hidden = F.silu(hidden) * (xe @ w3[e]) if self.gated else F.gelu(hidden, approximate="tanh")
-            outs.append(hidden @ w2[e])  # (n_e, h)
+            hidden = xe @ w1[e] if b1 is None else torch.addmm(b1[e], xe, w1[e])  # (n_e, f)
+            if self.gated:
+                up = xe @ w3[e] if b3 is None else torch.addmm(b3[e], xe, w3[e])  # (n_e, f)
+                hidden = F.silu(hidden) * up
+            else:
+                hidden = F.gelu(hidden, approximate="tanh")
+            outs.append(hidden @ w2[e] if b2 is None else torch.addmm(b2[e], hidden, w2[e]))  # (n_e, h)
         return torch.cat(outs)
 
 
@@ -260,8 +271,9 @@ class MoE(nn.Module):
     def __init__(self, spec: TransformerSpec, shared_experts: nn.Module | None = None):
         super().__init__()
         self.router = Router(spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_score_function,
-                             spec.moe_norm_topk, spec.moe_routed_scaling_factor)
-        self.experts = GroupedExperts(spec.num_experts, spec.hidden_size, spec.moe_ffn_size, spec.family == "llama")
+                             spec.moe_norm_topk, spec.moe_routed_scaling_factor, spec.expert_bias)
+        self.experts = GroupedExperts(spec.num_experts, spec.hidden_size, spec.moe_ffn_size, spec.family == "llama",
+                                      spec.expert_bias)
         self.shared_experts = shared_experts
         self.aux_loss_coeff = spec.moe_aux_loss_coeff
         self.dispatch: Dispatch = local_dispatch  # replaceable: expert parallelism swaps in an all-to-all

@@ -49,18 +49,28 @@ def expert_params(spec: TransformerSpec) -> int:
     return (3 if spec.family == "llama" else 2) * spec.hidden_size * spec.moe_ffn_size
 
 
+def routed_expert_params(spec: TransformerSpec) -> int:
+    """One routed expert: :func:`expert_params`, plus its linears' biases where the spec has them (GPT-OSS:
+    the first linear's 2f outputs, gate and up, and the second's h)."""
+    n = expert_params(spec)
+    if spec.expert_bias:
+        n += (2 if spec.family == "llama" else 1) * spec.moe_ffn_size + spec.hidden_size
+    return n
+
+
 def _norms(spec: TransformerSpec) -> int:
     """The layer's two norms: RMSNorm keeps a weight (llama), LayerNorm a weight and a bias."""
     return 2 * spec.hidden_size if spec.family == "llama" else 4 * spec.hidden_size
 
 
 def transformer_layer_params(spec: TransformerSpec, index: int = 0) -> int:
-    """Parameters of layer ``index``: a dense MLP, or (MoE layers) the router's E x h weight, every routed
-    expert and the shared experts."""
+    """Parameters of layer ``index``: a dense MLP, or (MoE layers) the router's E x h weight (and E biases), every
+    routed expert and the shared experts."""
     n = attention_params(spec) + _norms(spec)
     if not spec.is_moe_layer(index):
         return n + mlp_params(spec, spec.ffn_size)
-    return n + spec.hidden_size * spec.num_experts + (spec.num_experts + spec.num_shared_experts) * expert_params(spec)
+    router = (spec.hidden_size + spec.expert_bias) * spec.num_experts  # its E x h gate (and E biases)
+    return n + router + spec.num_experts * routed_expert_params(spec) + spec.num_shared_experts * expert_params(spec)
 
 
 def transformer_layer_active_params(spec: TransformerSpec, index: int = 0) -> int:
@@ -68,7 +78,7 @@ def transformer_layer_active_params(spec: TransformerSpec, index: int = 0) -> in
     everything but the num_experts - experts_per_token routed experts the token is not sent to."""
     n = transformer_layer_params(spec, index)
     if spec.is_moe_layer(index):
-        n -= (spec.num_experts - spec.top_k) * expert_params(spec)
+        n -= (spec.num_experts - spec.top_k) * routed_expert_params(spec)
     return n
 
 

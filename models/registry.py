@@ -92,10 +92,11 @@ def reference_init(module: nn.Module, param_name: str, shape: torch.Size, genera
     """The full (unsharded) initial value of parameter ``param_name`` of ``module``, on CPU, fp32.
 
     Weights of linears and embeddings: N(0, 0.02) (GPT-2/Megatron); convolutions: Kaiming normal,
-    fan-out (torchvision); norms: weight 1, bias 0; every bias: 0. Drawn from ``generator``, which the
-    caller seeds from the run's seed and the parameter's FQN, so values never depend on sharding.
+    fan-out (torchvision); norms: weight 1, bias 0; every bias (a module's BIASES too): 0. Drawn from
+    ``generator``, which the caller seeds from the run's seed and the parameter's FQN, so values never depend on
+    sharding.
     """
-    if param_name == "bias":
+    if param_name == "bias" or param_name in getattr(module, "BIASES", ()):
         return torch.zeros(shape)
     if isinstance(module, nn.LayerNorm | nn.RMSNorm | nn.BatchNorm2d):
         return torch.ones(shape)

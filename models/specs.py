@@ -53,8 +53,8 @@ _OPTIONAL_FIELDS = frozenset({
     "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
     "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff",
-    "sliding_window", "qkv_bias"})
-_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias"})
+    "sliding_window", "qkv_bias", "expert_bias"})
+_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias", "expert_bias"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
 
@@ -116,6 +116,8 @@ class TransformerSpec(ModelSpec):
     moe_norm_topk: bool = True  # renormalise the k selected scores to sum to 1
     moe_routed_scaling_factor: float = 1.0  # DeepSeek-V3 multiplies the routed output by 2.5
     moe_aux_loss_coeff: float = 0.01  # sequence-wise load-balancing loss weight (alpha); 0 turns it off
+    # biases on every routed expert's linear layers and on the router (GPT-OSS); shared experts have none
+    expert_bias: bool = False
 
     is_transformer: ClassVar[bool] = True
     required: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -231,7 +233,7 @@ class TransformerSpec(ModelSpec):
 
     def _validate_moe(self, source: str) -> None:
         moe_only = {"experts_per_token": None, "moe_ffn_hidden_size": None, "num_shared_experts": 0,
-                    "dense_layers": 0, "moe_layer_step": 1}
+                    "dense_layers": 0, "moe_layer_step": 1, "expert_bias": False}
         if not self.is_moe:
             given = [k for k, default in moe_only.items() if getattr(self, k) != default]
             if given:

@@ -568,7 +568,8 @@ class CostModel:
                                               moe.local_experts(work.spec, lay) if moe_layer else 1)
             times = dataclasses.replace(times, fwd=times.fwd + cast_f, bwd_input=times.bwd_input + cast_b)
         if moe_layer and fw.moe_kernels == "fused":  # the fused MoE kernels' traffic (fused_moe.py via moe.py)
-            moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps)
+            moe_f, moe_b = moe.fused_kernel_seconds(work.spec, lay, fw, tokens, hbm_Bps,
+                                                    gpu.efficiency.op_overhead_us * 1e-6)
             times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
                                         mlp_fwd=times.mlp_fwd + moe_f)
         colls = [c for style, ib, ob, tok in layer.region_io

@@ -135,6 +135,9 @@ class Framework:
     # ``elementwise_traffic`` like the rest of the layer); "fused" = Megatron-Core's fused router, permute,
     # activation and unpermute kernels, whose traffic planner/fused_moe.py counts (not scaled)
     moe_kernels: str = "traced"
+    # expert biases (spec expert_bias) added expert by expert after the second grouped GEMM, each its own kernels
+    # (Megatron-Core's TEGroupedMLP._apply_bias: planner/fused_moe.py); elsewhere inside the GEMMs, free
+    moe_bias_per_expert: bool = False
     # FP8 reaches the experts' GEMMs (TE's GroupedLinear under Megatron-Core). This executor's experts are stacked
     # weights, not the nn.Linear modules torchao's float8 conversion swaps: their GEMMs run in bf16
     # (compute.estimate_pass_times) and planner/fp8.py casts and saves nothing for them
@@ -209,7 +212,8 @@ MEGATRON_CORE = Framework(
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
     fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
-    moe_grouped_gemm=True, moe_kernels="fused", fp8_experts=True, selective_extra="mla", dp_buckets="megatron",
+    moe_grouped_gemm=True, moe_kernels="fused", moe_bias_per_expert=True, fp8_experts=True, selective_extra="mla",
+    dp_buckets="megatron",
     schedules=MEGATRON_SCHEDULES, moe_tp_needs_sp=True,
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "

@@ -40,6 +40,18 @@ reaches this branch"; HybridEP pads inside its dispatch, and routing does where 
 quantization is set, which the recipes priced here leave off): read and write 2h per copy each way, twice
 (8kh forward), and their gradients the same backward.
 FP8 keeps the expert GEMMs' inputs as FP8 copies, 1 byte each instead of 2: planner/fp8.py subtracts that.
+
+Expert biases (GPT-OSS; spec field expert_bias): TE's grouped linear adds the first linear's in its GEMMs, but
+the second's is returned apart (skip_bias_add) and added expert by expert, scaled by the router probability
+(Megatron-Core experts.py TEGroupedMLP._apply_bias, from a329dd6d, 2025-09-22, "Enable bias in expert mlp
+[gpt-oss 5/5]", to 883533e0, 2026-08-14, which packed it into one kernel for tensor token counts):
+``torch.cat([t + b * p for each expert's rows]).to(dtype)``. Per routed copy, forward: b·p written in fp32
+(4h), the sum reading the 16-bit output (2h) and b·p (4h) and writing fp32 (4h), the cat reading and writing it
+(8h), the cast back reading 4h and writing 2h: 28h; backward: the cast's gradient (2h in, 4h out), the sum's
+gradient cast to 16 bits for the output (4h, 2h), b's gradient as the rows' sum of gradient x p (4h read, 4h
+written, 4h reduced) and p's as the sum over h of gradient x b (the same 12h): 36h. Kernels: two per local expert
+forward (multiply, add) and the cat and the cast; backward five per local expert (two multiplies, two
+reductions, the cast of its output gradient) and the cast's gradient (:func:`expert_bias_kernels`).
 The pre-MLP norm is outside the block (fused_activations.py counts it with the layer).
 """
 
@@ -87,3 +99,22 @@ def saved_bytes(spec) -> float:
     f, up, f_s, up_s = expert_widths(spec)
     return 2 * h + 4 * e + k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
 
+
+
+EXPERT_BIAS_BYTES = (28, 36)  # (forward, backward) bytes per routed copy, times h (module docstring)
+
+
+def expert_bias_bytes(spec) -> tuple[float, float]:
+    """(forward, backward) bytes per token a rank routes (its k copies) of Megatron-Core's expert-by-expert bias
+    add (the module docstring); none without expert biases."""
+    if not getattr(spec, "expert_bias", False):
+        return 0.0, 0.0
+    per_token = spec.top_k * spec.hidden_size
+    return EXPERT_BIAS_BYTES[0] * per_token, EXPERT_BIAS_BYTES[1] * per_token
+
+
+def expert_bias_kernels(spec, local_experts: int) -> tuple[int, int]:
+    """(forward, backward) kernels of that bias add on a rank holding ``local_experts`` experts."""
+    if not getattr(spec, "expert_bias", False):
+        return 0, 0
+    return 2 * local_experts + 2, 5 * local_experts + 1

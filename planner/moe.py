@@ -313,13 +313,20 @@ def local_experts(spec, lay: Layout) -> int:
     return max(1, spec.num_experts // lay.ep)
 
 
-def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float) -> tuple[float, float]:
+def fused_kernel_seconds(spec, lay: Layout, framework, tokens: float, hbm_Bps: float, kernel_s: float = 0.0
+                         ) -> tuple[float, float]:
     """(forward, backward) seconds of the fused MoE kernels' memory traffic (planner/fused_moe.py) on a rank
-    routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (:func:`routed_load`)."""
+    routing its 1/tp of ``tokens`` tokens, the most loaded rank's share of copies (:func:`routed_load`), and of
+    expert biases added expert by expert where the spec has them and the stack adds them so
+    (Framework.moe_bias_per_expert; fused_moe.expert_bias_bytes: their kernels at ``kernel_s`` each too)."""
     local = local_experts(spec, lay)
     per = fused_moe.block_bytes(spec, local, framework.moe_dispatcher, lay.dtype == "fp8" and framework.fp8_experts)
+    looped = framework.moe_bias_per_expert
+    bias_f, bias_b = fused_moe.expert_bias_bytes(spec) if looped else (0.0, 0.0)
+    kernels_f, kernels_b = fused_moe.expert_bias_kernels(spec, local) if looped else (0, 0)
     routed = tokens / lay.tp * routed_load(framework)
-    return per.fwd * routed / hbm_Bps, per.bwd * routed / hbm_Bps
+    return ((per.fwd + bias_f) * routed / hbm_Bps + kernels_f * kernel_s,
+            (per.bwd + bias_b) * routed / hbm_Bps + kernels_b * kernel_s)
 
 
 def stacked_grad_traffic(spec, local_experts: int, elem: int) -> float:

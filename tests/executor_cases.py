@@ -38,6 +38,10 @@ EXTRA_MODELS = {
                         ffn_hidden_size=352, moe_ffn_hidden_size=192, num_experts=4, experts_per_token=1,
                         num_shared_experts=1, moe_layer_step=2, moe_score_function="sigmoid", moe_norm_topk=False,
                         vocab_size=1024, seq_length=128),
+    # GPT-OSS's experts: biases on every routed expert's linears and on the router (spec field expert_bias)
+    "moe-bias-tiny": dict(family="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                          ffn_hidden_size=256, moe_ffn_hidden_size=64, num_experts=4, experts_per_token=2,
+                          expert_bias=True, vocab_size=1024, seq_length=128),
     "bert-small": dict(family="bert", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024,
                        seq_length=128),
     "mlp-small": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=10),

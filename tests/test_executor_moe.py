@@ -50,6 +50,8 @@ GRAD_CASES = {
         Case("qwen3-moe-tp2-ep2", "qwen3-moe-tiny", tp=2, ep=2, micro_batch=4),  # per-head q/k norms
         Case("qwen3-moe-tp2-sp", "qwen3-moe-tiny", tp=2, sequence_parallel=True, micro_batch=4),
         Case("qwen3-moe-tp2-selective", "qwen3-moe-tiny", tp=2, recompute="selective", micro_batch=4),  # q/k norms
+        Case("moe-bias-dp2-ep2", "moe-bias-tiny", dp=2, ep=2, micro_batch=2),  # expert biases sharded with experts
+        Case("moe-bias-tp2-ep2-zero3", "moe-bias-tiny", tp=2, ep=2, zero=3, micro_batch=4),
     ],
     4: LOSS_CASES[4],
 }

@@ -1348,3 +1348,16 @@ def test_a_plan_carries_its_cluster_file_and_refuses_an_unknown_one(tmp_path):
     for target in ("megatron", "deepspeed", "torchtitan", "slurm"):
         assert_one_line_error(cli("export", "--plan", str(path), "--to", target), "cannot read the plan's cluster",
                               "no cluster_spec")
+
+
+def test_expert_biases_are_refused_by_megatron_and_torchtitan(plans):
+    """A spec with biases on its experts alone (expert_bias, GPT-OSS's experts and router): Megatron-LM biases
+    every linear or none (--add-bias-linear), torchtitan's experts have none: both refuse in one line, naming the
+    field, rather than train another model."""
+    plan, _ = plans["z3"]
+    spec = load_model_spec("mixtral-8x7b").replace(expert_bias=True)
+    oss = plan.replace(model="mixtral-bias", model_spec=spec.to_dict(), stages=even_stages(spec, 1))
+    for target in ("megatron", "torchtitan"):
+        with pytest.raises(ExportRefused, match=r"expert_bias.*paraplan execute") as e:
+            export_plan(oss, target)
+        assert "\n" not in str(e.value)

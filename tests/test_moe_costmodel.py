@@ -842,3 +842,27 @@ def test_current_scaling_casts_grouped_expert_operands_one_expert_at_a_time():
     delayed = framework("megatron-core")
     assert fp8.cast_seconds(spec, delayed, tokens, 1, False, hbm, kernel, True, 8) == \
         fp8.cast_seconds(spec, delayed, tokens, 1, False, hbm, kernel, True, 1)
+
+
+def test_megatron_core_adds_expert_biases_expert_by_expert():
+    """Megatron-Core's TEGroupedMLP._apply_bias (a329dd6d .. 883533e0) adds the second expert linear's bias expert
+    by expert, ``cat([t + b * p]).to(dtype)``: per routed copy 28h bytes forward and 36h backward
+    (fused_moe.EXPERT_BIAS_BYTES, its docstring counts them), and 2 kernels a local expert + 2 forward, 5 + 1
+    backward. Priced on the megatron-core stack only (Framework.moe_bias_per_expert); none without expert biases."""
+    from paraplan.planner import fused_moe
+    from paraplan.planner.layout import Layout
+
+    spec = load_model_spec("qwen3-30b-a3b")
+    biased = spec.replace(expert_bias=True)
+    lay = Layout(dp=16, tp=1, pp=1, ep=16, micro_batch=1, global_batch=1024, dtype="bf16")
+    fw = FRAMEWORKS["megatron-core"]
+    tokens, hbm, kernel = 4096.0, 3.0e12, 4e-6
+    plain_f, plain_b = moe.fused_kernel_seconds(spec, lay, fw, tokens, hbm, kernel)
+    got_f, got_b = moe.fused_kernel_seconds(biased, lay, fw, tokens, hbm, kernel)
+    copies, h, local = tokens * spec.top_k, spec.hidden_size, spec.num_experts // lay.ep
+    assert got_f - plain_f == pytest.approx(28 * h * copies / hbm + (2 * local + 2) * kernel)
+    assert got_b - plain_b == pytest.approx(36 * h * copies / hbm + (5 * local + 1) * kernel)
+    assert fused_moe.expert_bias_bytes(spec) == (0.0, 0.0)
+    automodel = FRAMEWORKS["nemo-automodel"]  # its experts' biases: not the per-expert loop
+    assert moe.fused_kernel_seconds(biased, lay, automodel, tokens, hbm, kernel) == \
+        moe.fused_kernel_seconds(spec, lay, automodel, tokens, hbm, kernel)

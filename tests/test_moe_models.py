@@ -279,6 +279,8 @@ MOE = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, 
     ({"moe_aux_loss_coeff": "a lot"}, "'moe_aux_loss_coeff' must be a number"),
     ({"moe_routed_scaling_factor": 0}, "'moe_routed_scaling_factor' must be positive"),
     ({"qk_norm": "yes"}, "'qk_norm' must be true or false"),
+    ({"num_experts": 0, "experts_per_token": None, "expert_bias": True}, "'expert_bias' needs num_experts > 0"),
+    ({"expert_bias": 1}, "'expert_bias' must be true or false"),
     ({"num_expert": 4}, "unknown field 'num_expert'"),
     ({"kv_lora_rank": 16}, "needs field 'qk_nope_head_dim'"),
     ({"q_lora_rank": 16}, "'q_lora_rank' belongs to multi-head latent attention"),
@@ -354,7 +356,7 @@ def _naive_moe(moe, x):
     DeepSeek-V3, arXiv 2412.19437 Eqs. 12-16): top-k of the scores, renormalised, scaled, weighted experts,
     plus the shared experts. x: (T, h)."""
     r = moe.router
-    logits = x @ r.gate.weight.T  # (T, E)
+    logits = x @ r.gate.weight.T + (r.gate.bias if r.gate.bias is not None else 0)  # (T, E)
     scores = torch.sigmoid(logits) if r.sigmoid else torch.softmax(logits, -1)
     out = []
     for t in range(x.shape[0]):
@@ -363,10 +365,11 @@ def _naive_moe(moe, x):
         y = torch.zeros_like(x[t])
         for w, e in zip(g * r.scaling, top.tolist(), strict=True):
             ex = moe.experts
-            hidden = x[t] @ ex.w1[e]
-            hidden = torch.nn.functional.silu(hidden) * (x[t] @ ex.w3[e]) if ex.gated else \
+            b1, b2, b3 = ((b[e] if b is not None else 0) for b in (ex.b1, ex.b2, ex.b3))
+            hidden = x[t] @ ex.w1[e] + b1
+            hidden = torch.nn.functional.silu(hidden) * (x[t] @ ex.w3[e] + b3) if ex.gated else \
                 torch.nn.functional.gelu(hidden, approximate="tanh")
-            y = y + w * (hidden @ ex.w2[e])
+            y = y + w * (hidden @ ex.w2[e] + b2)  # GPT-OSS: the routing weight scales the bias too
         if moe.shared_experts is not None:
             y = y + moe.shared_experts(x[t])
         out.append(y)
@@ -382,6 +385,51 @@ def test_moe_block_matches_its_definition_token_by_token(name):
     x = torch.randn(2, 5, spec.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(moe(x).view(10, -1), _naive_moe(moe, x.view(10, -1)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_expert_biases_are_where_gpt_oss_has_them(family):
+    """expert_bias (GPT-OSS): a bias on the router's logits and on each routed expert's linears, the second scaled
+    by the routing weight with the rest of the expert's output (HF GptOssExperts; Megatron-Core adds b·p), none on
+    the shared experts. Random biases: the block equals its token-by-token definition; the closed-form count equals
+    the module's, the extra E·(2f + h) + E per MoE layer for SwiGLU experts (E·(f + h) + E for GELU ones)."""
+    spec = spec_from_mapping({**MOE, "family": family, "num_shared_experts": 1, "expert_bias": True}, "oss")
+    plain = spec.replace(expert_bias=False)
+    model = build_model(spec, "cpu").double()
+    initialize(model, spec, seed=1)
+    moe = model.layers["1"].moe
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in (moe.router.gate.bias, moe.experts.b1, moe.experts.b2, moe.experts.b3):
+            if b is not None:
+                assert not b.any()  # zero at start, as Megatron-Core initialises biases
+                b.copy_(torch.randn(b.shape, generator=gen, dtype=b.dtype))
+    assert moe.shared_experts is not None and not any("bias" in n for n, _ in moe.shared_experts.named_parameters())
+    x = torch.randn(2, 5, spec.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x).view(10, -1), _naive_moe(moe, x.view(10, -1)), rtol=1e-12, atol=1e-12)
+    e, f, h = spec.num_experts, spec.moe_ffn_size, spec.hidden_size
+    per_layer = e * ((2 * f if family == "llama" else f) + h) + e
+    assert count_parameters(spec) - count_parameters(plain) == spec.num_moe_layers * per_layer
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(spec)
+    k = spec.top_k
+    assert count_active_parameters(spec) - count_active_parameters(plain) == \
+        spec.num_moe_layers * (k * ((2 * f if family == "llama" else f) + h) + e)
+
+
+def test_gpt_oss_count_with_its_biases():
+    """benchmarks/fidelity_moe.py's GPT-OSS-120B (expert_bias, qkv_bias): 116.83B parameters in OpenAI's model card
+    (arXiv 2508.10925, Table 1), 116,829,156,672 from its config.json's shapes by hand (per layer: q, k, v, o with
+    biases 26,550,080, 64 sinks, 2 norms 5,760, router 368,768, 128 experts of 24,891,840 with their biases; 36
+    layers, untied 201,088 x 2,880 embedding and head, final norm), less what the spec leaves out: each layer's
+    output-projection bias (2,880) and sinks (64)."""
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("fidelity_moe", ROOT / "benchmarks" / "fidelity_moe.py")
+    fid = importlib.util.module_from_spec(found)
+    found.loader.exec_module(fid)
+    spec = fid.gpt_oss({"seq_len": 4096})
+    assert count_parameters(spec) == 116_829_156_672 - 36 * (2880 + 64)
 
 
 def test_shared_experts_and_first_dense_layers_are_where_the_spec_says():
