@@ -68,7 +68,8 @@ their gap is not the overlap's.
 Also in round 4, from the source with no free parameter: GPT-OSS's expert biases (spec field expert_bias;
 Megatron-Core's TEGroupedMLP._apply_bias adds the second linear's expert by expert: planner/fused_moe.py), found in
 round 3 and priced now: its Megatron-Bridge rows -14% to -17% -> -5.5% to -8.4%, held out 8.1% -> 7.5% (the 66 not
-suspicious 6.5%). NeMo Automodel's GPT-OSS-20B is not charged the loop (its experts are not TEGroupedMLP).
+suspicious 6.5%). Then 26.02's DeepEP for Qwen3-30B-A3B's PP2 row (RECIPES_26_02): 7.6% (6.6%). NeMo
+Automodel's GPT-OSS-20B is not charged the loop (its experts are not TEGroupedMLP).
 
 Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
 padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).
@@ -138,7 +139,7 @@ RECIPES = {
     # the 16-GPU pp2 layout of the 25.11 and 26.02 releases (Megatron-Bridge v0.2.0
     # scripts/performance/configs/qwen3/workload_base_configs.py QWEN3_30B_A3B_H100_*_BASE_CONFIG and v0.3.0
     # configs/qwen/qwen3_workload_base_configs.py QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1: moe_a2a_overlap=True;
-    # v0.3.0 adds the DeepEP flex backend, left out here as v0.2.0 does not set it)
+    # v0.3.0 adds the DeepEP flex backend: RECIPES_26_02)
     ("qwen3-30b-a3b", 1, 2, 8): dict(moe_a2a_overlap=True),
     ("qwen3-235b-a22b", 2, 8, 32): dict(moe_a2a_overlap=True, grad_reduce_in_fp32=False),
     # DeepSeek-V3 on H100 at the 25.09 release (Megatron-Bridge scripts/performance/run_script.py at "Cherry pick
@@ -162,6 +163,16 @@ RECIPES_25_09 = {
     ("qwen3-30b-a3b", 1, 2, 8): dict(grad_reduce_in_fp32=False),
     ("qwen3-235b-a22b", 2, 8, 32): dict(grad_reduce_in_fp32=False),
 }
+# Megatron-Bridge's 26.02 release (v0.3.0: configs/qwen/qwen3_workload_base_configs.py
+# QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1) runs the PP2 layout with DeepEP as well, moe_flex_dispatcher_backend
+# "deepep" (training/flex_dispatcher_backend.py sets moe_token_dispatcher_type "flex" on Hopper): priced as
+# --moe-dispatcher hybridep (read in round 4 after the row had been priced -33% with the alltoall dispatcher; -38%
+# so). 25.11's v0.2.0 sets no flex backend.
+RECIPES_26_02 = {
+    ("qwen3-30b-a3b", 1, 2, 8): dict(moe_a2a_overlap=True, moe_dispatcher="hybridep"),
+}
+# A release's own recipes, where they differ from RECIPES for a layout (by row id prefix).
+RELEASE_RECIPES = {"mbridge-25.09-": RECIPES_25_09, "mbridge-26.02-": RECIPES_26_02}
 # The recomputation a recipe runs, where it names it (--recompute): GPT-OSS-120B's H100 recipe recomputes the
 # separate norms and the experts' activation (recompute_modules ["layernorm", "moe_act"]: Megatron-Bridge v0.2.0
 # scripts/performance/configs/gpt_oss/workload_base_configs.py GPT_OSS_120B_H100_BF16_BASE_CONFIG, v0.3.0 and v0.4.0
@@ -304,7 +315,8 @@ def recipe(row: dict) -> dict:
         flex = any(x in str(row["token_dispatcher"]) for x in ("DeepEP", "flex", "HybridEP"))
         return dict(moe_dispatcher="hybridep" if flex else "alltoall", moe_a2a_overlap=bool(row.get("ep_a2a_overlap")))
     key = (base_model(row), row.get("tp"), row.get("pp"), row.get("ep"))
-    recipes = RECIPES_25_09 if str(row.get("id", "")).startswith("mbridge-25.09-") and key in RECIPES_25_09 else RECIPES
+    release = next((r for prefix, r in RELEASE_RECIPES.items() if str(row.get("id", "")).startswith(prefix)), {})
+    recipes = release if key in release else RECIPES
     switches = dict(recipes.get(key, {}))
     switches.update(megatron_bridge_fp8_switches(row["id"], row_dtype(row)))  # the release's FP8 recipe
     if base_model(row) != row.get("model"):  # Megatron-Bridge's apply_moe_token_drop defaults: c = 1.0, padded
