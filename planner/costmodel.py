@@ -1339,8 +1339,9 @@ def validate_layout(model: CostModel, lay: Layout) -> None:
                             f"pipeline schedule{'s' if len(work.framework.schedules) > 1 else ''}, not {lay.schedule}",
                             f"{lay.schedule} not run by the stack")
     if work.framework.moe_tp_needs_sp and lay.experts_beside_tp_without_sp:
-        raise InvalidLayout(f"the {work.framework.name} stack runs expert with tensor parallelism only with sequence "
-                            "parallelism (--sequence-parallel)", "ep with tp needs sequence parallelism")
+        raise InvalidLayout(f"the {work.framework.name} stack runs expert parallelism (ep {lay.ep}) beside tensor "
+                            f"parallelism (tp {lay.tp}) only with sequence parallelism (--sequence-parallel)",
+                            "ep with tp needs sequence parallelism")
     stages = work.framework.zero_stages
     if lay.dp > 1 and lay.dp_mode != "ps" and lay.zero not in stages:  # over dp, as the search enumerates them
         raise InvalidLayout(f"the {work.framework.name} stack runs ZeRO {' or '.join(map(str, stages))} over data "

@@ -182,6 +182,18 @@ def test_simulate_on_local_calibrates_first_then_uses_the_calibration(measuremen
     assert fake.calls == 1 and "calibrating" not in capsys.readouterr().err
 
 
+def test_plan_says_its_best_plans_blocks_were_not_timed(measurements, monkeypatch, capsys, tmp_path):
+    """plan, like simulate, says when the best plan's blocks were priced from FLOPs and bytes rather than timed on
+    this machine (the prediction moves once they are): on the console and in the report."""
+    monkeypatch.setattr(calibrate_module, "calibrate_cluster", FakeCalibrate())
+    out_dir = tmp_path / "report"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local", "--gpus", "2", "--global-batch", "8",
+                 "--no-charts", "--out", str(out_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "note: gpt-tiny's blocks at micro-batch" in printed and "have not been timed" in printed
+    assert "have not been timed" in (out_dir / "report.md").read_text()
+
+
 def test_no_calibrate_labels_every_prediction(measurements, monkeypatch, capsys, tmp_path):
     fake = FakeCalibrate()
     monkeypatch.setattr(calibrate_module, "calibrate_cluster", fake)

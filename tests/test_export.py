@@ -47,6 +47,7 @@ MEGATRON_FLAGS = {
     "--moe-router-topk",
     "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
+    "--moe-router-load-balancing-type",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
     "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
@@ -301,6 +302,8 @@ def test_megatron_moe_model_flags(plans, tmp_path):
     assert f["--expert-model-parallel-size"] == "4" and f["--expert-tensor-parallel-size"] == "1"
     assert f["--moe-layer-freq"] == "([0]*1+[1]*7)" and f["--moe-shared-expert-intermediate-size"] == "256"
     assert f["--moe-router-score-function"] == "sigmoid"
+    # the plan's auxiliary loss is per sequence (models/moe.py); Megatron-Core's default, aux_loss, per micro-batch
+    assert (f["--moe-aux-loss-coeff"], f["--moe-router-load-balancing-type"]) == ("0.01", "seq_aux_loss")
     # priced for this executor: Megatron's own defaults, but the dispatcher is stated (Megatron's is allgather)
     assert f["--moe-token-dispatcher-type"] == "alltoall" and "--overlap-moe-expert-parallel-comm" not in f
     core = moe.replace(framework="megatron-core", framework_switches={"moe_dispatcher": "hybridep",

@@ -130,6 +130,9 @@ def _search_and_report(args, work: Workload, gpus: int, model: CostModel, out: s
         simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
         if result.best is None:
             raise PlanError(nothing_fits_message(result))
+        # what the best plan's own prediction says of itself (blocks not yet timed on this machine, ...): on the
+        # console and in the report, as simulate prints it
+        result.notes.extend(n for n in result.best.prediction.notes if n not in result.notes)
     finally:
         if bar:
             bar.stop()

@@ -191,6 +191,9 @@ def _moe_args(spec) -> Args:
         a.append(("--moe-router-topk-scaling-factor", spec.moe_routed_scaling_factor))
     if hasattr(spec, "moe_aux_loss_coeff"):
         a.append(("--moe-aux-loss-coeff", spec.moe_aux_loss_coeff))
+        if spec.moe_aux_loss_coeff:  # the plan's loss is per sequence (models/moe.py sequence_aux_loss, DeepSeek's);
+            # Megatron-Core's default, aux_loss, is per micro-batch
+            a.append(("--moe-router-load-balancing-type", "seq_aux_loss"))
     return a
 
 
@@ -283,6 +286,9 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
                 a.append(("--moe-pad-expert-input-to-capacity", None))
         if fw.moe_shared_expert_overlap and getattr(spec, "num_shared_experts", 0):
             a.append(("--moe-shared-expert-overlap", None))
+            if fw.moe_dispatcher == "hybridep":
+                notes.append("--moe-shared-expert-overlap beside the flex dispatcher: Megatron-Core runs the pair "
+                             "since ebfa1385 (2026-04-14, #2207); earlier versions refuse it (alltoall only)")
         if a2a_overlap_applies(fw, lay):
             a += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
         elif fw.moe_a2a_overlap:
