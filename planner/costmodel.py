@@ -498,7 +498,8 @@ class CostModel:
             kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input, prologue,
                                           softmax_fallback)
             if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
-                kept = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer)  # Transformer Engine's modules
+                kept = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer,  # Transformer Engine's modules
+                                         moe.padded_copies(fw))
             if cpc is not None and u != "full":  # the whole sequence's K/V an attention kernel saves (all-gather)
                 kept += cpc.saved_bytes
             if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs

@@ -58,24 +58,26 @@ def mla_bytes(spec, recompute: str = "none") -> tuple[float, float]:
     return replicated, qkv + 2 * a * spec.v_head_dim
 
 
-def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False) -> float:
+def fused_layer_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool = False,
+                      copies: float = 1.0) -> float:
     """Bytes one rank keeps for ``tokens`` tokens through one transformer layer of ``spec``. ``moe_layer``: the
-    layer's MLP is a Megatron-Core MoE block (planner/fused_moe.py) behind its own pre-MLP norm."""
+    layer's MLP is a Megatron-Core MoE block (planner/fused_moe.py) behind its own pre-MLP norm, keeping ``copies``
+    times the mean routed copies (moe.padded_copies)."""
     h, d, a, kv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.kv_heads
     if recompute == "full":
         return 2 * h * tokens / (tp if sp else 1)
     if getattr(spec, "mla", False):  # the attention's norm and its tensors (mla_bytes), in the same two shares
         norm_and_qkv, attention = mla_bytes(spec, recompute)
         return tokens * (norm_and_qkv / (tp if sp else 1)) + _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer,
-                                                                           attention, replicated=0.0)
+                                                                           attention, replicated=0.0, copies=copies)
     attention = 2 * (a * d + 2 * kv * d) + 2 * a * d
     if getattr(spec, "qk_norm", False):  # the query and key norms keep their inputs
         attention += 2 * (a * d + kv * d)
-    return _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer, attention, replicated=4 * h)
+    return _mlp_bytes(spec, tokens, tp, sp, recompute, moe_layer, attention, replicated=4 * h, copies=copies)
 
 
 def _mlp_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer: bool, attention: float,
-               replicated: float) -> float:
+               replicated: float, copies: float = 1.0) -> float:
     """The layer's bytes given its attention's (``attention`` sharded and ``replicated`` per token), with its MLP
     sublayer's added."""
     h = spec.hidden_size
@@ -83,10 +85,10 @@ def _mlp_bytes(spec, tokens: float, tp: int, sp: bool, recompute: str, moe_layer
         # the attention's norm + linear pair, the pre-MLP norm's input; each tensor-parallel rank routes its own
         # 1/tp of the tokens (Megatron-Core requires sequence parallelism for MoE under TP). Recomputing the MoE
         # block (recompute_modules moe) keeps its input, the norm's output, instead of what the block saves.
-        block = 2 * h if recomputes_mlp(recompute) else fused_moe.saved_bytes(spec)
+        block = 2 * h if recomputes_mlp(recompute) else fused_moe.saved_bytes(spec, copies)
         if recomputes_norm_act(recompute):  # recompute_modules layernorm and moe_act discard the pre-MLP norm's
             # output (2h: the router's and the dispatch's input) and each routed copy's activation output (2f)
-            block -= 2 * h + 2 * spec.top_k * fused_moe.expert_widths(spec)[0]
+            block -= 2 * h + 2 * copies * spec.top_k * fused_moe.expert_widths(spec)[0]
         return tokens * ((replicated + 2 * h) / (tp if sp else 1) + (attention + block) / tp)
     ffn = spec.ffn_size
     up = 2 * ffn if spec.family == "llama" else ffn

@@ -93,11 +93,12 @@ def block_bytes(spec, local_experts: int, dispatcher: str, fp8: bool = False) ->
     return MoEBlockBytes(saved=saved_bytes(spec), fwd=fwd, bwd=bwd)
 
 
-def saved_bytes(spec) -> float:
-    """Bytes the block keeps for backward per token a rank routes (the module docstring's first list)."""
+def saved_bytes(spec, copies: float = 1.0) -> float:
+    """Bytes the block keeps for backward per token a rank routes (the module docstring's first list); ``copies``:
+    the routed copies kept over the mean (moe.padded_copies: c where experts are padded to capacity)."""
     h, k, e = spec.hidden_size, spec.top_k, spec.num_experts
     f, up, f_s, up_s = expert_widths(spec)
-    return 2 * h + 4 * e + k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
+    return 2 * h + 4 * e + copies * k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
 
 
 

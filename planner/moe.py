@@ -150,6 +150,13 @@ def routed_load(fw) -> float:
     return c if fw.moe_pad_to_capacity else min(fw.moe_imbalance, c)
 
 
+def padded_copies(fw) -> float:
+    """The routed token copies a rank keeps for backward over the mean: padded to capacity (fixed shapes), every
+    expert holds c times its mean share, padding included; otherwise the mean (as the bytes of the all-to-all: the
+    dry run routes balanced)."""
+    return fw.moe_capacity_factor if fw.moe_pad_to_capacity and fw.moe_capacity_factor else 1.0
+
+
 def is_moe(layer: LayerProfile) -> bool:
     return layer.moe_params > 0
 
@@ -273,7 +280,7 @@ def rank_view(layer: LayerProfile, lay: Layout, framework, spec) -> LayerProfile
     new_bwd = dataclasses.replace(bwd, kernels=round(bwd.kernels - bwd_left),
                                   other_bytes=round(bwd.other_bytes - moe_bwd - profiled + kept),
                                   other_bytes_fixed=round(bwd.other_bytes_fixed - profiled + kept))
-    moe_saved = layer.activation_bytes_moe
+    moe_saved = layer.activation_bytes_moe * padded_copies(framework)  # (what the router keeps scaled too: small)
     # what MLP recomputation drops is the MoE block's own (each tensor-parallel rank routes its own tokens)
     return dataclasses.replace(layer, fwd_ops=new_fwd, bwd_ops=new_bwd,
                                activation_bytes_sharded=layer.activation_bytes_sharded + moe_saved,

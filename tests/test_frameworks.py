@@ -490,7 +490,8 @@ def test_each_stack_runs_only_its_own_schedules_and_zero_stages():
         validate_layout(old, lay.replace(schedule="1f1b", virtual_stages=1, zero=3))
     moe = CostModel(Workload.create("mixtral-tiny", "dgx-h100", 16, framework="megatron-core"))
     expert = Layout(dp=4, tp=2, pp=1, ep=4, micro_batch=1, global_batch=16, zero=1)
-    with pytest.raises(InvalidLayout, match="expert with tensor parallelism only with sequence parallelism"):
+    with pytest.raises(InvalidLayout, match=r"expert parallelism \(ep 4\) beside tensor parallelism \(tp 2\) only with "
+                                            "sequence parallelism"):
         validate_layout(moe, expert)
     validate_layout(moe, expert.replace(sequence_parallel=True))
     assert not any(x.ep > 1 and x.tp > 1 and not x.sequence_parallel

@@ -701,6 +701,17 @@ def test_token_dropping_caps_the_most_loaded_rank_at_the_capacity():
     padded = run_cli_json(*args, "--moe-capacity-factor", "1.5", "--moe-pad-to-capacity")
     assert padded["time_s"]["ep_comm"] == pytest.approx(1.5 * plain["time_s"]["ep_comm"], rel=1e-9)
     assert padded["iteration_time_s"] > plain["iteration_time_s"]
+    # the padded copies are kept for backward too: each MoE layer's routed part of fused_moe.saved_bytes,
+    # k·(2h + 2·up + 4 + 2f) per token, grows by half (the QA's C=3 kept 30 GiB of activations, as dropless)
+    from paraplan.planner import fused_moe
+
+    spec = load_model_spec("mixtral-8x7b")
+    f, up, _, _ = fused_moe.expert_widths(spec)
+    per_copy = spec.top_k * (2 * spec.hidden_size + 2 * up + 4 + 2 * f)
+    assert fused_moe.saved_bytes(spec, 1.5) - fused_moe.saved_bytes(spec) == pytest.approx(0.5 * per_copy)
+    grown = (padded["memory_gib"]["activations"] - plain["memory_gib"]["activations"]) * 2**30
+    tokens = 1024 * spec.num_moe_layers  # one micro-batch in flight (pp 1): its 1,024 tokens through every layer
+    assert grown == pytest.approx(0.5 * per_copy * tokens, rel=1e-6)
     p = run_cli(*args[:-2], "--moe-capacity-factor", "1.0")  # --framework paraplan: this executor
     assert p.returncode == 2 and "--moe-capacity-factor" in p.stderr and "dropless" in p.stderr
 
