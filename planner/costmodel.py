@@ -38,7 +38,7 @@ from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .fused_activations import fused_layer_bytes
 from .layout import Layout, recomputes_core, recomputes_mlp, recomputes_norm_act
-from .memory import GiB, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
+from .memory import GiB, ddp_buckets, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
 from .placement import Placement, consecutive_group, layout_placement
 from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
@@ -870,13 +870,14 @@ class CostModel:
         return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(
             lay, costs, ranks, [flights[r] for r in asked], holdings=[held[r] for r in asked])]
 
-    @staticmethod
-    def grads_at_activation_peak(lay: Layout, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
+    def grads_at_activation_peak(self, lay: Layout, stages: tuple[int, ...], flights: dict[int, int]) -> bool:
         """Does a rank's activation peak already hold gradients — a later backward at the same number of
-        micro-batches in flight, after an earlier one produced (accumulated) gradients? Without (one
-        micro-batch; GPipe; a pipeline rank that reaches its peak only once) the first backward frees one
-        micro-batch's activations as the gradients appear (memory.rank_memory)."""
-        return grads_meet_peak(lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches, stages, flights)
+        micro-batches in flight, after an earlier one produced (accumulated) gradients, or DistributedDataParallel's
+        buckets, allocated with it (memory.ddp_buckets)? Without (one micro-batch; GPipe; a pipeline rank that
+        reaches its peak only once) the first backward frees one micro-batch's activations as the gradients appear
+        (memory.rank_memory). The search's bound asks grads_meet_peak alone (never more memory than this)."""
+        return ddp_buckets(self.work.framework, lay) or grads_meet_peak(
+            lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches, stages, flights)
 
     def rank_traffic(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], dp_items,
                      load: RankLoad) -> dict[str, float]:

@@ -150,18 +150,36 @@ def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
     dp by ZeRO 2/3), a 16-bit copy for compute (2 B: replicated ZeRO 0/1 cast it, ZeRO 2 gathers it once and
     keeps it until the step's last backward, ZeRO 3 gathers a unit at a time), fp32 gradients (4 B; sharded
     by ZeRO 2/3, whose reduce-scatter runs every micro-batch — except under ZB-V, which accumulates them
-    unsharded), Adam's two fp32 moments (8 B, sharded by ZeRO 1-3). In fp32 there is no copy.
+    unsharded), Adam's two fp32 moments (8 B, sharded by ZeRO 1-3). In fp32 there is no 16-bit copy, but FSDP2's
+    replicate (ZeRO 0/1 over dp > 1 with pipeline, tensor or expert parallelism) gathers an fp32 one;
+    DistributedDataParallel (the rest) holds gradient buckets instead (:func:`ddp_buckets`).
     ``zero``: ZeRO's accounting (:func:`model_state_bytes`). ``data_ranks``: the ranks ZeRO shards over, when
     not the layout's dp x cp (the experts' edp: moe.expert_states).
     """
     # ZeRO shards over the data-parallel and context-parallel ranks; the search asks for thousands of layouts
     # that share these few fields
+    # FSDP2's replicate wraps the weights (executor/data_parallel.py shard_dp): the layer's where dp > 1 and
+    # DistributedDataParallel is not used (pipeline, tensor or expert parallelism); expert-parallel experts' where
+    # either the layer's or their own edp has replicas
+    if data_ranks is None:
+        replicated = lay.data_ranks > 1 and (lay.pp > 1 or lay.tp > 1 or lay.ep > 1)
+    else:
+        replicated = lay.ep > 1 and (lay.data_ranks > 1 or data_ranks > 1)
     return _state_bytes(framework, lay.data_ranks if data_ranks is None else data_ranks, lay.zero, lay.dp_mode,
-                        lay.dtype, lay.pp, lay.schedule)
+                        lay.dtype, lay.pp, lay.schedule, replicated)
+
+
+def ddp_buckets(framework, lay) -> bool:
+    """Does this executor wrap ``lay`` in DistributedDataParallel (executor/data_parallel.py uses_ddp: fp32, ZeRO 0/1
+    over dp > 1, no tensor, pipeline or expert parallelism)? Its gradient buckets are allocated with the wrapper,
+    so the gradients are in memory from the first forward on (CostModel.grads_at_activation_peak)."""
+    return framework.states == "executor" and lay.dtype == "fp32" and lay.zero <= 1 and lay.data_ranks > 1 \
+        and lay.dp_mode != "ps" and lay.pp == 1 and lay.tp == 1 and lay.ep == 1 and lay.head_parallel == 1
 
 
 @lru_cache(maxsize=4096)
-def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: int, schedule: str) -> StateBytes:
+def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: int, schedule: str,
+                 replicated: bool = False) -> StateBytes:
     if dp_mode == "ps":
         zero = 0
     fp8 = framework.fp8_weight_bytes if dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
@@ -190,6 +208,11 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
             # those traces, and 30 GiB (25%) over v = 2-3 selective, which traced within 2-4% without it.
             weights += copy
     elif sharded or (mixed and master > 2):
+        weights += copy
+    elif replicated and dp_mode != "ps":
+        # fp32 under FSDP2's replicate (state_bytes says where): it all-gathers the unsharded weights into buffers
+        # of their own, a second fp32 copy for the step's compute (the dry run traced twice the weights on such
+        # plans: llama-tiny dp2 tp2, mixtral-tiny dp2 ep2 — its experts too, replicated over a one-rank edp)
         weights += copy
     grads = 4 / dp if sharded else 4.0
     unsharded_sums = sharded and sums_unsharded(framework, pp, schedule)
