@@ -1201,25 +1201,30 @@ def memory_repaired_stages(model: CostModel, lay: Layout, stages: list[list[int]
     ``mode`` (the least-memory mode allowed), one at a time, until every rank fits: None where that fails. A 1F1B
     rank early in the pipeline holds more micro-batches at its peak, so a balanced-by-time split can overflow its
     first ranks where a split with fewer blocks there fits: a block moves from a rank that does not fit to the
-    next rank (the last rank's to the one before), never emptying a stage. What the search prices where the
+    next rank (the last rank's to the one before, and on down while the ranks it reaches overflow in turn), never
+    emptying a stage. What the search prices where the
     balanced split fits in no allowed mode (search.quick_price): an uneven split that fits, for the ILP to start
     from and the pruning to rank by."""
     if lay.virtual_stages != 1 or lay.pp < 2:
         return None
     stages = [list(x) for x in stages]
     modes = [mode] * len(stages)
-    for _ in range(sum(len(x) for x in stages)):
+    came_from: dict[int, int] = {}  # rank -> the neighbour its last block came from: a block never goes back
+    for _ in range(len(stages) * sum(len(x) for x in stages)):
         fit = model.ranks_fit(lay, stages, modes)
         if all(fit):
             return stages
         r = fit.index(False)
-        to = r + 1 if r + 1 < len(stages) else r - 1
-        if len(stages[r]) < 2:
+        # onwards, in the direction the rank's last block came (a cascade); else to the next rank, the last to the one
+        # before (the head's rank overflowing passes blocks back down the pipeline)
+        to = r - 1 if came_from.get(r) == r + 1 or r + 1 == len(stages) else r + 1
+        if len(stages[r]) < 2 or not 0 <= to < len(stages):
             return None
         if to > r:
             stages[to].insert(0, stages[r].pop())
         else:
             stages[to].append(stages[r].pop(0))
+        came_from[to] = r
     return None
 
 

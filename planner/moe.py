@@ -76,17 +76,17 @@ COMM_SMS = 20
 # benchmarks/fidelity_moe.py FIT) gives 0.712. With the SM share alone (1.0) every published run with the overlap
 # on was priced fast, 5-17% (the Qwen3-235B ones, DeepSeek-V3's) beside runs without it within a few percent;
 # the model zoo's pair of one Qwen3-235B layout with and without the overlap (19.7 s -> 17.6 s, 11% saved) was
-# priced as saving 25%.
+# priced as saving 25% (18% with this factor).
 PAIRED_OVERLAP_EFFICIENCY = 0.712
 
 
 def overlapped_exposure(a2a: float, compute: float, sm_count: int, efficiency: float = 1.0) -> float:
     """Seconds an all-to-all of ``a2a`` seconds adds to the ``compute`` it runs beside: the compute keeps
     r = efficiency x (1 - COMM_SMS / sm_count) of the GPU while the exchange runs, so it ends with it (exposing
-    a2a - compute) where a2a·r covers it, else a2a·(1 - r) later than alone. Without an SM count, r = 1 (the
-    exchange free beside compute). ``efficiency``: what else the compute loses beside the exchange
-    (PAIRED_OVERLAP_EFFICIENCY under the paired schedule; 1.0 for the shared experts' stream)."""
-    r = (1.0 - COMM_SMS / sm_count) * efficiency if sm_count > COMM_SMS else 1.0
+    a2a - compute) where a2a·r covers it, else a2a·(1 - r) later than alone. Without an SM count, the SMs are not
+    counted (r = efficiency: the exchange free beside compute at 1.0). ``efficiency``: what else the compute loses
+    beside the exchange (PAIRED_OVERLAP_EFFICIENCY under the paired schedule; 1.0 for the shared experts' stream)."""
+    r = (1.0 - COMM_SMS / sm_count if sm_count > COMM_SMS else 1.0) * efficiency
     return a2a - compute if a2a * r >= compute else a2a * (1.0 - r)
 
 

@@ -47,10 +47,6 @@ from .workload import Workload
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 # The ILP's cutoff sits this far above the k-th best time (heuristic mode only; see search()).
 CUTOFF_MARGIN = 0.02
-# Heuristic mode: of the layouts whose quick split fits in no allowed recomputation mode (no quick time to rank them
-# by), this many, the lowest bounds first, get an ILP (which may find an uneven split that fits). All of them cost
-# the demo with --recompute-modes none 93 more ILPs (0.33 -> 1.47 s of search) and found no better plan.
-UNFIT_ILPS = 5
 
 
 @dataclass
@@ -947,7 +943,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     qtime = {id(alive[idx]): q for q, idx in quick}
     workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
     time_limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S  # per ILP
-    done = unsolved = unfit_ilps = unfit_left = 0
+    done = unsolved = unfit = 0
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending:
             # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
@@ -960,13 +956,10 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 if cand.lower_bound_s >= threshold:
                     continue
                 if refine_slack is not None and qtime[id(cand)] > threshold * (1 + refine_slack):
-                    # a layout whose quick split fits in no allowed mode has no quick time, but an uneven split may
-                    # fit: the UNFIT_ILPS of them with the lowest bounds get an ILP (they come in bound order)
-                    if qtime[id(cand)] < float("inf") or unfit_ilps >= UNFIT_ILPS:
-                        cand.status = "priced"
-                        unfit_left += qtime[id(cand)] == float("inf")
-                        continue
-                    unfit_ilps += 1
+                    cand.status = "priced"
+                    # no quick split of it fits (quick_price repairs one-stage-per-rank splits; not interleaved ones)
+                    unfit += qtime[id(cand)] == float("inf")
+                    continue
                 if refine_slack is not None and cand.prediction is not None and cand.layout.virtual_stages > 1 \
                         and model.repeated_blocks(cand.layout):
                     _accept(cand, polished_quick_split(model, cand.layout, cand.prediction, allowed_modes),
@@ -1008,10 +1001,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     if limited:
         notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s of CPU each): those "
                      "layouts' splits are the best found, not proven the best")
-    if unfit_left:
-        notes.append(f"{unfit_left} layout{'s' if unfit_left > 1 else ''} whose quick splits fit in no allowed "
-                     f"recomputation mode got no ILP (the {unfit_ilps} with the lowest bounds did; another split "
-                     "might fit: plan --exhaustive gives each one)")
+    if unfit:
+        notes.append(f"{unfit} layout{'s' if unfit > 1 else ''} whose quick splits fit in no allowed "
+                     "recomputation mode got no ILP (another split might fit: plan --exhaustive gives each one)")
     if unsolved:
         notes.append(f"{unsolved} layout{'s' if unsolved > 1 else ''} with interleaved or V chunks of identical layers "
                      "kept the quick split, polished, without an ILP (the best found, not proven; plan --exhaustive "

@@ -38,6 +38,8 @@ LOSS_CASES = {
         Case("mixtral-dp2xtp2-ep4", "mixtral-tiny", dp=2, tp=2, ep=4, micro_batch=4),  # one expert per rank
         Case("mixtral-dp2xtp2-ep2-zero3-sp", "mixtral-tiny", dp=2, tp=2, ep=2, zero=3, sequence_parallel=True,
              micro_batch=4),  # experts sharded over edp = 2
+        Case("moe-bias-dp2xtp2-ep2-zero3-sp", "moe-bias-tiny", dp=2, tp=2, ep=2, zero=3, sequence_parallel=True,
+             micro_batch=4),  # the expert biases (E/ep, f) and (E/ep, h) sharded by FSDP2 over edp = 2 too
     ],
 }
 
@@ -51,7 +53,8 @@ GRAD_CASES = {
         Case("qwen3-moe-tp2-sp", "qwen3-moe-tiny", tp=2, sequence_parallel=True, micro_batch=4),
         Case("qwen3-moe-tp2-selective", "qwen3-moe-tiny", tp=2, recompute="selective", micro_batch=4),  # q/k norms
         Case("moe-bias-dp2-ep2", "moe-bias-tiny", dp=2, ep=2, micro_batch=2),  # expert biases sharded with experts
-        Case("moe-bias-tp2-ep2-zero3", "moe-bias-tiny", tp=2, ep=2, zero=3, micro_batch=4),
+        Case("moe-bias-tp2-ep2", "moe-bias-tiny", tp=2, ep=2, micro_batch=4),  # ep over the tensor-parallel ranks
+        Case("moe-bias-dp2-zero3", "moe-bias-tiny", dp=2, zero=3, micro_batch=2),  # biases sharded by FSDP2 (ep 1)
     ],
     4: LOSS_CASES[4],
 }

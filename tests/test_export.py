@@ -1358,7 +1358,7 @@ def test_expert_biases_are_refused_by_megatron_and_torchtitan(plans):
     every linear or none (--add-bias-linear), torchtitan's experts have none: both refuse in one line, naming the
     field, rather than train another model."""
     plan, _ = plans["z3"]
-    spec = load_model_spec("mixtral-8x7b").replace(expert_bias=True)
+    spec = load_model_spec("mixtral-8x7b").replace(expert_bias=True, qkv_bias=True)  # GPT-OSS's biases, bar o's
     oss = plan.replace(model="mixtral-bias", model_spec=spec.to_dict(), stages=even_stages(spec, 1))
     for target in ("megatron", "torchtitan"):
         with pytest.raises(ExportRefused, match=r"expert_bias.*paraplan execute") as e:

@@ -861,3 +861,23 @@ def test_a_split_that_fits_only_unevenly_is_found_without_exhaustive_search():
     heuristic = search(work, 32, allowed_modes=("none",))
     exhaustive = search(work, 32, allowed_modes=("none",), refine_slack=None)
     assert heuristic.best.prediction.iteration_time_s <= exhaustive.best.prediction.iteration_time_s * (1 + 1e-6)
+    # those left with no fitting quick split are counted in a note (interleaved ones are not repaired)
+    assert any("whose quick splits fit in no allowed recomputation mode got no ILP" in n for n in heuristic.notes)
+
+
+def test_memory_repair_passes_blocks_down_from_an_overflowing_last_rank():
+    """gpt3-13b dp4 pp4 mb16 1F1B ZeRO-3 on 16 A100s, no recomputation: the time-balanced split [11, 10, 10, 11]
+    overflows only the last rank (the head's). Blocks go back down the pipeline, on from each rank they overflow in
+    turn, never back where they came from: [12, 11, 11, 8] fits (moving each block back up ping-ponged between the
+    last two ranks and gave up)."""
+    from paraplan.planner.costmodel import default_stages, memory_repaired_stages
+
+    work = Workload.create("gpt3-13b", "jean-zay-a100", 64, nodes=2)
+    model = CostModel(work)
+    lay = Layout(dp=4, tp=1, pp=4, micro_batch=16, global_batch=64, schedule="1f1b", zero=3, recompute="none",
+                 dtype="bf16")
+    even = default_stages(model, lay)
+    assert [len(s) for s in even] == [11, 10, 10, 11] and model.ranks_fit(lay, even, ["none"] * 4) == [True] * 3 + [
+        False]
+    repaired = memory_repaired_stages(model, lay, even, "none")
+    assert [len(s) for s in repaired] == [12, 11, 11, 8] and all(model.ranks_fit(lay, repaired, ["none"] * 4))

@@ -80,9 +80,10 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
                             "without sequence parallelism", "Megatron-Core requires sequence parallelism there "
                             "(megatron/core/model_parallel_config.py); re-plan or simulate with --sequence-parallel")
     if getattr(spec, "expert_bias", False):
-        raise ExportRefused(TARGET, f"biases on the experts alone ({spec.name}: expert_bias)", "Megatron-LM biases "
-                            "every linear (--add-bias-linear: GPT-OSS's attention and experts alike) or none; train it "
-                            "with paraplan execute, or export --to deepspeed")
+        raise ExportRefused(TARGET, f"biases on the experts and the router without every other linear's "
+                            f"({spec.name}: expert_bias)", "Megatron-LM has --add-bias-linear (every linear: "
+                            "GPT-OSS's attention and experts alike) or --add-qkv-bias (q, k and v only); train it with "
+                            "paraplan execute")
     notes: list[str] = []
     if lay.pp > 1 and lay.schedule == "gpipe":
         notes.append("Megatron-LM has no GPipe schedule: it runs 1F1B (the same bubble, less activation memory)")

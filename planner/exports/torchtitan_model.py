@@ -124,14 +124,14 @@ def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
         raise ExportRefused(TARGET, f"a {spec.family} model ({spec.name}: a bidirectional encoder with a masked-LM "
                             "head)", f"{TORCHTITAN_SOURCE} trains causal decoders only; export --to deepspeed "
                             "(Megatron-LM's pretrain_gpt.py trains decoders too)")
+    if spec.expert_bias:
+        raise ExportRefused(TARGET, f"biases on the experts and the router ({spec.name}: expert_bias)",
+                            f"{TORCHTITAN_SOURCE}'s llama4 and deepseek_v3 experts have no bias; train it with "
+                            "paraplan execute")
     if spec.qkv_bias:
         raise ExportRefused(TARGET, f"biases on the q, k and v projections ({spec.name}: Qwen2's layer)",
                             f"{TORCHTITAN_SOURCE}'s llama3, qwen3 and llama4 attention projections have no bias; "
                             "export --to megatron (--add-qkv-bias)")
-    if spec.expert_bias:
-        raise ExportRefused(TARGET, f"biases on the experts and the router ({spec.name}: expert_bias)",
-                            f"{TORCHTITAN_SOURCE}'s llama4 and deepseek_v3 experts have no bias; export --to "
-                            "deepspeed, or train it with paraplan execute")
     registered = _registered_flavor(spec)
     num = numerics(plan)
     if registered and (num.rope_theta, num.norm_eps, _llama3_scaling(num)) != (500000.0, 1e-5, LLAMA31_SCALING):
