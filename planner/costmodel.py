@@ -1210,7 +1210,7 @@ def memory_repaired_stages(model: CostModel, lay: Layout, stages: list[list[int]
     stages = [list(x) for x in stages]
     modes = [mode] * len(stages)
     came_from: dict[int, int] = {}  # rank -> the neighbour its last block came from: a block never goes back
-    for _ in range(len(stages) * sum(len(x) for x in stages)):
+    for _ in range(2 * (len(stages) + sum(len(x) for x in stages))):  # enough for a few blocks down the pipeline
         fit = model.ranks_fit(lay, stages, modes)
         if all(fit):
             return stages
