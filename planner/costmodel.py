@@ -1202,9 +1202,8 @@ def memory_repaired_stages(model: CostModel, lay: Layout, stages: list[list[int]
     rank early in the pipeline holds more micro-batches at its peak, so a balanced-by-time split can overflow its
     first ranks where a split with fewer blocks there fits: a block moves from a rank that does not fit to the
     next rank (the last rank's to the one before, and on down while the ranks it reaches overflow in turn), never
-    emptying a stage. What the search prices where the
-    balanced split fits in no allowed mode (search.quick_price): an uneven split that fits, for the ILP to start
-    from and the pruning to rank by."""
+    emptying a stage. What the search prices where the balanced split fits in no allowed mode (search.quick_price):
+    an uneven split that fits, for the ILP to start from and the pruning to rank by."""
     if lay.virtual_stages != 1 or lay.pp < 2:
         return None
     stages = [list(x) for x in stages]

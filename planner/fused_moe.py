@@ -104,7 +104,6 @@ def saved_bytes(spec, copies: float = 1.0) -> float:
     return 2 * h + 4 * e + copies * k * (2 * h + 2 * up + 4 + 2 * f) + (2 * up_s + 2 * f_s if f_s else 0)
 
 
-
 EXPERT_BIAS_BYTES = (28, 40)  # (forward, backward) bytes per routed copy, times h (module docstring)
 
 

@@ -162,7 +162,7 @@ def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
     # DistributedDataParallel is not used (pipeline, tensor or expert parallelism); expert-parallel experts' where
     # either the layer's or their own edp has replicas
     if data_ranks is None:
-        replicated = lay.data_ranks > 1 and (lay.pp > 1 or lay.tp > 1 or lay.ep > 1)
+        replicated = lay.data_ranks > 1 and not _data_parallel_alone(lay)
     else:
         replicated = lay.ep > 1 and (lay.data_ranks > 1 or data_ranks > 1)
     return _state_bytes(framework, lay.data_ranks if data_ranks is None else data_ranks, lay.zero, lay.dp_mode,
@@ -174,7 +174,13 @@ def ddp_buckets(framework, lay) -> bool:
     over dp > 1, no tensor, pipeline or expert parallelism)? Its gradient buckets are allocated with the wrapper,
     so the gradients are in memory from the first forward on (CostModel.grads_at_activation_peak)."""
     return framework.states == "executor" and lay.dtype == "fp32" and lay.zero <= 1 and lay.data_ranks > 1 \
-        and lay.dp_mode != "ps" and lay.pp == 1 and lay.tp == 1 and lay.ep == 1 and lay.head_parallel == 1
+        and lay.dp_mode != "ps" and _data_parallel_alone(lay) and lay.head_parallel == 1
+
+
+def _data_parallel_alone(lay) -> bool:
+    """No pipeline, tensor or expert parallelism beside the data parallelism: where this executor's fp32 ZeRO 0/1
+    takes DistributedDataParallel rather than FSDP2's replicate (executor/data_parallel.py uses_ddp)."""
+    return lay.pp == 1 and lay.tp == 1 and lay.ep == 1
 
 
 @lru_cache(maxsize=4096)

@@ -154,7 +154,7 @@ def padded_copies(fw) -> float:
     """The routed token copies a rank keeps for backward over the mean: padded to capacity (fixed shapes), every
     expert holds c times its mean share, padding included; otherwise the mean (as the bytes of the all-to-all: the
     dry run routes balanced)."""
-    return fw.moe_capacity_factor if fw.moe_pad_to_capacity and fw.moe_capacity_factor else 1.0
+    return routed_load(fw) if fw.moe_pad_to_capacity else 1.0
 
 
 def is_moe(layer: LayerProfile) -> bool:
