@@ -1007,6 +1007,10 @@ class CostModel:
             notes.append(f"tensor-parallel groups of {lay.tp} span {place.tp.nodes} nodes ({cluster.gpus_per_node} "
                          "GPUs per node): their collectives cross the network on every layer; a tp dividing the GPUs "
                          "per node keeps them inside one")
+        if not self.grads_at_activation_peak(lay, ranks[worst], flights[worst]):  # "grads 0.0" must not read as a bug
+            notes.append(f"gradients {breakdowns[worst]['grads']:.1f} GiB at the peak: the peak comes on the worst "
+                         "rank's first backward, before any gradient exists; the gradients then take the memory the "
+                         "backward frees, and count only what exceeds it")
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")

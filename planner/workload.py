@@ -66,6 +66,10 @@ class Workload:
         if moe_switches and not getattr(spec, "is_moe", False):  # recorded in the plan, they would change nothing
             raise PlanError(f"--{moe_switches[0].replace('_', '-')}: {spec.name} has no experts (a mixture-of-experts "
                             "switch)")
+        if switches.get("moe_shared_expert_overlap") and not getattr(spec, "num_shared_experts", 0):
+            # Megatron-Core asserts moe_shared_expert_intermediate_size beside it: there is nothing to overlap
+            raise PlanError(f"--moe-shared-expert-overlap: {spec.name} has no shared experts "
+                            "(num_shared_experts is 0): there is nothing to overlap with the dispatcher")
         fw = framework_profile(framework, attention, overlap_dp, overlap_tp, **switches)
         model_ref = model if isinstance(model, str) else spec.name
         # a cluster file's absolute path: the plan it goes into must find it from any working directory

@@ -290,6 +290,19 @@ def test_175b_replicated_does_not_fit_and_says_so():
     assert not pred.fits and pred.peak_memory_gib > 16 * 174e9 / 2**30 / 1.01
 
 
+def test_gradients_netted_against_the_first_backward_say_so():
+    """With one micro-batch the activation peak comes before any gradient exists: the breakdown shows only the
+    gradients beyond the activations the first backward frees (memory.rank_memory) — a small or zero "grads" that
+    reads like a bug unless the prediction says why. With gradients accumulated from earlier micro-batches the
+    breakdown holds them whole and no such note is given."""
+    one, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 16, nodes=2, dp=16, tp=1, pp=1, micro_batch=1)
+    many, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 128, nodes=2, dp=16, tp=1, pp=1, micro_batch=1)
+    netted = [n for n in one.notes if "at the peak" in n]
+    assert len(netted) == 1 and f"gradients {one.memory_gib['grads']:.1f} GiB" in netted[0]
+    assert one.memory_gib["grads"] < many.memory_gib["grads"]
+    assert not any("at the peak" in n for n in many.notes)
+
+
 def test_gradient_accumulation_syncs_once_per_iteration():
     """One gradient all-reduce per iteration whatever the micro-batch count (issue 4)."""
     a, _ = _predict("gpt3-1.3b", "dgx-a100-80gb", 16, nodes=2, dp=16, tp=1, pp=1, micro_batch=1)

@@ -462,6 +462,23 @@ def test_mixture_of_experts_switches_on_a_dense_model_are_refused():
     assert_one_line_error(p, "--moe-routing: llama2-7b has no experts")
 
 
+def test_shared_expert_overlap_needs_shared_experts():
+    """Megatron-Core's moe_shared_expert_overlap runs the shared experts beside the dispatcher and asserts that
+    there are shared experts (moe_shared_expert_intermediate_size): on Mixtral, which has none, the switch would
+    change nothing, so it is refused in one line; on DeepSeek-V3 (one shared expert) it is taken."""
+    from conftest import assert_one_line_error, run_cli
+
+    base = ("simulate", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64", "--dp", "8", "--tp", "1",
+            "--pp", "1", "--ep", "8", "--micro-batch", "1", "--zero", "1", "--framework", "megatron-core",
+            "--moe-shared-expert-overlap")
+    p = run_cli(*base, "--model", "mixtral-8x7b")
+    assert_one_line_error(p, "--moe-shared-expert-overlap: mixtral-8x7b has no shared experts")
+    with pytest.raises(PlanError, match="qwen3-30b-a3b has no shared experts"):
+        Workload.create("qwen3-30b-a3b", "dgx-h100", 64, framework="megatron-core", moe_shared_expert_overlap=True)
+    ds = Workload.create("deepseek-v3", "dgx-h100", 64, framework="megatron-core", moe_shared_expert_overlap=True)
+    assert ds.framework.moe_shared_expert_overlap
+
+
 def test_each_stack_runs_only_its_own_schedules_and_zero_stages():
     """Megatron-LM pipelines with 1F1B and interleaved 1F1B (megatron/core/pipeline_parallel/schedules.py) and had
     no ZeRO-2/3 in 2021-22; DeepSpeed's pipeline engine runs 1F1B (TrainSchedule); Megatron-Core requires
