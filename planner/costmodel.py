@@ -573,14 +573,28 @@ class CostModel:
                                                     gpu.efficiency.op_overhead_us * 1e-6)
             times = dataclasses.replace(times, fwd=times.fwd + moe_f, bwd_input=times.bwd_input + moe_b,
                                         mlp_fwd=times.mlp_fwd + moe_f)
-        colls = [c for style, ib, ob, tok in layer.region_io
-                 for c in region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce)] if t > 1 else []
+        colls = self._tp_collectives(layer, sp) if t > 1 else []
         busy = place.gpus_per_node_busy
         tp_fwd = sum(comm.collective(c.op, c.bytes * b, place.tp, work.cluster, busy) for c in colls
                      if c.phase == "fwd")
         tp_bwd = sum(comm.collective(c.op, c.bytes * b, place.tp, work.cluster, busy) for c in colls
                      if c.phase == "bwd")
         return layer, times, colls, tp_fwd, tp_bwd, softmax_fallback
+
+    def _tp_collectives(self, layer, sp: bool) -> list:
+        """A block's tensor-parallel collectives per sample (profiler/tp_view.region_collectives), an MLA
+        attention region's input side at its latents' width where the framework reduces them there."""
+        fw, spec = self.work.framework, self.work.spec
+        latent_width = 0
+        if getattr(spec, "mla", False) and layer.kind == "transformer_layer":
+            latent_width = (spec.q_lora_rank or spec.hidden_size) + spec.kv_lora_rank + spec.qk_rope_head_dim
+        out, attention_seen = [], False
+        for style, ib, ob, tok in layer.region_io:
+            latent = None
+            if latent_width and style == "region" and not attention_seen:  # a layer's attention region comes first
+                latent, attention_seen = ib * latent_width / spec.hidden_size, True  # ib: tokens x h elements
+            out += region_collectives(style, ib, ob, tok, sp, fw.embedding_sp_reduce, latent, fw.mla_tp_input)
+        return out
 
     def _rank_view(self, layer, lay: Layout):
         """moe.rank_view of an MoE ``layer``, once per expert-parallel degree and dtype (all it depends on besides

@@ -64,6 +64,11 @@ class Framework:
     sp_saves_gathered_input: bool = True  # SP regions keep their gathered input for backward (DTensor)
     p2p_scatter_gather: bool = False  # without SP a pipeline send carries 1/t of the boundary (Megatron)
     embedding_sp_reduce: str = "all_reduce"  # the vocab-parallel embedding's output under SP (or reduce_scatter)
+    # MLA's attention input under TP (profiler/tp_view.region_collectives): "hidden" — gathered and its gradient
+    # reduced at the hidden width (torchtitan's NoParallel down-projections); "latent" — the latents gathered and
+    # reduced instead (Megatron-Core); "mixed" — the hidden gathered, the latents' gradients all-reduced (this
+    # executor)
+    mla_tp_input: str = "hidden"
     # ZeRO 1/2 ("zero" states): the all-gather of the updated 16-bit weights after the optimizer step runs
     # bucket by bucket under the next step's first forward (Megatron-Core's overlap_param_gather) instead of
     # before it (dp_sync._zero_accounting)
@@ -168,7 +173,7 @@ class Framework:
 
 
 PARAPLAN = Framework(
-    name="paraplan", recompute_early_stop=True, selective_extra="prologue",
+    name="paraplan", recompute_early_stop=True, selective_extra="prologue", mla_tp_input="mixed",
     source="executor/data_parallel.py, pipeline.py, tensor_parallel.py, context_parallel.py (checked by execute "
            "--dry-run); FP8 as torchao's float8 training (tensorwise dynamic scaling, high-precision tensors saved)")
 
@@ -213,7 +218,7 @@ MEGATRON_CORE = Framework(
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
     fp8_scaling="delayed", elementwise_traffic=0.17, saved_activations="fused", moe_imbalance=1.0,
     moe_grouped_gemm=True, moe_kernels="fused", moe_bias_per_expert=True, fp8_experts=True, selective_extra="mla",
-    dp_buckets="megatron",
+    dp_buckets="megatron", mla_tp_input="latent",
     schedules=MEGATRON_SCHEDULES, moe_tp_needs_sp=True,
     source="Megatron-LM docs (dist_optimizer.md, context_parallel.md, fusions.md) and NeMo 2.0 / Megatron-Bridge "
            "recipes (DistributedDataParallelConfig: overlap_grad_reduce, overlap_param_gather, "

@@ -21,11 +21,31 @@ FP32 = 4
 
 
 def region_collectives(style: str, in_bytes: int, out_bytes: int, tokens: int, sp: bool,
-                       embedding_sp: str = "reduce_scatter") -> list[Collective]:
+                       embedding_sp: str = "reduce_scatter", latent_bytes: float | None = None,
+                       mla_input: str = "hidden") -> list[Collective]:
     """The collectives of one region per micro-batch. ``embedding_sp``: how a vocabulary-parallel embedding
     hands its output to the sequence-parallel region — Megatron reduce-scatters it; DTensor's
     RowwiseParallel (this executor) all-reduces it and each rank keeps its shard. Either way the gradient
-    comes back all-gathered over the sequence."""
+    comes back all-gathered over the sequence.
+
+    ``latent_bytes``: an MLA attention region's latents (DeepSeek-V2 Sec. 2.1: the compressed query, the
+    compressed key-value and the shared rotary key, tokens x (q_lora_rank or h, + kv_lora_rank + rope)), which
+    its replicated down-projections make and its head-sharded up-projections take; ``mla_input`` where its
+    input-side collectives run (Framework.mla_tp_input): "latent" — Megatron-Core, whose duplicated down-projections
+    run on the sequence shard and whose column-parallel up-projections gather the latents (SP) and reduce their
+    gradients (multi_latent_attention.py); "mixed" — this executor: the hidden gathered (SP), the latents'
+    gradients all-reduced (executor/tensor_parallel.py); "hidden" — the input's gradient reduced whole (DTensor's
+    NoParallel down-projections: torchtitan), as any region."""
+    if style == "region" and latent_bytes is not None and mla_input != "hidden":
+        gather = in_bytes if mla_input == "mixed" else latent_bytes
+        grads = [Collective("reduce_scatter" if mla_input == "latent" else "all_reduce", "bwd", latent_bytes,
+                            "latent grads")]
+        if not sp:
+            return [Collective("all_reduce", "fwd", out_bytes, "region output"),
+                    Collective("all_reduce", "bwd", latent_bytes, "latent grads")]
+        return [Collective("all_gather", "fwd", gather, "region input" if mla_input == "mixed" else "latents"),
+                Collective("reduce_scatter", "fwd", out_bytes, "region output"),
+                Collective("all_gather", "bwd", out_bytes, "output grad"), *grads]
     if style == "region":
         if sp:
             return [Collective("all_gather", "fwd", in_bytes, "region input"),

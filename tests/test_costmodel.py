@@ -290,6 +290,32 @@ def test_175b_replicated_does_not_fit_and_says_so():
     assert not pred.fits and pred.peak_memory_gib > 16 * 174e9 / 2**30 / 1.01
 
 
+@pytest.mark.parametrize("framework_name, sp, expected", [
+    # Megatron-Core (multi_latent_attention.py): duplicated down-projections on the sequence shard; the
+    # column-parallel up-projections gather the latents (SP) and reduce their gradients (RS with SP, AR without)
+    ("megatron-core", True, [("all_gather", "fwd", "L"), ("reduce_scatter", "fwd", "O"), ("all_gather", "bwd", "O"),
+                             ("reduce_scatter", "bwd", "L")]),
+    ("megatron-core", False, [("all_reduce", "fwd", "O"), ("all_reduce", "bwd", "L")]),
+    # this executor (executor/tensor_parallel.py): the hidden gathered, the latents' gradients all-reduced
+    ("paraplan", True, [("all_gather", "fwd", "I"), ("reduce_scatter", "fwd", "O"), ("all_gather", "bwd", "O"),
+                        ("all_reduce", "bwd", "L")]),
+    # torchtitan's NoParallel down-projections: the input's gradient reduced at the hidden width, as any region
+    ("torchtitan", True, [("all_gather", "fwd", "I"), ("reduce_scatter", "fwd", "O"), ("all_gather", "bwd", "O"),
+                          ("reduce_scatter", "bwd", "I")]),
+])
+def test_mla_attention_region_collectives(framework_name, sp, expected):
+    """DeepSeek-V3's MLA attention under tensor parallelism: the input side of its region moves the latents
+    (q_lora_rank 1536 + kv_lora_rank 512 + rope 64 = 2112 per token, against the hidden 7168) where the stack
+    reduces them there (Framework.mla_tp_input)."""
+    work = Workload.create("deepseek-v3", "dgx-h100", 64, framework=framework_name)
+    model = CostModel(work)
+    layer = next(x for x in work.profile("bf16").layers if x.kind == "transformer_layer")
+    _, ib, ob, _ = next(r for r in layer.region_io if r[0] == "region")
+    size = {"I": ib, "O": ob, "L": ib * 2112 / 7168}
+    got = [(c.op, c.phase, c.bytes) for c in model._tp_collectives(layer, sp)][:len(expected)]
+    assert got == [(op, phase, pytest.approx(size[k])) for op, phase, k in expected]
+
+
 def test_gradients_netted_against_the_first_backward_say_so():
     """With one micro-batch the activation peak comes before any gradient exists: the breakdown shows only the
     gradients beyond the activations the first backward frees (memory.rank_memory) — a small or zero "grads" that
