@@ -37,7 +37,12 @@ software's or the report's figures, no free parameter.
 A row whose table cells contradict the recipe its release ran carries that recipe's layout (``recipe_layout``,
 with its source): Qwen3-30B-A3B at 26.02.01, whose table kept the 26.02 row's PP2/VP12/EP8 while the release's
 recipe ran PP1/EP16 with HybridEP (read from Megatron-Bridge's history after the row was seen at +0.0% as
-printed; priced as run it is -10.0%, beside the same recipe's 26.04 rows).
+printed; priced as run it is -10.0%, beside the same recipe's 26.04 rows). Likewise, read after the rows
+had been priced, the two PP2 rows whose VP 24 (and at 25.11 MBS 2) cells contradict their release's scripts:
+Qwen3-30B-A3B 25.11 (v0.2.0: MBS 1, VP 12; -46.9% as printed, -30.3% as run) and 25.09's token-drop row (VP 12;
++14.8% as printed, +14.9% as run). Those dropless PP2 rows (25.11, 26.02) are the ones Megatron-Bridge issue
+#1998 reports 2X slower than token drop: a regression NVIDIA fixed by a recipe change, its time host-bound
+(a host sync per dropless dispatch beside the all-to-all overlap), which this model does not price.
 
 Llama 4 Maverick's two dgxc rows (MoE every other layer) are priced since the specs have moe_layer_step: they were
 first seen then, never fitted to (held out). So were six Megatron-Core rows found in round 2 (the MoE model zoo's
