@@ -77,6 +77,12 @@ suspicious 6.5%). Then 26.02's DeepEP for Qwen3-30B-A3B's PP2 row (RECIPES_26_02
 overlap fit's gain is on the fitted row's siblings (its layout in four other releases); without the siblings of any
 fitted row, 54 held-out rows, 8.7% (printed). NeMo
 Automodel's GPT-OSS-20B is not charged the loop (its experts are not TEGroupedMLP).
+Round 5, from the source with no free parameter, after every row had been seen: DeepSeek-V3's node-limited
+routing (spec fields moe_router_num_groups 8 / moe_router_group_topk 4, as Megatron-Bridge's DeepSeekV3ModelProvider
+and NeMo set them): a deduplicating dispatcher (DeepEP, HybridEP) sends a token to fewer nodes (moe.
+limited_destinations). dgxc v25.08's DeepSeek-V3 +22.7% -> +9.0%, Megatron-Bridge 25.09's +6.1% -> +0.6%;
+Automodel's rows route with its fake balanced gate and do not move. With the recipe layouts above: held out 71 rows
+7.6% -> 7.1%, the 67 not marked suspicious 6.6%, without the fitted rows' siblings 8.0%.
 
 Megatron-Bridge's 25.09 token-drop rows are priced with its apply_moe_token_drop defaults (capacity factor 1.0,
 padded to capacity: --moe-capacity-factor 1.0 --moe-pad-to-capacity), first in round 2 (LATE).

@@ -55,7 +55,8 @@ _FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
                     "moe_ffn_hidden_size": ("moe_intermediate_size",), "dense_layers": ("first_k_dense_replace",),
                     "mtp_layers": ("num_nextn_predict_layers",), "moe_score_function": ("scoring_func",),
                     "moe_norm_topk": ("norm_topk_prob",), "moe_routed_scaling_factor": ("routed_scaling_factor",),
-                    "moe_aux_loss_coeff": ("aux_loss_alpha",)},
+                    "moe_aux_loss_coeff": ("aux_loss_alpha",), "moe_router_num_groups": ("n_group",),
+                    "moe_router_group_topk": ("topk_group",)},
     # Llama 4's text model (HF Llama4TextConfig): MoE blocks of routed experts plus one shared expert, both
     # intermediate_size wide; its dense layers' MLP is intermediate_size_mlp wide. Llama4 L2-normalises q and k
     # without weights (use_qk_norm): no parameters, so not our (RMSNorm) qk_norm.
@@ -136,8 +137,15 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
                                  "(only the first first_k_dense_replace layers may be dense)")
         if model_type == "deepseek_v3" and "moe_aux_loss_coeff" not in out:
             out["moe_aux_loss_coeff"] = 0.0001  # the V3 report's balance factor (arXiv 2412.19437, Sec. 4.2)
+        if model_type == "deepseek_v3" and out.get("num_experts"):  # DeepseekV3Config's defaults: n_group 8, topk 4
+            out.setdefault("moe_router_num_groups", 8)
+            out.setdefault("moe_router_group_topk", 4)
+        if model_type == "deepseek_v2" and data.get("topk_method", "greedy") != "group_limited_greedy":
+            out.pop("moe_router_num_groups", None)  # V2's greedy top-k ignores its n_group / topk_group
+            out.pop("moe_router_group_topk", None)
         if not out.get("num_experts"):  # a dense DeepSeek: no MoE-only fields
-            for k in ("experts_per_token", "num_shared_experts", "moe_ffn_hidden_size", "dense_layers"):
+            for k in ("experts_per_token", "num_shared_experts", "moe_ffn_hidden_size", "dense_layers",
+                      "moe_router_num_groups", "moe_router_group_topk"):
                 out.pop(k, None)
     return out
 

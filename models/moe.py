@@ -162,16 +162,31 @@ def balanced_assignment(tokens: int, num_experts: int, k: int, device) -> tuple[
     return idx, [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
+def group_limited_topk(scores: torch.Tensor, k: int, groups: int, group_topk: int) -> torch.Tensor:
+    """scores (T, E) -> expert_idx (T, k): the k best experts within each token's ``group_topk`` best of ``groups``
+    equal blocks of experts, a block scored by the sum of its top k / group_topk scores (DeepSeek-V3's
+    node-limited routing, arXiv 2412.19437 Sec. 2.1.2, as Megatron-Core's moe_utils.group_limited_topk)."""
+    t, e = scores.shape
+    per_group = scores.view(t, groups, e // groups)  # (T, G, E/G)
+    group_scores = per_group.topk(k // group_topk, dim=-1).values.sum(dim=-1)  # (T, G)
+    chosen = group_scores.topk(group_topk, dim=-1).indices  # (T, M)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)  # (T, G)
+    masked = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)  # (T, E)
+    return torch.topk(masked, k, dim=-1).indices  # (T, k)
+
+
 class Router(nn.Module):
-    """Top-k token-choice router: an E x h gate (biased with ``bias``: GPT-OSS), softmax or sigmoid scores."""
+    """Top-k token-choice router: an E x h gate (biased with ``bias``: GPT-OSS), softmax or sigmoid scores,
+    optionally limited to ``group_topk`` of ``groups`` blocks of experts per token (:func:`group_limited_topk`)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score_function: str, norm_topk: bool,
-                 scaling: float, bias: bool = False):
+                 scaling: float, bias: bool = False, groups: int = 1, group_topk: int = 1):
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=bias)
         self.num_experts, self.top_k = num_experts, top_k
         self.sigmoid = score_function == "sigmoid"
         self.norm_topk, self.scaling = norm_topk, scaling
+        self.groups, self.group_topk = groups, group_topk
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """x: (T, h) -> scores (T, E) and weights (T, k) in fp32 (or wider), expert_idx (T, k) int64, and the
@@ -181,6 +196,9 @@ class Router(nn.Module):
         scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
         if routes_balanced(x):
             idx, counts = balanced_assignment(x.shape[0], self.num_experts, self.top_k, x.device)
+        elif self.groups > 1:
+            idx = group_limited_topk(scores, self.top_k, self.groups, self.group_topk)  # (T, k)
+            counts = torch.bincount(idx.flatten(), minlength=self.num_experts).tolist()
         else:
             idx = torch.topk(scores, self.top_k, dim=-1).indices  # (T, k)
             counts = torch.bincount(idx.flatten(), minlength=self.num_experts).tolist()
@@ -271,7 +289,8 @@ class MoE(nn.Module):
     def __init__(self, spec: TransformerSpec, shared_experts: nn.Module | None = None):
         super().__init__()
         self.router = Router(spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_score_function,
-                             spec.moe_norm_topk, spec.moe_routed_scaling_factor, spec.expert_bias)
+                             spec.moe_norm_topk, spec.moe_routed_scaling_factor, spec.expert_bias,
+                             *spec.routing_groups)
         self.experts = GroupedExperts(spec.num_experts, spec.hidden_size, spec.moe_ffn_size, spec.family == "llama",
                                       spec.expert_bias)
         self.shared_experts = shared_experts

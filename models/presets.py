@@ -90,7 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                         ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_experts=256, experts_per_token=8,
                         num_shared_experts=1, dense_layers=3, moe_score_function="sigmoid",
                         moe_routed_scaling_factor=2.5, moe_aux_loss_coeff=0.0001, mtp_layers=1, vocab_size=129280,
-                        seq_length=4096),
+                        moe_router_num_groups=8, moe_router_group_topk=4, seq_length=4096),
     "llama4-scout": dict(family="llama", num_layers=48, hidden_size=5120, num_attention_heads=40, num_kv_heads=8,
                          head_dim=128, ffn_hidden_size=16384, moe_ffn_hidden_size=8192, num_experts=16,
                          experts_per_token=1, num_shared_experts=1, moe_score_function="sigmoid", moe_norm_topk=False,

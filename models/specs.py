@@ -46,6 +46,8 @@ _LIMITS = {
     "qk_nope_head_dim": 1 << 16,
     "qk_rope_head_dim": 1 << 16,
     "v_head_dim": 1 << 16,
+    "moe_router_num_groups": 1 << 16,
+    "moe_router_group_topk": 1 << 16,
 }
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # Transformer fields added with mixture-of-experts support: left out of to_dict() at their defaults.
@@ -53,7 +55,7 @@ _OPTIONAL_FIELDS = frozenset({
     "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
     "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff",
-    "sliding_window", "qkv_bias", "expert_bias"})
+    "sliding_window", "qkv_bias", "expert_bias", "moe_router_num_groups", "moe_router_group_topk"})
 _BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias", "expert_bias"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
@@ -118,6 +120,12 @@ class TransformerSpec(ModelSpec):
     moe_aux_loss_coeff: float = 0.01  # sequence-wise load-balancing loss weight (alpha); 0 turns it off
     # biases on every routed expert's linear layers and on the router (GPT-OSS); shared experts have none
     expert_bias: bool = False
+    # group-limited routing (DeepSeek-V3's node-limited routing, arXiv 2412.19437 Sec. 2.1.2; HF n_group /
+    # topk_group; Megatron-Core's moe_router_num_groups / moe_router_group_topk): the experts in num_groups equal
+    # blocks, each token's k experts chosen within the group_topk blocks of highest summed top-(k / group_topk)
+    # scores. 1 / 1: no limit
+    moe_router_num_groups: int = 1
+    moe_router_group_topk: int = 1
 
     is_transformer: ClassVar[bool] = True
     required: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -233,7 +241,8 @@ class TransformerSpec(ModelSpec):
 
     def _validate_moe(self, source: str) -> None:
         moe_only = {"experts_per_token": None, "moe_ffn_hidden_size": None, "num_shared_experts": 0,
-                    "dense_layers": 0, "moe_layer_step": 1, "expert_bias": False}
+                    "dense_layers": 0, "moe_layer_step": 1, "expert_bias": False, "moe_router_num_groups": 1,
+                    "moe_router_group_topk": 1}
         if not self.is_moe:
             given = [k for k, default in moe_only.items() if getattr(self, k) != default]
             if given:
@@ -253,6 +262,20 @@ class TransformerSpec(ModelSpec):
         if self.moe_score_function not in SCORE_FUNCTIONS:
             raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
                                  f"{', '.join(SCORE_FUNCTIONS)}, got {self.moe_score_function!r}")
+        g, m = self.moe_router_num_groups, self.moe_router_group_topk
+        if e % g:
+            raise ModelSpecError(f"{source}: field 'moe_router_num_groups' ({g}) must divide num_experts ({e})")
+        if m > g:
+            raise ModelSpecError(f"{source}: field 'moe_router_group_topk' ({m}) exceeds moe_router_num_groups ({g})")
+        if g > 1 and not m <= k <= m * (e // g):
+            raise ModelSpecError(f"{source}: experts_per_token ({k}) must be between moe_router_group_topk ({m}) and "
+                                 f"the experts of the groups chosen ({m} x {e // g}): each chosen group gives one "
+                                 "at least")
+
+    @property
+    def routing_groups(self) -> tuple[int, int]:
+        """(groups, groups chosen per token) of group-limited routing; (1, 1) without."""
+        return self.moe_router_num_groups, self.moe_router_group_topk
 
 
 @dataclass(frozen=True)

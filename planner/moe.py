@@ -372,14 +372,19 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
 
 
 @lru_cache(maxsize=256)
-def token_destinations(experts: int, k: int, groups: int, routing: str = "uniform") -> float:
+def token_destinations(experts: int, k: int, groups: int, routing: str = "uniform",
+                       limit: tuple[int, int] = (1, 1)) -> float:
     """How many of ``groups`` equal blocks of consecutive experts (ranks, or nodes) one token's k experts fall
     in, on average. ``uniform`` (k distinct experts at random): a block of E/g experts holds none of them with
     probability C(E - E/g, k) / C(E, k), so g·(1 - that). ``consecutive`` (token t takes experts t·k ... t·k + k - 1
-    mod E: Framework.moe_routing): counted over the starts the tokens cycle through."""
+    mod E: Framework.moe_routing): counted over the starts the tokens cycle through. ``limit``: group-limited
+    routing's (groups, groups chosen) (ModelSpec.routing_groups), under uniform routing: see
+    :func:`limited_destinations`."""
     per = experts // groups
     if groups <= 1 or per <= 0:
         return 1.0
+    if routing == "uniform" and limit[0] > 1:
+        return limited_destinations(experts, k, groups, *limit)
     if routing == "consecutive":
         starts = [(t * k) % experts for t in range(experts // math.gcd(experts, k))]
         block = lambda e: min(e // per, groups - 1)  # noqa: E731  (a last, larger block takes what is left over)
@@ -388,8 +393,46 @@ def token_destinations(experts: int, k: int, groups: int, routing: str = "unifor
     return groups * (1 - miss)
 
 
+LIMITED_SAMPLES = 4096  # tokens drawn by limited_destinations (its estimate's standard error is under 0.5%)
+
+
+@lru_cache(maxsize=16)
+def _limited_choices(experts: int, k: int, groups: int, group_topk: int):
+    """The k experts models.moe.group_limited_topk picks for each of LIMITED_SAMPLES tokens of uniform scores
+    (a fixed seed): (T, k) expert indices."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    scores = rng.random((LIMITED_SAMPLES, groups, experts // groups), dtype=np.float32)  # (T, G, E/G)
+    best = k // group_topk
+    group_scores = -np.partition(-scores, best - 1, axis=-1)[..., :best].sum(axis=-1)  # (T, G)
+    chosen = np.argpartition(-group_scores, group_topk - 1, axis=-1)[:, :group_topk]  # (T, M)
+    keep = np.zeros(group_scores.shape, dtype=bool)
+    np.put_along_axis(keep, chosen, True, axis=-1)
+    masked = np.where(keep[..., None], scores, np.float32(-1.0)).reshape(LIMITED_SAMPLES, experts)  # (T, E)
+    return np.argpartition(masked, experts - k, axis=-1)[:, experts - k:]  # (T, k): the k best experts
+
+
+@lru_cache(maxsize=64)
+def limited_destinations(experts: int, k: int, blocks: int, groups: int, group_topk: int) -> float:
+    """token_destinations under group-limited routing (DeepSeek-V3 Sec. 2.1.2: at most ``group_topk`` of
+    ``groups`` blocks of experts per token) with scores independent and identically distributed, as force-balanced
+    routing draws them (Megatron-Core's moe_router_force_load_balancing: random logits): the blocks the k experts
+    of models.moe.group_limited_topk fall in, averaged over LIMITED_SAMPLES tokens (_limited_choices). Not the
+    uniform formula within the chosen groups: a group is chosen for its best scores, which then tend to be among
+    the k (DeepSeek-V3's 256 experts, 8 groups, 4 chosen, top 8: 3.95 of the 8 groups hit, not the 3.64 of k
+    experts drawn uniformly from the 4)."""
+    import numpy as np
+
+    idx = _limited_choices(experts, k, groups, group_topk)
+    block = np.minimum(idx // (experts // blocks), blocks - 1)  # a last, larger block takes what is left over
+    hit = np.zeros((LIMITED_SAMPLES, blocks), dtype=bool)
+    np.put_along_axis(hit, block, True, axis=-1)
+    return float(hit.sum(axis=-1).mean())
+
+
 def deduplicated_dispatch(tokens: float, token_bytes: float, experts: int, k: int, span, cluster,
-                          busy: int, routing: str = "uniform") -> float:
+                          busy: int, routing: str = "uniform", limit: tuple[int, int] = (1, 1)) -> float:
     """One dispatch (or combine) of ``tokens`` tokens by DeepEP / HybridEP (Megatron-Core's flex dispatcher):
     a token crosses the network once per remote node holding any of its k experts, then NVLink forwards it
     to those experts' GPUs (DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.2: "first transmitted via IB to
@@ -402,12 +445,12 @@ def deduplicated_dispatch(tokens: float, token_bytes: float, experts: int, k: in
     if n <= 1 or tokens <= 0:
         return 0.0
     intra = cluster.intra_node
-    ranks = token_destinations(experts, k, n, routing)
+    ranks = token_destinations(experts, k, n, routing, limit)
     t_intra = tokens * ranks * token_bytes * (n - 1) / n / intra.bandwidth_Bps + (intra.latency_s if r > 1 else 0.0)
     if n == r:
         return t_intra
     nodes = span.nodes
-    remote = token_destinations(experts, k, nodes, routing) * (nodes - 1) / nodes  # remote nodes a token goes to
+    remote = token_destinations(experts, k, nodes, routing, limit) * (nodes - 1) / nodes  # remote nodes it goes to
     net = comm.network_share(cluster, comm.senders(span, busy))
     t_inter = tokens * remote * token_bytes / net.bandwidth_Bps + net.latency_s
     return max(t_intra, t_inter)
@@ -449,10 +492,11 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         span = consecutive_group(cluster, lay.ep, lay.etp, lay.num_gpus)
         # every token copy the rank routes (balanced: also what it receives): one per routed expert, or with a
         # deduplicating dispatcher one per GPU holding any of the token's experts (deduplicated_dispatch)
-        copies = token_destinations(e, k, span.size, fw.moe_routing) if fw.moe_dispatcher == "hybridep" else k
+        limit = spec.routing_groups
+        copies = token_destinations(e, k, span.size, fw.moe_routing, limit) if fw.moe_dispatcher == "hybridep" else k
         sent = tokens * copies * h * elem
         if fw.moe_dispatcher == "hybridep":
-            one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy, fw.moe_routing)
+            one = deduplicated_dispatch(tokens, h * elem, e, k, span, cluster, busy, fw.moe_routing, limit)
         else:
             one = all_to_all(sent, span, cluster, busy)
         one *= routed_load(fw)

@@ -42,6 +42,8 @@ EXTRA_MODELS = {
     "moe-bias-tiny": dict(family="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                           ffn_hidden_size=256, moe_ffn_hidden_size=64, num_experts=4, experts_per_token=2,
                           expert_bias=True, vocab_size=1024, seq_length=128),
+    # DeepSeek-V3's node-limited routing: each token's 2 experts within 2 of 4 groups of 2
+    "deepseek-groups-tiny": {**PRESETS["deepseek-tiny"], "moe_router_num_groups": 4, "moe_router_group_topk": 2},
     "bert-small": dict(family="bert", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024,
                        seq_length=128),
     "mlp-small": dict(family="mlp", input_size=64, hidden_sizes=[128, 128], num_classes=10),

@@ -55,6 +55,7 @@ GRAD_CASES = {
         Case("moe-bias-dp2-ep2", "moe-bias-tiny", dp=2, ep=2, micro_batch=2),  # expert biases sharded with experts
         Case("moe-bias-tp2-ep2", "moe-bias-tiny", tp=2, ep=2, micro_batch=4),  # ep over the tensor-parallel ranks
         Case("moe-bias-dp2-zero3", "moe-bias-tiny", dp=2, zero=3, micro_batch=2),  # biases sharded by FSDP2 (ep 1)
+        Case("deepseek-groups-dp2-ep2", "deepseek-groups-tiny", dp=2, ep=2, micro_batch=2),  # group-limited routing
     ],
     4: LOSS_CASES[4],
 }

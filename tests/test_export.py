@@ -47,7 +47,7 @@ MEGATRON_FLAGS = {
     "--moe-router-topk",
     "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
-    "--moe-router-load-balancing-type",
+    "--moe-router-load-balancing-type", "--moe-router-num-groups", "--moe-router-group-topk",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
     "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
@@ -706,6 +706,20 @@ def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, tor
                                                                       for i in range(spec.num_layers)]
     moe = model.layers["1"].moe
     assert (moe.router.score_func, moe.router.route_scale, moe.router.top_k) == ("sigmoid", 2.5, 2)
+    assert moe.router.num_expert_groups is None  # deepseek-tiny routes over all its experts
+    # node-limited routing (DeepSeek-V3's n_group / topk_group): torchtitan's num_expert_groups / num_limited_groups,
+    # Megatron-LM's --moe-router-num-groups / --moe-router-group-topk; torchtitan scores a group by its top 2
+    (tmp_path / "grouped.yaml").write_text(json.dumps({**spec.to_dict(), "name": "grouped",
+                                                       "moe_router_num_groups": 4, "moe_router_group_topk": 2}))
+    grouped = _tiny_plan(tmp_path / "g.json", str(tmp_path / "grouped.yaml"), "--dp", "4", "--tp", "1", "--pp", "1",
+                         "--ep", "2")
+    p, cfg = export_torchtitan(tmp_path, grouped, "grouped", torchtitan_config)
+    assert "scores a group of experts by its top 2 scores" in p.stderr  # k / group_topk = 1 here
+    _, model = check_flavor_module(torchtitan_models, tmp_path / "grouped_model.py", cfg,
+                                   load_model_spec(str(tmp_path / "grouped.yaml")))
+    assert (model.layers["1"].moe.router.num_expert_groups, model.layers["1"].moe.router.num_limited_groups) == (4, 2)
+    f, _ = megatron_export(grouped, tmp_path, load_model_spec(str(tmp_path / "grouped.yaml")))
+    assert (f["--moe-router-num-groups"], f["--moe-router-group-topk"]) == ("4", "2")
     # latent attention without experts, under a pipeline: deepseek_v3 with every layer dense
     keep = ("family", "num_layers", "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "ffn_hidden_size", "vocab_size", "seq_length")

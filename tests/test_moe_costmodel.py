@@ -762,6 +762,41 @@ def test_token_destinations_count_the_blocks_a_tokens_experts_fall_in():
     assert moe.token_destinations(256, 8, 1) == moe.token_destinations(256, 8, 1, "consecutive") == 1.0
 
 
+def test_group_limited_routing_sends_to_fewer_nodes():
+    """DeepSeek-V3's node-limited routing (Sec. 2.1.2: "each token will be sent to at most M = 4 nodes"; n_group 8,
+    topk_group 4): under force-balanced (i.i.d.) scores the blocks a token's 8 experts reach, sampled by the cost
+    model, agree with the executor's router (models.moe.group_limited_topk) drawn here from another seed; with
+    every group allowed they are the uniform closed form; a deduplicating dispatch across 8 nodes moves fewer
+    bytes over the network. The alltoall dispatcher, one copy per routed expert, is unchanged."""
+    import torch
+
+    from paraplan.models.moe import group_limited_topk
+
+    torch.manual_seed(1)
+    idx = group_limited_topk(torch.rand(4096, 256), 8, 8, 4)  # (T, 8)
+    for blocks in (8, 16, 64):
+        drawn = sum(len({min(e // (256 // blocks), blocks - 1) for e in row}) for row in idx.tolist()) / len(idx)
+        assert moe.token_destinations(256, 8, blocks, "uniform", (8, 4)) == pytest.approx(drawn, rel=0.02)
+        assert moe.token_destinations(256, 8, blocks, "uniform", (8, 4)) < moe.token_destinations(256, 8, blocks)
+    assert moe.token_destinations(256, 8, 8, "uniform", (8, 4)) <= 4
+    assert moe.token_destinations(256, 8, 8, "uniform", (8, 8)) == \
+        pytest.approx(moe.token_destinations(256, 8, 8), rel=0.02)
+    assert moe.token_destinations(256, 8, 8, "consecutive", (8, 4)) == moe.token_destinations(256, 8, 8, "consecutive")
+    from paraplan.planner.api import simulate
+
+    lay = Layout(dp=64, tp=1, pp=1, ep=64, micro_batch=1, global_batch=64, zero=3, recompute="full")
+    v3 = load_model_spec("deepseek-v3")
+    sent = {}
+    for name, spec in (("limited", v3), ("free", v3.replace(moe_router_num_groups=1, moe_router_group_topk=1))):
+        for dispatcher in ("hybridep", "alltoall"):
+            work = Workload.create(spec, "dgx-h100", 64, nodes=8, framework="megatron-core",
+                                   moe_dispatcher=dispatcher)
+            sent[name, dispatcher] = simulate(work, lay, event_sim=False)[0].rank_comm_bytes[0]["all_to_all"]
+    assert sent["limited", "alltoall"] == sent["free", "alltoall"]
+    ratio = moe.token_destinations(256, 8, 64, "uniform", (8, 4)) / moe.token_destinations(256, 8, 64)
+    assert sent["limited", "hybridep"] / sent["free", "hybridep"] == pytest.approx(ratio, rel=1e-3)
+
+
 def test_deduplicated_dispatch_sends_a_token_once_per_gpu_and_node():
     """DeepEP / HybridEP send a token once to each GPU holding any of its experts (not once per expert), across
     nodes once per node: inside one node, tokens x destinations x (n-1)/n x bytes over NVLink plus its latency."""

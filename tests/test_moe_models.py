@@ -188,6 +188,41 @@ def test_hf_deepseek_v3_fields():
     assert (spec.moe_ffn_size, spec.ffn_size, spec.mtp_layers) == (2048, 18432, 1)
     assert (spec.moe_score_function, spec.moe_routed_scaling_factor, spec.moe_aux_loss_coeff) == ("sigmoid", 2.5, 1e-4)
     assert [spec.is_moe_layer(i) for i in range(5)] == [False, False, False, True, True]
+    # node-limited routing (n_group 8, topk_group 4: at most 4 of 8 blocks of 32 experts per token, Sec. 2.1.2)
+    assert spec.routing_groups == (8, 4) == load_model_spec("deepseek-v3").routing_groups
+
+
+def test_group_limited_routing_fields(write):
+    """DeepSeek-V2's n_group / topk_group apply only under its group_limited_greedy top-k method (its greedy
+    default ignores them); bad groupings are refused naming the field."""
+    assert _hf(write, DEEPSEEK_V2).routing_groups == (1, 1)
+    limited = _hf(write, {**DEEPSEEK_V2, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3})
+    assert limited.routing_groups == (8, 3)
+    base = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=32,
+                num_experts=8, experts_per_token=2)
+    for fields, message in (({"moe_router_num_groups": 3}, "must divide num_experts"),
+                            ({"moe_router_num_groups": 4, "moe_router_group_topk": 5}, "exceeds"),
+                            ({"moe_router_num_groups": 4, "moe_router_group_topk": 3}, "between")):
+        with pytest.raises(ModelSpecError, match=message):
+            spec_from_mapping({**base, **fields}, "spec.yaml")
+    with pytest.raises(ModelSpecError, match="needs num_experts"):
+        spec_from_mapping({**base, "num_experts": 0, "experts_per_token": None, "moe_router_num_groups": 2},
+                          "spec.yaml")
+
+
+def test_group_limited_router_picks_within_the_best_groups():
+    """models.moe.group_limited_topk as Megatron-Core's moe_utils.group_limited_topk: groups scored by the sum of
+    their top k / group_topk scores, the k experts taken within the group_topk best groups only."""
+    from paraplan.models.moe import group_limited_topk
+
+    # 8 experts in 4 groups of 2; k = 2 from 1 group: group sums 0.9+0.1, 0.8+0.7 (best), 0.95+0.0, 0.3+0.2
+    scores = torch.tensor([[0.9, 0.1, 0.8, 0.7, 0.95, 0.0, 0.3, 0.2]])
+    assert sorted(group_limited_topk(scores, 2, 4, 1)[0].tolist()) == [2, 3]  # not the plain top 2 (4, 0)
+    torch.manual_seed(0)
+    many = torch.rand(500, 64)
+    idx = group_limited_topk(many, 8, 8, 2)  # (T, 8): 8 of 64 experts within 2 of 8 groups of 8
+    assert all(len({e // 8 for e in row}) <= 2 for row in idx.tolist())
+    assert torch.equal(group_limited_topk(many, 8, 1, 1).sort(-1).values, many.topk(8, -1).indices.sort(-1).values)
 
 
 def _hf(write, config: dict):

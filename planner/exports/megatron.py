@@ -190,6 +190,9 @@ def _moe_args(spec) -> Args:
         a.append(("--moe-router-score-function", spec.moe_score_function))
     if getattr(spec, "moe_routed_scaling_factor", 1.0) != 1.0:
         a.append(("--moe-router-topk-scaling-factor", spec.moe_routed_scaling_factor))
+    groups, group_topk = getattr(spec, "routing_groups", (1, 1))
+    if groups > 1:  # node-limited routing (Megatron-Core's moe_utils.group_limited_topk: the same rule as the plan's)
+        a += [("--moe-router-num-groups", groups), ("--moe-router-group-topk", group_topk)]
     if hasattr(spec, "moe_aux_loss_coeff"):
         a.append(("--moe-aux-loss-coeff", spec.moe_aux_loss_coeff))
         if spec.moe_aux_loss_coeff:  # the plan's loss is per sequence (models/moe.py sequence_aux_loss, DeepSeek's);

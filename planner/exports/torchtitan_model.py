@@ -356,6 +356,9 @@ def _norm_rope(m: TitanModel, num: Numerics, plain: str = "", plain_comment: str
 
 def _moe_args(spec: TransformerSpec) -> str:
     balance = repr(LOAD_BALANCE_COEFF) if spec.moe_aux_loss_coeff > 0 else "None"
+    groups, group_topk = spec.routing_groups
+    limited = (f"        num_expert_groups={groups},  # node-limited routing\n"
+               f"        num_limited_groups={group_topk},\n") if groups > 1 else ""
     return ("MoEArgs(\n"
             f"        num_experts={spec.num_experts},\n"
             f"        num_shared_experts={spec.num_shared_experts},\n"
@@ -363,12 +366,18 @@ def _moe_args(spec: TransformerSpec) -> str:
             f"        score_func={json.dumps(spec.moe_score_function)},\n"
             f"        route_norm={spec.moe_norm_topk!r},  # renormalise the top-k scores\n"
             f"        route_scale={spec.moe_routed_scaling_factor!r},\n"
+            f"{limited}"
             "        score_before_experts=False,  # scores weight the experts' outputs\n"
             f"        load_balance_coeff={balance},  # expert-bias balancing (torchtitan has no auxiliary loss)\n"
             "    )")
 
 
 def _moe_notes(m: TitanModel, spec: TransformerSpec) -> None:
+    groups, group_topk = spec.routing_groups
+    if groups > 1 and spec.top_k // group_topk != 2:
+        m.notes.append(f"{TORCHTITAN_SOURCE} scores a group of experts by its top 2 scores; the plan (as "
+                       f"Megatron-Core) by its top k / group_topk = {spec.top_k // group_topk}: the groups chosen may "
+                       "differ")
     if spec.moe_aux_loss_coeff > 0:
         m.notes.append(f"{TORCHTITAN_SOURCE} has no auxiliary load-balancing loss: instead of the plan's "
                        f"sequence-wise one (moe_aux_loss_coeff {spec.moe_aux_loss_coeff:g}) experts are balanced by "
