@@ -293,7 +293,11 @@ def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: 
     """The forward collectives of a layer under tensor parallelism that recomputation ``mode`` reruns in
     backward: all of them (full; a dense MLP region's come last, as it runs last) or the MLP region's (mlp: a
     dense layer's second TP region, attention's popping first; an MoE block has none, each rank routing its own
-    sequence shard), less the MLP's output reduce under an early-stopping checkpoint."""
+    sequence shard), less the MLP's output reduce under an early-stopping checkpoint; and under selective
+    recomputation of MLA's up-projections (Megatron-Core's mla_up_proj) the latents' all-gather their
+    column-parallel linears run first with sequence parallelism (CostModel._tp_collectives)."""
+    mla_up = recomputes_core(mode) and fw.selective_extra == "mla"
+    up_proj = [c for c in colls if c.what == "latents"] if mla_up else []
     if mode == "full":
         again = [c for c in colls if c.phase == "fwd"]
     elif recomputes_mlp(mode):
@@ -301,8 +305,8 @@ def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: 
         again = [c for c in region_collectives(*regions[-1], sp, fw.embedding_sp_reduce)
                  if c.phase == "fwd"] if len(regions) >= 2 else []
     else:
-        return []
-    return again[:-1] if early_stop and again else again
+        return up_proj
+    return up_proj + (again[:-1] if early_stop and again else again)
 
 
 class _LayoutStages:

@@ -16,7 +16,7 @@ from paraplan.planner.api import simulate
 from paraplan.planner.costmodel import CostModel, balanced_stages, default_stages
 from paraplan.planner.layout import Layout
 from paraplan.planner.memory import layer_activation_bytes, model_state_bytes
-from paraplan.planner.placement import placement
+from paraplan.planner.placement import layout_placement, placement
 from paraplan.planner.schedules import closed_form_makespan, in_flight
 from paraplan.planner.simulator import build_graph, graph_makespan, simulate_pipeline
 from paraplan.planner.workload import Workload
@@ -314,6 +314,23 @@ def test_mla_attention_region_collectives(framework_name, sp, expected):
     size = {"I": ib, "O": ob, "L": ib * 2112 / 7168}
     got = [(c.op, c.phase, c.bytes) for c in model._tp_collectives(layer, sp)][:len(expected)]
     assert got == [(op, phase, pytest.approx(size[k])) for op, phase, k in expected]
+
+
+def test_mla_up_projection_recomputation_reruns_the_latents_gather():
+    """Megatron-Core's selective recomputation of MLA (recompute_modules mla_up_proj) checkpoints the up-projections,
+    whose column-parallel linears all-gather the latents under sequence parallelism: the backward runs that gather
+    again (tensor-parallel bytes grow by the latents, 2112 of every token's 7168 hidden), this executor's
+    prologue recomputation does not (the hidden is gathered before its checkpoint)."""
+    for name, extra in (("megatron-core", 2112 / 7168), ("paraplan", 0.0)):
+        work = Workload.create("deepseek-v3", "dgx-h100", 64, framework=name)
+        model = CostModel(work)
+        lay = Layout(dp=4, tp=2, pp=1, micro_batch=1, global_batch=64, sequence_parallel=True)
+        place = layout_placement(work.cluster, lay)
+        i = next(j for j, x in enumerate(work.profile("bf16").layers) if x.kind == "transformer_layer")
+        plain, selective = (model.block_cost(i, lay, place, mode).tp_traffic for mode in ("none", "selective"))
+        _, ib, _, _ = next(r for r in work.profile("bf16").layers[i].region_io if r[0] == "region")
+        assert selective[1] - plain[1] == pytest.approx(extra * ib, rel=1e-9)  # all_gather (TP_KINDS order)
+        assert (selective[0], selective[2]) == (plain[0], plain[2])
 
 
 def test_gradients_netted_against_the_first_backward_say_so():
