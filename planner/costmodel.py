@@ -894,7 +894,12 @@ class CostModel:
         buckets, allocated with it (memory.ddp_buckets)? Without (one micro-batch; GPipe; a pipeline rank that
         reaches its peak only once) the first backward frees one micro-batch's activations as the gradients appear
         (memory.rank_memory). The search's bound asks grads_meet_peak alone (never more memory than this)."""
-        return ddp_buckets(self.work.framework, lay) or grads_meet_peak(
+        fw = self.work.framework
+        # Megatron's DDP allocates its whole gradient buffer when it wraps the model (param_and_grad_buffer.py
+        # grad_data = torch.zeros(...)), never freed: the gradients are there at every peak
+        if fw.states == "zero" and fw.name.startswith("megatron"):
+            return True
+        return ddp_buckets(fw, lay) or grads_meet_peak(
             lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches, stages, flights)
 
     def rank_traffic(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], dp_items,
@@ -1026,9 +1031,9 @@ class CostModel:
                          "GPUs per node): their collectives cross the network on every layer; a tp dividing the GPUs "
                          "per node keeps them inside one")
         if not self.grads_at_activation_peak(lay, ranks[worst], flights[worst]):  # "grads 0.0" must not read as a bug
-            notes.append(f"gradients {breakdowns[worst]['grads']:.1f} GiB at the peak: the peak comes on the worst "
-                         "rank's first backward, before any gradient exists; the gradients then take the memory the "
-                         "backward frees, and count only what exceeds it")
+            notes.append(f"grads {breakdowns[worst]['grads']:.1f} GiB counts only the gradients beyond the activations "
+                         "the worst rank's first backward frees: its memory peaks before that backward, when no "
+                         "gradient exists yet")
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")
