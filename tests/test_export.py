@@ -718,6 +718,13 @@ def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, tor
     _, model = check_flavor_module(torchtitan_models, tmp_path / "grouped_model.py", cfg,
                                    load_model_spec(str(tmp_path / "grouped.yaml")))
     assert (model.layers["1"].moe.router.num_expert_groups, model.layers["1"].moe.router.num_limited_groups) == (4, 2)
+    (tmp_path / "single.yaml").write_text(json.dumps({**spec.to_dict(), "name": "single",
+                                                      "moe_router_num_groups": 8, "moe_router_group_topk": 2}))
+    single = _tiny_plan(tmp_path / "s.json", str(tmp_path / "single.yaml"), "--dp", "4", "--tp", "1", "--pp", "1",
+                        "--ep", "2")
+    assert single.layout.ep == 2  # torchtitan's router refuses groups of one expert at start-up: refused here
+    assert_one_line_error(cli("export", "--plan", str(tmp_path / "s.json"), "--to", "torchtitan"),
+                          "groups of one expert")
     f, _ = megatron_export(grouped, tmp_path, load_model_spec(str(tmp_path / "grouped.yaml")))
     assert (f["--moe-router-num-groups"], f["--moe-router-group-topk"]) == ("4", "2")
     # latent attention without experts, under a pipeline: deepseek_v3 with every layer dense
