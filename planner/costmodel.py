@@ -895,11 +895,7 @@ class CostModel:
         reaches its peak only once) the first backward frees one micro-batch's activations as the gradients appear
         (memory.rank_memory). The search's bound asks grads_meet_peak alone (never more memory than this)."""
         fw = self.work.framework
-        # Megatron's DDP allocates its whole gradient buffer when it wraps the model (param_and_grad_buffer.py
-        # grad_data = torch.zeros(...)), never freed: the gradients are there at every peak
-        if fw.states == "zero" and fw.name.startswith("megatron"):
-            return True
-        return ddp_buckets(fw, lay) or grads_meet_peak(
+        return fw.grad_buffer_at_wrap or ddp_buckets(fw, lay) or grads_meet_peak(
             lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches, stages, flights)
 
     def rank_traffic(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...], dp_items,

@@ -69,6 +69,9 @@ class Framework:
     # reduced instead (Megatron-Core); "mixed" — the hidden gathered, the latents' gradients all-reduced (this
     # executor)
     mla_tp_input: str = "hidden"
+    # the gradient buffer is allocated whole when the model is wrapped, never freed (Megatron's DDP:
+    # param_and_grad_buffer.py grad_data = torch.zeros(...)): gradients are in memory at every activation peak
+    grad_buffer_at_wrap: bool = False
     # ZeRO 1/2 ("zero" states): the all-gather of the updated 16-bit weights after the optimizer step runs
     # bucket by bucket under the next step's first forward (Megatron-Core's overlap_param_gather) instead of
     # before it (dp_sync._zero_accounting)
@@ -184,7 +187,8 @@ MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 DEEPSPEED_SCHEDULES = ("1f1b",)
 
 MEGATRON_2021 = Framework(
-    name="megatron-2021", attention="unfused", overlap_dp=False, overlap_tp=True, states="zero", grad_bytes=2,
+    name="megatron-2021", grad_buffer_at_wrap=True,
+    attention="unfused", overlap_dp=False, overlap_tp=True, states="zero", grad_bytes=2,
     dp_sync_pipelined="overlap", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=True, embedding_sp_reduce="reduce_scatter",
     cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",
@@ -212,7 +216,8 @@ MEGATRON_2021 = Framework(
 # - FP8 through Transformer Engine: delayed scaling (amax history), FP8 copies of linear inputs saved for
 #   backward, FP8 parameters (fp8_param_gather) so no extra weight copy.
 MEGATRON_CORE = Framework(
-    name="megatron-core", attention="flash", overlap_dp=True, overlap_tp=True, states="zero", grad_bytes=2,
+    name="megatron-core", grad_buffer_at_wrap=True,
+    attention="flash", overlap_dp=True, overlap_tp=True, states="zero", grad_bytes=2,
     dp_sync_pipelined="overlap", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=False, embedding_sp_reduce="reduce_scatter",
     overlap_param_gather=True, overlap_p2p=True, cp_comm="ring", fp8_saves_fp8_inputs=True, fp8_weight_bytes=0.0,
@@ -235,7 +240,8 @@ MEGATRON_CORE = Framework(
 # (DeepSpeed's pipeline engine sends whole activations), no TP overlap (--no-async-tensor-model-parallel-allreduce
 # is not the default there, but the engine's bucketed reduce runs after the flush).
 MEGATRON_DEEPSPEED = Framework(
-    name="megatron-deepspeed", attention="unfused", overlap_dp=False, overlap_tp=False, states="zero", grad_bytes=4,
+    name="megatron-deepspeed", grad_buffer_at_wrap=True,
+    attention="unfused", overlap_dp=False, overlap_tp=False, states="zero", grad_bytes=4,
     dp_sync_pipelined="end", zero1="reduce_scatter+all_gather", zero23_every_micro_batch=False,
     sp_saves_gathered_input=False, p2p_scatter_gather=True, embedding_sp_reduce="reduce_scatter",
     cp_comm="all_gather", fp8_saves_fp8_inputs=True, fp8_weight_bytes=2.0, fp8_scaling="delayed",

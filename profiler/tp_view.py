@@ -37,15 +37,15 @@ def region_collectives(style: str, in_bytes: int, out_bytes: int, tokens: int, s
     gradients all-reduced (executor/tensor_parallel.py); "hidden" — the input's gradient reduced whole (DTensor's
     NoParallel down-projections: torchtitan), as any region."""
     if style == "region" and latent_bytes is not None and mla_input != "hidden":
-        gather = in_bytes if mla_input == "mixed" else latent_bytes
-        grads = [Collective("reduce_scatter" if mla_input == "latent" else "all_reduce", "bwd", latent_bytes,
-                            "latent grads")]
         if not sp:
             return [Collective("all_reduce", "fwd", out_bytes, "region output"),
                     Collective("all_reduce", "bwd", latent_bytes, "latent grads")]
-        return [Collective("all_gather", "fwd", gather, "region input" if mla_input == "mixed" else "latents"),
+        mixed = mla_input == "mixed"
+        return [Collective("all_gather", "fwd", in_bytes if mixed else latent_bytes,
+                           "region input" if mixed else "latents"),
                 Collective("reduce_scatter", "fwd", out_bytes, "region output"),
-                Collective("all_gather", "bwd", out_bytes, "output grad"), *grads]
+                Collective("all_gather", "bwd", out_bytes, "output grad"),
+                Collective("all_reduce" if mixed else "reduce_scatter", "bwd", latent_bytes, "latent grads")]
     if style == "region":
         if sp:
             return [Collective("all_gather", "fwd", in_bytes, "region input"),

@@ -128,7 +128,7 @@ def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
         raise ExportRefused(TARGET, f"biases on the experts and the router ({spec.name}: expert_bias)",
                             f"{TORCHTITAN_SOURCE}'s llama4 and deepseek_v3 experts have no bias; train it with "
                             "paraplan execute")
-    groups, _ = spec.routing_groups if spec.is_moe else (1, 1)
+    groups, _ = spec.routing_groups
     if groups > 1 and spec.num_experts // groups < 2:  # torchtitan's router raises at start-up
         raise ExportRefused(TARGET, f"groups of one expert ({spec.name}: moe_router_num_groups {groups} of "
                             f"{spec.num_experts} experts)", f"{TORCHTITAN_SOURCE}'s node-limited routing needs two "
