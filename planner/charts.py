@@ -200,24 +200,32 @@ def _line_chart(title: str, xlabel: str, ylabel: str, xs_all: list[float], ys_al
 
 
 def scaling(gpus: list[int], preds: list[Prediction | None], path: str, title: str,
-            labels: list[str] | None = None) -> None:
+            labels: list[str] | None = None, stand_ins: list[bool] | None = None) -> None:
     """Throughput of the best plan at each GPU count, against perfect linear scaling from the smallest.
-    ``labels``: each point's layout (default: its prediction's layout)."""
+    ``labels``: each point's layout (default: its prediction's layout). ``stand_ins``: the points that are not
+    re-plans but the chosen layout at that count by its data parallelism (scaling.same_shape: the re-plan ran out
+    of time), in their own colour and legend entry."""
     labels = labels or [p.layout.short() if p is not None else "" for p in preds]
-    pts = [(g, p.tokens_per_s, lbl) for g, p, lbl in zip(gpus, preds, labels, strict=True) if p is not None]
+    stand_ins = stand_ins or [False] * len(gpus)
+    pts = [(g, p.tokens_per_s, lbl, s) for g, p, lbl, s in zip(gpus, preds, labels, stand_ins, strict=True)
+           if p is not None]
     known = [p for p in preds if p is not None]
     unit = "tokens/s" if known and known[0].tokens_per_s != known[0].samples_per_s else "samples/s"
-    xs = [g for g, _, _ in pts]
+    xs = [g for g, _, _, _ in pts]
     linear = [pts[0][1] * x / pts[0][0] for x in xs] if pts else []
-    fig, ax = _line_chart(title, "GPUs", unit, [float(g) for g in gpus], [y for _, y, _ in pts] + linear,
-                          [("best plan (replanned at each count)", "#4C72B0", "line"),
-                           ("linear from the smallest", "#999999", "dashed")], xbase=2,
-                          xticks=[float(g) for g in gpus])
+    entries = [("best plan (replanned at each count)", "#4C72B0", "line"),
+               ("linear from the smallest", "#999999", "dashed")]
+    if any(s for *_, s in pts):
+        entries.append(("chosen layout, dp scaled (re-plan cut short)", "#DD8452", "dot"))
+    fig, ax = _line_chart(title, "GPUs", unit, [float(g) for g in gpus], [y for _, y, _, _ in pts] + linear, entries,
+                          xbase=2, xticks=[float(g) for g in gpus])
     if pts:
         ax.plot(xs, linear, "#999999", dash=5)
-        ax.plot(xs, [y for _, y, _ in pts], "#4C72B0", dots=4)
-        for i, (x, y, name) in enumerate(pts):  # each point's layout under it; above it, on its left, at the last
-            last = i == len(pts) - 1 and len(pts) > 1
+        ax.plot(xs, [y for _, y, _, _ in pts], "#4C72B0")
+        widest = max(gpus)
+        for x, y, name, stand_in in pts:  # each point's layout under it; above it, on its left, at the right edge
+            fig.dot(ax.x(x), ax.y(y), 4, "#DD8452" if stand_in else "#4C72B0")
+            last = x == widest
             fig.text(ax.x(x) + (-6 if last else 6), ax.y(y) + (-6 if last else 6), name.replace(" mb", "\nmb", 1), 10,
                      anchor="rb" if last else "lt")
     fig.save(path)

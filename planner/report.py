@@ -260,8 +260,17 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     if scaling:
         md += ["", "## Scaling", "", "| GPUs | best layout | tokens/s | per GPU | MFU |", "|---|---|---|---|---|"]
         for sp in scaling:
-            if sp.cut_short:
-                md.append(f"| {sp.gpus} | not known ({sp.cut_short}) | | | |")
+            stand_in = sp.stand_in
+            if sp.cut_short and stand_in is not None and stand_in.prediction.fits:
+                q = stand_in.prediction
+                md.append(f"| {sp.gpus} | {stand_in.layout.short()} (the chosen layout at dp {stand_in.layout.dp}, not "
+                          f"re-planned: {sp.cut_short}) | {q.tokens_per_s:,.0f} | {q.tokens_per_s / sp.gpus:,.0f} | "
+                          f"{100 * q.mfu:.1f}% |")
+            elif sp.cut_short:
+                q = stand_in.prediction if stand_in is not None else None
+                why = f"; the chosen layout at dp {stand_in.layout.dp} needs {q.peak_memory_gib:.1f} of " \
+                      f"{q.memory_capacity_gib:g} GiB" if q is not None else ""
+                md.append(f"| {sp.gpus} | not known ({sp.cut_short}){why} | | | |")
             elif sp.best is None:
                 md.append(f"| {sp.gpus} | nothing fits | | | |")
             else:
@@ -325,9 +334,10 @@ def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint])
                                     weight=3.0 if bars > 500 else 0.5))
     if scaling:
         requests.append(request("scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
-                                [s.best.prediction if s.best else None for s in scaling],
+                                [s.shown.prediction if s.shown else None for s in scaling],
                                 title=f"Throughput vs GPU count — {result.work.spec.name}",
-                                labels=[s.best.layout.short() if s.best else "" for s in scaling]))
+                                labels=[s.shown.layout.short() if s.shown else "" for s in scaling],
+                                stand_ins=[s.best is None and s.shown is not None for s in scaling]))
     priced = [c.prediction for c in result.candidates if c.prediction is not None]
     if priced:  # the points alone (thousands of predictions would be slow to send)
         top = {id(c.prediction) for c in result.ranked}

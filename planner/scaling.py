@@ -8,6 +8,10 @@ first, with one cost model (the block costs of one count serve the next), and se
 as soon as it has it, so a re-plan cut short by the report's deadline still gives the counts it finished. Where
 fork is unavailable, on one core, or if a child fails, the re-plans run in line, in the parent: the answer is
 the same either way. benchmarks/bench_plan.py measures the whole command.
+
+A count whose re-plan was cut short gets a stand-in instead: the chosen plan's layout at that count by its data
+parallelism alone (its stage split and recomputation kept), priced exactly — a large model's re-plans can take longer
+than the search (DeepSeek-V3 at 256 GPUs searches ~20 s), and a scaling chart of one point says nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .costmodel import CostModel
+from .costmodel import CostModel, validate_layout
+from .errors import InvalidLayout
 from .search import Candidate, search
 from .workload import Workload
 
@@ -32,6 +37,14 @@ class ScalingPoint:
     gpus: int
     best: Candidate | None
     cut_short: str = ""  # why this count has no answer although plans may fit (its re-plan ran out of time)
+    stand_in: Candidate | None = None  # where cut short: the chosen layout at this count by dp alone (same_shape)
+
+    @property
+    def shown(self) -> Candidate | None:
+        """What the chart draws at this count: the re-plan's best, else a stand-in that fits."""
+        if self.best is not None:
+            return self.best
+        return self.stand_in if self.stand_in is not None and self.stand_in.prediction.fits else None
 
 
 def scaling_counts(gpus: int, per_node: int) -> list[int]:
@@ -42,6 +55,28 @@ def scaling_counts(gpus: int, per_node: int) -> list[int]:
         g //= 2
         counts.append(g)
     return sorted(counts)
+
+
+def same_shape(model: CostModel, chosen: Candidate, gpus: int) -> Candidate | None:
+    """``chosen``'s layout on ``gpus`` GPUs by its data parallelism alone — tensor, pipeline, context and expert
+    parallelism, micro-batch, schedule, ZeRO, stage split and recomputation kept; the gradient accumulation grows as
+    dp shrinks — priced exactly (status "oom" where it no longer fits). None where dp cannot take the count or the
+    layout is then invalid (ep no longer divides its ranks, ...)."""
+    from .api import EVENT_SIM_MAX_TASKS, event_sim_tasks
+
+    lay = chosen.layout
+    others = lay.num_gpus // lay.dp
+    if gpus % others or chosen.stages is None:
+        return None
+    lay = lay.replace(dp=gpus // others)
+    try:
+        validate_layout(model, lay)
+    except InvalidLayout:
+        return None
+    simulated = event_sim_tasks(lay) <= EVENT_SIM_MAX_TASKS  # as refine.py prices the chosen plan
+    pred = model.evaluate(lay, chosen.stages, chosen.stage_recompute, simulate=simulated)
+    return Candidate(lay, "ok" if pred.fits else "oom", prediction=pred, stages=chosen.stages,
+                     stage_recompute=chosen.stage_recompute)
 
 
 def _replan(work: Workload, dtype: str, model: CostModel, gpus: int) -> Candidate | None:
@@ -124,7 +159,9 @@ class ScalingReplans:
                     late[g] = f"re-plan stopped after {wait_s:.0f} s"
                 else:
                     found[g] = _replan(self.work, self.dtype, self.model, g)
-        return [ScalingPoint(g, best if g == self.gpus else found.get(g), late.get(g, "")) for g in self.counts]
+        return [ScalingPoint(g, best if g == self.gpus else found.get(g), late.get(g, ""),
+                             same_shape(self.model, best, g) if g in late and best is not None else None)
+                for g in self.counts]
 
     def cancel(self) -> None:
         """Stop the children (the main search failed: no report will need them)."""
@@ -135,4 +172,4 @@ class ScalingReplans:
         self._jobs = []
 
 
-__all__ = ["ScalingPoint", "ScalingReplans", "scaling_counts"]
+__all__ = ["ScalingPoint", "ScalingReplans", "same_shape", "scaling_counts"]

@@ -588,6 +588,44 @@ def test_scaling_replans_past_their_time_are_stopped_and_say_so(monkeypatch):
     assert not any(child.is_alive() for child in children)
 
 
+def test_a_cut_short_re_plan_stands_in_the_chosen_layout_at_that_count(monkeypatch, tmp_path):
+    """A count whose re-plan ran out of time shows the chosen layout there by its data parallelism alone (what
+    `simulate` gives for that layout with the same split), labelled as such in the report; one that no longer fits
+    says how much it needs, and the chart has more than the one point of the count searched."""
+    import time as clock
+
+    from paraplan.planner import scaling
+    from paraplan.planner.refine import simulate_ranked
+    from paraplan.planner.report import write_report
+
+    work = Workload.create("llama2-7b", "dgx-a100-80gb", 64, nodes=2)
+    model = CostModel(work)
+    monkeypatch.setattr(scaling, "_child", lambda conn, counts: clock.sleep(60))
+    replans = scaling.ScalingReplans(work, 16, "bf16", model)
+    result = search(work, 16, top_k=1, dtype="bf16", model=model, layouts=[
+        Layout(dp=4, tp=2, pp=2, micro_batch=1, global_batch=64, zero=1, sequence_parallel=True)])
+    simulate_ranked(result, model)
+    best = result.best
+    points = replans.points(best, wait_s=0.5)
+    assert [p.gpus for p in points] == [2, 4, 8, 16] and points[-1].stand_in is None
+    assert points[0].stand_in is None  # 2 GPUs cannot hold tp2 x pp2
+    for p in points[1:3]:
+        lay = p.stand_in.layout
+        assert lay == best.layout.replace(dp=p.gpus // 4) and p.stand_in.stages == best.stages
+        alone, _ = simulate(work, lay, best.stages, best.stage_recompute)
+        assert p.stand_in.prediction.iteration_time_s == pytest.approx(alone.iteration_time_s, rel=1e-9)
+        assert p.stand_in.status == ("ok" if alone.fits else "oom")
+    fits = [p for p in points[1:3] if p.stand_in.prediction.fits]
+    assert fits and all(p.shown is p.stand_in for p in fits)
+    report = open(write_report(result, str(tmp_path), points, charts=False)["report"]).read()
+    for p in points[1:3]:
+        shape = p.stand_in.layout
+        expected = (f"| {p.gpus} | {shape.short()} (the chosen layout at dp {shape.dp}, not re-planned: "
+                    "re-plan stopped after 0 s)") if p.stand_in.prediction.fits else \
+            f"the chosen layout at dp {shape.dp} needs {p.stand_in.prediction.peak_memory_gib:.1f} of 80 GiB"
+        assert expected in report
+
+
 def test_scaling_replans_keep_the_counts_a_child_finished_before_its_time_ran_out(monkeypatch):
     """A child re-plans its counts in turn and sends each as it is found: when the report's deadline stops it,
     the counts it already sent keep their points and only the others say they were stopped."""
