@@ -15,6 +15,7 @@ package is not needed. Dense layers among MoE ones map to ``dense_layers`` (the 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .errors import ModelSpecError
@@ -143,11 +144,29 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
         if model_type == "deepseek_v2" and data.get("topk_method", "greedy") != "group_limited_greedy":
             out.pop("moe_router_num_groups", None)  # V2's greedy top-k ignores its n_group / topk_group
             out.pop("moe_router_group_topk", None)
-        if not out.get("num_experts"):  # a dense DeepSeek: no MoE-only fields
+        if out.get("num_experts") is None:  # a dense DeepSeek (n_routed_experts null): no MoE-only fields
             for k in ("experts_per_token", "num_shared_experts", "moe_ffn_hidden_size", "dense_layers",
                       "moe_router_num_groups", "moe_router_group_topk"):
                 out.pop(k, None)
     return out
+
+
+def in_config_terms(message: str, data: dict[str, Any], source: str) -> str:
+    """A spec error about a config.json (spec_from_mapping names paraplan's fields) in the file's own keys: field
+    'moe_router_num_groups' of a DeepSeek config is its 'n_group', num_layers its 'num_hidden_layers'; a Llama 4
+    wrapper's keys under 'text_config.'. Fields read under the same name, or not read from one key, stay as they are."""
+    prefix = ""
+    if data.get("model_type") == "llama4" and isinstance(data.get("text_config"), dict):
+        data, prefix = {"model_type": "llama4_text", **data["text_config"]}, "text_config."
+    fields = _FIELDS.get(data.get("model_type"), {})
+    keys = {ours: prefix + next((k for k in theirs if data.get(k) is not None), theirs[0])
+            for ours, theirs in fields.items()}
+    keys = {ours: key for ours, key in keys.items() if key != ours}
+    head, sep, body = message.partition(f"{source}: ")  # the path itself is left alone
+    if not keys or not sep or head:
+        return message
+    words = re.compile(r"\b(" + "|".join(sorted(map(re.escape, keys), key=len, reverse=True)) + r")\b")
+    return f"{source}: " + words.sub(lambda m: keys[m.group(1)], body)
 
 
 def _given(data: dict[str, Any], key: str, default: Any) -> Any:

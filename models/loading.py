@@ -15,7 +15,7 @@ from paraplan.hardware_specs.datafile import read_data_file
 
 from .custom import CallableSpec
 from .errors import ModelSpecError
-from .hf_config import is_hf_config, spec_mapping_from_hf
+from .hf_config import in_config_terms, is_hf_config, spec_mapping_from_hf
 from .presets import PRESETS
 from .specs import ModelSpec, spec_from_mapping
 
@@ -53,7 +53,10 @@ def _load_file(path: str) -> ModelSpec:
     if is_hf_config(data):
         mapping = spec_mapping_from_hf(data, source=path)
         name = stem if stem != "config" else os.path.basename(os.path.dirname(os.path.abspath(path)))
-        return spec_from_mapping({"name": name, **mapping}, source=path)
+        try:
+            return spec_from_mapping({"name": name, **mapping}, source=path)
+        except ModelSpecError as e:  # in the file's own key names, not paraplan's
+            raise ModelSpecError(in_config_terms(str(e), data, path)) from None
     if isinstance(data, dict) and "name" not in data:
         data = {"name": stem, **data}
     return spec_from_mapping(data, source=path)

@@ -295,6 +295,29 @@ def test_hf_deepseek_moe_layer_freq_refused(write):
         _hf(write, {**config, "moe_layer_freq": 2})
 
 
+@pytest.mark.parametrize("changes,fragment", [
+    ({"n_group": 3}, "field 'n_group' (3) must divide n_routed_experts (256)"),
+    ({"first_k_dense_replace": 61}, "'first_k_dense_replace' (61) must be less than num_hidden_layers (61)"),
+    ({"n_routed_experts": 0}, "'num_experts_per_tok' needs n_routed_experts > 0"),  # 0 is no dense model: null is
+    ({"hidden_size": -5}, "field 'hidden_size' must be positive"),  # read under its own name: as it was
+])
+def test_hf_config_errors_name_the_files_own_keys(write, changes, fragment):
+    """A bad config.json is refused in its own key names (n_group, not paraplan's moe_router_num_groups), its path
+    left as it is, on one line."""
+    config = json.loads((HF / "DeepSeek-V3" / "config.json").read_text())
+    with pytest.raises(ModelSpecError) as e:
+        _hf(write, {**config, **changes})
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert "moe_router" not in str(e.value) and "num_layers" not in str(e.value)
+
+
+def test_hf_llama4_errors_name_the_key_under_text_config(write):
+    text = json.loads((HF / "Llama-4-Maverick-17B-128E" / "config.json").read_text())["text_config"]
+    with pytest.raises(ModelSpecError, match=r"'text_config\.num_experts_per_tok' \(200\) exceeds "
+                                             r"text_config\.num_local_experts \(128\)"):
+        _hf(write, {"model_type": "llama4", "text_config": {**text, "num_experts_per_tok": 200}})
+
+
 # ---- spec validation ----
 
 MOE = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=16,
