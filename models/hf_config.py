@@ -144,6 +144,8 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
         if model_type == "deepseek_v2" and data.get("topk_method", "greedy") != "group_limited_greedy":
             out.pop("moe_router_num_groups", None)  # V2's greedy top-k ignores its n_group / topk_group
             out.pop("moe_router_group_topk", None)
+        elif model_type == "deepseek_v2" and out.get("moe_router_num_groups") not in (None, 1):
+            out["moe_router_group_score"] = "max"  # group_limited_greedy scores a group by its best expert
         if out.get("num_experts") is None:  # a dense DeepSeek (n_routed_experts null): no MoE-only fields
             for k in ("experts_per_token", "num_shared_experts", "moe_ffn_hidden_size", "dense_layers",
                       "moe_router_num_groups", "moe_router_group_topk"):

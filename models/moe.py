@@ -5,8 +5,8 @@ Sec. 2.1.2): router scores s = softmax(x W_r) (Mixtral, Qwen3) or sigmoid(x W_r)
 experts by score, their scores renormalised to sum to 1 (``moe_norm_topk``) and multiplied by
 ``moe_routed_scaling_factor``; the output is the weighted sum of those k experts' MLPs plus the shared
 experts' MLP. Token-choice and dropless: every expert takes every token routed to it (no capacity).
-Not modelled: DeepSeek's group-limited routing (n_group/topk_group) and its auxiliary-loss-free bias
-updates (a routing detail and an optimiser-side rule; neither changes parameters, FLOPs or traffic).
+Group-limited routing (DeepSeek's n_group/topk_group) is :func:`group_limited_topk`. Not modelled: DeepSeek-V3's
+auxiliary-loss-free bias updates (an optimiser-side rule; it changes no parameters, FLOPs or traffic).
 
 Expert parallelism hooks (for the executor):
 
@@ -162,13 +162,16 @@ def balanced_assignment(tokens: int, num_experts: int, k: int, device) -> tuple[
     return idx, [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
-def group_limited_topk(scores: torch.Tensor, k: int, groups: int, group_topk: int) -> torch.Tensor:
+def group_limited_topk(scores: torch.Tensor, k: int, groups: int, group_topk: int,
+                       group_score: str = "top-sum") -> torch.Tensor:
     """scores (T, E) -> expert_idx (T, k): the k best experts within each token's ``group_topk`` best of ``groups``
-    equal blocks of experts, a block scored by the sum of its top k / group_topk scores (DeepSeek-V3's
-    node-limited routing, arXiv 2412.19437 Sec. 2.1.2, as Megatron-Core's moe_utils.group_limited_topk)."""
+    equal blocks of experts, a block scored by the sum of its top k / group_topk scores (``group_score`` "top-sum":
+    DeepSeek-V3's node-limited routing, arXiv 2412.19437 Sec. 2.1.2, as Megatron-Core's moe_utils.group_limited_topk)
+    or by its best score ("max": DeepSeek-V2's group_limited_greedy, HF modeling_deepseek MoEGate)."""
     t, e = scores.shape
     per_group = scores.view(t, groups, e // groups)  # (T, G, E/G)
-    group_scores = per_group.topk(k // group_topk, dim=-1).values.sum(dim=-1)  # (T, G)
+    best = k // group_topk if group_score == "top-sum" else 1
+    group_scores = per_group.topk(best, dim=-1).values.sum(dim=-1)  # (T, G)
     chosen = group_scores.topk(group_topk, dim=-1).indices  # (T, M)
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)  # (T, G)
     masked = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)  # (T, E)
@@ -180,13 +183,14 @@ class Router(nn.Module):
     optionally limited to ``group_topk`` of ``groups`` blocks of experts per token (:func:`group_limited_topk`)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score_function: str, norm_topk: bool,
-                 scaling: float, bias: bool = False, groups: int = 1, group_topk: int = 1):
+                 scaling: float, bias: bool = False, groups: int = 1, group_topk: int = 1,
+                 group_score: str = "top-sum"):
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=bias)
         self.num_experts, self.top_k = num_experts, top_k
         self.sigmoid = score_function == "sigmoid"
         self.norm_topk, self.scaling = norm_topk, scaling
-        self.groups, self.group_topk = groups, group_topk
+        self.groups, self.group_topk, self.group_score = groups, group_topk, group_score
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """x: (T, h) -> scores (T, E) and weights (T, k) in fp32 (or wider), expert_idx (T, k) int64, and the
@@ -197,7 +201,7 @@ class Router(nn.Module):
         if routes_balanced(x):
             idx, counts = balanced_assignment(x.shape[0], self.num_experts, self.top_k, x.device)
         elif self.groups > 1:
-            idx = group_limited_topk(scores, self.top_k, self.groups, self.group_topk)  # (T, k)
+            idx = group_limited_topk(scores, self.top_k, self.groups, self.group_topk, self.group_score)  # (T, k)
             counts = torch.bincount(idx.flatten(), minlength=self.num_experts).tolist()
         else:
             idx = torch.topk(scores, self.top_k, dim=-1).indices  # (T, k)
@@ -290,7 +294,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_score_function,
                              spec.moe_norm_topk, spec.moe_routed_scaling_factor, spec.expert_bias,
-                             *spec.routing_groups)
+                             *spec.routing_limit)
         self.experts = GroupedExperts(spec.num_experts, spec.hidden_size, spec.moe_ffn_size, spec.family == "llama",
                                       spec.expert_bias)
         self.shared_experts = shared_experts

@@ -50,12 +50,17 @@ _LIMITS = {
     "moe_router_group_topk": 1 << 16,
 }
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# how group-limited routing scores a group: the sum of its top k / group_topk scores (Megatron-Core's
+# group_limited_topk; DeepSeek-V3's top-2 sum at its k / group_topk = 2) or its best score (DeepSeek-V2's
+# group_limited_greedy)
+GROUP_SCORES = ("top-sum", "max")
 # Transformer fields added with mixture-of-experts support: left out of to_dict() at their defaults.
 _OPTIONAL_FIELDS = frozenset({
     "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers",
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
     "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff",
-    "sliding_window", "qkv_bias", "expert_bias", "moe_router_num_groups", "moe_router_group_topk"})
+    "sliding_window", "qkv_bias", "expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_group_score"})
 _BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias", "expert_bias"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
@@ -123,9 +128,10 @@ class TransformerSpec(ModelSpec):
     # group-limited routing (DeepSeek-V3's node-limited routing, arXiv 2412.19437 Sec. 2.1.2; HF n_group /
     # topk_group; Megatron-Core's moe_router_num_groups / moe_router_group_topk): the experts in num_groups equal
     # blocks, each token's k experts chosen within the group_topk blocks of highest summed top-(k / group_topk)
-    # scores. 1 / 1: no limit
+    # scores (DeepSeek-V2's group_limited_greedy: of highest best score, moe_router_group_score "max"). 1 / 1: no limit
     moe_router_num_groups: int = 1
     moe_router_group_topk: int = 1
+    moe_router_group_score: str = "top-sum"  # GROUP_SCORES
 
     is_transformer: ClassVar[bool] = True
     required: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -242,7 +248,7 @@ class TransformerSpec(ModelSpec):
     def _validate_moe(self, source: str) -> None:
         moe_only = {"experts_per_token": None, "moe_ffn_hidden_size": None, "num_shared_experts": 0,
                     "dense_layers": 0, "moe_layer_step": 1, "expert_bias": False, "moe_router_num_groups": 1,
-                    "moe_router_group_topk": 1}
+                    "moe_router_group_topk": 1, "moe_router_group_score": "top-sum"}
         if not self.is_moe:
             given = [k for k, default in moe_only.items() if getattr(self, k) != default]
             if given:
@@ -262,11 +268,17 @@ class TransformerSpec(ModelSpec):
         if self.moe_score_function not in SCORE_FUNCTIONS:
             raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
                                  f"{', '.join(SCORE_FUNCTIONS)}, got {self.moe_score_function!r}")
+        if self.moe_router_group_score not in GROUP_SCORES:
+            raise ModelSpecError(f"{source}: field 'moe_router_group_score' must be one of {', '.join(GROUP_SCORES)}, "
+                                 f"got {self.moe_router_group_score!r}")
         g, m = self.moe_router_num_groups, self.moe_router_group_topk
         if e % g:
             raise ModelSpecError(f"{source}: field 'moe_router_num_groups' ({g}) must divide num_experts ({e})")
         if m > g:
             raise ModelSpecError(f"{source}: field 'moe_router_group_topk' ({m}) exceeds moe_router_num_groups ({g})")
+        if self.moe_router_group_score != "top-sum" and g == 1:
+            raise ModelSpecError(f"{source}: field 'moe_router_group_score' needs moe_router_num_groups > 1 "
+                                 "(group-limited routing)")
         if g > 1 and not m <= k <= m * (e // g):
             raise ModelSpecError(f"{source}: experts_per_token ({k}) must be between moe_router_group_topk ({m}) and "
                                  f"the experts of the groups chosen ({m} x {e // g}): each chosen group gives one "
@@ -276,6 +288,11 @@ class TransformerSpec(ModelSpec):
     def routing_groups(self) -> tuple[int, int]:
         """(groups, groups chosen per token) of group-limited routing; (1, 1) without."""
         return self.moe_router_num_groups, self.moe_router_group_topk
+
+    @property
+    def routing_limit(self) -> tuple[int, int, str]:
+        """routing_groups with how a group is scored (moe_router_group_score)."""
+        return self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_group_score
 
 
 @dataclass(frozen=True)
@@ -401,10 +418,10 @@ def spec_from_mapping(data: Any, source: str) -> ModelSpec:
         elif f.name in _BOOL_FIELDS:
             if not isinstance(v, bool):
                 raise ModelSpecError(f"{source}: field '{f.name}' must be true or false, got {v!r}")
-        elif f.name == "moe_score_function":
-            if v not in SCORE_FUNCTIONS:
-                raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
-                                     f"{', '.join(SCORE_FUNCTIONS)}, got {v!r}")
+        elif f.name in ("moe_score_function", "moe_router_group_score"):
+            choices = SCORE_FUNCTIONS if f.name == "moe_score_function" else GROUP_SCORES
+            if v not in choices:
+                raise ModelSpecError(f"{source}: field '{f.name}' must be one of {', '.join(choices)}, got {v!r}")
         elif f.name in ("moe_aux_loss_coeff", "moe_routed_scaling_factor"):
             v = _check_float(source, f.name, v, zero_ok=f.name == "moe_aux_loss_coeff")
         elif f.name in _ZERO_OK_FIELDS:

@@ -373,12 +373,12 @@ def all_to_all(nbytes: float, span, cluster, busy: int) -> float:
 
 @lru_cache(maxsize=256)
 def token_destinations(experts: int, k: int, groups: int, routing: str = "uniform",
-                       limit: tuple[int, int] = (1, 1)) -> float:
+                       limit: tuple = (1, 1, "top-sum")) -> float:
     """How many of ``groups`` equal blocks of consecutive experts (ranks, or nodes) one token's k experts fall
     in, on average. ``uniform`` (k distinct experts at random): a block of E/g experts holds none of them with
     probability C(E - E/g, k) / C(E, k), so g·(1 - that). ``consecutive`` (token t takes experts t·k ... t·k + k - 1
     mod E: Framework.moe_routing): counted over the starts the tokens cycle through. ``limit``: group-limited
-    routing's (groups, groups chosen) (ModelSpec.routing_groups), under uniform routing: see
+    routing's (groups, groups chosen, group score) (ModelSpec.routing_limit), under uniform routing: see
     :func:`limited_destinations`."""
     per = experts // groups
     if groups <= 1 or per <= 0:
@@ -397,14 +397,14 @@ LIMITED_SAMPLES = 4096  # tokens drawn by limited_destinations (its estimate's s
 
 
 @lru_cache(maxsize=16)
-def _limited_choices(experts: int, k: int, groups: int, group_topk: int):
+def _limited_choices(experts: int, k: int, groups: int, group_topk: int, group_score: str = "top-sum"):
     """The k experts models.moe.group_limited_topk picks for each of LIMITED_SAMPLES tokens of uniform scores
     (a fixed seed): (T, k) expert indices."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     scores = rng.random((LIMITED_SAMPLES, groups, experts // groups), dtype=np.float32)  # (T, G, E/G)
-    best = k // group_topk
+    best = k // group_topk if group_score == "top-sum" else 1  # "max": a group's best score
     group_scores = -np.partition(-scores, best - 1, axis=-1)[..., :best].sum(axis=-1)  # (T, G)
     chosen = np.argpartition(-group_scores, group_topk - 1, axis=-1)[:, :group_topk]  # (T, M)
     keep = np.zeros(group_scores.shape, dtype=bool)
@@ -414,7 +414,8 @@ def _limited_choices(experts: int, k: int, groups: int, group_topk: int):
 
 
 @lru_cache(maxsize=64)
-def limited_destinations(experts: int, k: int, blocks: int, groups: int, group_topk: int) -> float:
+def limited_destinations(experts: int, k: int, blocks: int, groups: int, group_topk: int,
+                         group_score: str = "top-sum") -> float:
     """token_destinations under group-limited routing (DeepSeek-V3 Sec. 2.1.2: at most ``group_topk`` of
     ``groups`` blocks of experts per token) with scores independent and identically distributed, as force-balanced
     routing draws them (Megatron-Core's moe_router_force_load_balancing: random logits): the blocks the k experts
@@ -424,7 +425,7 @@ def limited_destinations(experts: int, k: int, blocks: int, groups: int, group_t
     experts drawn uniformly from the 4)."""
     import numpy as np
 
-    idx = _limited_choices(experts, k, groups, group_topk)
+    idx = _limited_choices(experts, k, groups, group_topk, group_score)
     block = np.minimum(idx // (experts // blocks), blocks - 1)  # a last, larger block takes what is left over
     hit = np.zeros((LIMITED_SAMPLES, blocks), dtype=bool)
     np.put_along_axis(hit, block, True, axis=-1)
@@ -432,7 +433,7 @@ def limited_destinations(experts: int, k: int, blocks: int, groups: int, group_t
 
 
 def deduplicated_dispatch(tokens: float, token_bytes: float, experts: int, k: int, span, cluster,
-                          busy: int, routing: str = "uniform", limit: tuple[int, int] = (1, 1)) -> float:
+                          busy: int, routing: str = "uniform", limit: tuple = (1, 1, "top-sum")) -> float:
     """One dispatch (or combine) of ``tokens`` tokens by DeepEP / HybridEP (Megatron-Core's flex dispatcher):
     a token crosses the network once per remote node holding any of its k experts, then NVLink forwards it
     to those experts' GPUs (DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.2: "first transmitted via IB to
@@ -492,7 +493,7 @@ def layer_cost(model, layer: LayerProfile, lay: Layout, place: Placement, b: flo
         span = consecutive_group(cluster, lay.ep, lay.etp, lay.num_gpus)
         # every token copy the rank routes (balanced: also what it receives): one per routed expert, or with a
         # deduplicating dispatcher one per GPU holding any of the token's experts (deduplicated_dispatch)
-        limit = spec.routing_groups
+        limit = spec.routing_limit
         copies = token_destinations(e, k, span.size, fw.moe_routing, limit) if fw.moe_dispatcher == "hybridep" else k
         sent = tokens * copies * h * elem
         if fw.moe_dispatcher == "hybridep":

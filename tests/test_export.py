@@ -727,6 +727,13 @@ def test_torchtitan_mixtures_of_experts_qwen3_and_latent_attention(tmp_path, tor
                           "groups of one expert")
     f, _ = megatron_export(grouped, tmp_path, load_model_spec(str(tmp_path / "grouped.yaml")))
     assert (f["--moe-router-num-groups"], f["--moe-router-group-topk"]) == ("4", "2")
+    # DeepSeek-V2's group_limited_greedy scores a group by its best expert: neither stack has that rule, and says so
+    (tmp_path / "greedy.yaml").write_text(json.dumps({**spec.to_dict(), "name": "greedy", "moe_router_num_groups": 4,
+                                                      "moe_router_group_topk": 2, "moe_router_group_score": "max"}))
+    _tiny_plan(tmp_path / "gr.json", str(tmp_path / "greedy.yaml"), "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "2")
+    for target in ("megatron", "torchtitan"):
+        done = cli("export", "--plan", str(tmp_path / "gr.json"), "--to", target, "--out", str(tmp_path / target))
+        assert done.returncode == 0 and "by its best score: the groups chosen may differ" in done.stderr
     # latent attention without experts, under a pipeline: deepseek_v3 with every layer dense
     keep = ("family", "num_layers", "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "ffn_hidden_size", "vocab_size", "seq_length")

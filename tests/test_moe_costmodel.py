@@ -782,6 +782,11 @@ def test_group_limited_routing_sends_to_fewer_nodes():
     assert moe.token_destinations(256, 8, 8, "uniform", (8, 8)) == \
         pytest.approx(moe.token_destinations(256, 8, 8), rel=0.02)
     assert moe.token_destinations(256, 8, 8, "consecutive", (8, 4)) == moe.token_destinations(256, 8, 8, "consecutive")
+    # DeepSeek-V2's group_limited_greedy (160 experts, 8 groups, 3 chosen by their best score, k = 6): the same check
+    greedy = group_limited_topk(torch.rand(4096, 160), 6, 8, 3, "max")  # (T, 6)
+    drawn = sum(len({e // 20 for e in row}) for row in greedy.tolist()) / len(greedy)
+    assert moe.token_destinations(160, 6, 8, "uniform", (8, 3, "max")) == pytest.approx(drawn, rel=0.02)
+    assert moe.token_destinations(160, 6, 8, "uniform", (8, 3, "max")) <= 3
     from paraplan.planner.api import simulate
 
     lay = Layout(dp=64, tp=1, pp=1, ep=64, micro_batch=1, global_batch=64, zero=3, recompute="full")

@@ -198,6 +198,10 @@ def test_group_limited_routing_fields(write):
     assert _hf(write, DEEPSEEK_V2).routing_groups == (1, 1)
     limited = _hf(write, {**DEEPSEEK_V2, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3})
     assert limited.routing_groups == (8, 3)
+    # group_limited_greedy scores a group by its best expert (HF modeling_deepseek MoEGate: .max(dim=-1)); V3's
+    # noaux_tc by the sum of its top two, Megatron-Core's rule at V3's k / topk_group = 2
+    assert limited.routing_limit == (8, 3, "max")
+    assert load_model_spec("deepseek-v3").routing_limit == (8, 4, "top-sum")
     base = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=32,
                 num_experts=8, experts_per_token=2)
     for fields, message in (({"moe_router_num_groups": 3}, "must divide num_experts"),
@@ -208,6 +212,10 @@ def test_group_limited_routing_fields(write):
     with pytest.raises(ModelSpecError, match="needs num_experts"):
         spec_from_mapping({**base, "num_experts": 0, "experts_per_token": None, "moe_router_num_groups": 2},
                           "spec.yaml")
+    with pytest.raises(ModelSpecError, match="'moe_router_group_score' must be one of top-sum, max, got 'mean'"):
+        spec_from_mapping({**base, "moe_router_num_groups": 4, "moe_router_group_score": "mean"}, "spec.yaml")
+    with pytest.raises(ModelSpecError, match="'moe_router_group_score' needs moe_router_num_groups > 1"):
+        spec_from_mapping({**base, "moe_router_group_score": "max"}, "spec.yaml")
 
 
 def test_group_limited_router_picks_within_the_best_groups():
@@ -218,6 +226,8 @@ def test_group_limited_router_picks_within_the_best_groups():
     # 8 experts in 4 groups of 2; k = 2 from 1 group: group sums 0.9+0.1, 0.8+0.7 (best), 0.95+0.0, 0.3+0.2
     scores = torch.tensor([[0.9, 0.1, 0.8, 0.7, 0.95, 0.0, 0.3, 0.2]])
     assert sorted(group_limited_topk(scores, 2, 4, 1)[0].tolist()) == [2, 3]  # not the plain top 2 (4, 0)
+    # DeepSeek-V2's group_limited_greedy: groups scored by their best, 0.9, 0.8, 0.95 (best), 0.3
+    assert sorted(group_limited_topk(scores, 2, 4, 1, "max")[0].tolist()) == [4, 5]
     torch.manual_seed(0)
     many = torch.rand(500, 64)
     idx = group_limited_topk(many, 8, 8, 2)  # (T, 8): 8 of 64 experts within 2 of 8 groups of 8

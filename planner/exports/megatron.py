@@ -91,6 +91,9 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
         notes.append(f"the model's {spec.mtp_layers} multi-token-prediction module(s) ({mtp_params(spec) / 1e9:.1f} B "
                      "parameters) are not in the plan and are left out (its memory and time do not count them); "
                      f"--mtp-num-layers {spec.mtp_layers} trains them, beyond the plan's figures")
+    if getattr(spec, "moe_router_group_score", "top-sum") == "max":
+        notes.append("Megatron-Core scores a group of experts by the sum of its top k / group_topk scores; the model "
+                     "(DeepSeek-V2's group_limited_greedy) by its best score: the groups chosen may differ")
     groups = {"MODEL_ARGS": model_args(spec, plan.seq_length or spec.seq_length) + numerics_args(plan, spec, notes),
               "PARALLEL_ARGS": parallel_args(plan, spec),
               "TRAINING_ARGS": training_args(plan, notes, spec) + stack_args(plan, spec, notes)}
@@ -191,7 +194,7 @@ def _moe_args(spec) -> Args:
     if getattr(spec, "moe_routed_scaling_factor", 1.0) != 1.0:
         a.append(("--moe-router-topk-scaling-factor", spec.moe_routed_scaling_factor))
     groups, group_topk = getattr(spec, "routing_groups", (1, 1))
-    if groups > 1:  # node-limited routing (Megatron-Core's moe_utils.group_limited_topk: the same rule as the plan's)
+    if groups > 1:  # node-limited routing (Megatron-Core's moe_utils.group_limited_topk: the plan's "top-sum" rule)
         a += [("--moe-router-num-groups", groups), ("--moe-router-group-topk", group_topk)]
     if hasattr(spec, "moe_aux_loss_coeff"):
         a.append(("--moe-aux-loss-coeff", spec.moe_aux_loss_coeff))

@@ -379,7 +379,10 @@ def _moe_args(spec: TransformerSpec) -> str:
 
 def _moe_notes(m: TitanModel, spec: TransformerSpec) -> None:
     groups, group_topk = spec.routing_groups
-    if groups > 1 and spec.top_k // group_topk != 2:
+    if groups > 1 and spec.moe_router_group_score == "max":
+        m.notes.append(f"{TORCHTITAN_SOURCE} scores a group of experts by its top 2 scores; the plan (DeepSeek-V2's "
+                       "group_limited_greedy) by its best score: the groups chosen may differ")
+    elif groups > 1 and spec.top_k // group_topk != 2:
         m.notes.append(f"{TORCHTITAN_SOURCE} scores a group of experts by its top 2 scores; the plan (as "
                        f"Megatron-Core) by its top k / group_topk = {spec.top_k // group_topk}: the groups chosen may "
                        "differ")
