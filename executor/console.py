@@ -36,7 +36,7 @@ class TrainingDisplay:
             return self
         lay = self.job.layout
         self.console.print(f"executing {self.job.spec.name}: {lay.short()}, global batch {lay.global_batch}, "
-                           f"{lay.num_micro_batches} micro-batches per replica, {self.job.world_size} ranks")
+                           f"{lay.micro_batches_text} per replica, {self.job.world_size} ranks")
         for note in self.notes:
             self.console.print(f"note: {note}")
         if self.console.is_terminal:

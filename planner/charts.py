@@ -39,7 +39,7 @@ def timeline_windows(pred: Prediction) -> list[tuple[float, float]]:
 def timeline_title(pred: Prediction) -> str:
     """The timeline's headline: the prediction's iteration time and bubble, formatted as the report prints them."""
     return (f"{pred.layout.short()}: {pred.iteration_time_s:.4g} s per iteration, bubble "
-            f"{100 * pred.bubble_fraction:.1f}%, {pred.layout.num_micro_batches} micro-batches")
+            f"{100 * pred.bubble_fraction:.1f}%, {pred.layout.micro_batches_text}")
 
 
 def gantt(pred: Prediction, path: str, title: str = "", note: str = "") -> None:

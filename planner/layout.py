@@ -82,6 +82,12 @@ class Layout:
         return self.global_batch // (self.dp * self.micro_batch)
 
     @property
+    def micro_batches_text(self) -> str:
+        """The count of micro-batches per replica in words, singular for one (titles and console lines)."""
+        m = self.num_micro_batches
+        return f"{m} micro-batch" if m == 1 else f"{m} micro-batches"
+
+    @property
     def experts_beside_tp_without_sp(self) -> bool:
         """Expert and tensor parallelism without sequence parallelism: what Megatron-Core refuses
         (Framework.moe_tp_needs_sp; model_parallel_config.py)."""

@@ -15,6 +15,7 @@ from .api import plan_for
 from .atomic import atomic_open
 from .costmodel import CostModel, Prediction
 from .exports import report_lines
+from .framework import PARAPLAN
 from .framework import describe as describe_framework
 from .gc_pause import without_gc_pauses
 from .placement import layout_placement
@@ -56,6 +57,10 @@ def _trace_line(result: SearchResult, best: Candidate) -> str:
     before = (f" It replaced {len(rejected)} faster plan{'s' if len(rejected) > 1 else ''} whose traced peak exceeds "
               f"the GPU ({', '.join(f'{c.layout.short()}: {c.traced_peak_gib:.1f} GiB' for c in rejected)}).") \
         if rejected else ""
+    if best.traced_peak_gib is None and result.work.framework.name != PARAPLAN.name:
+        return (f"Memory not checked by a dry run: `paraplan execute --plan plan.json --dry-run` traces what "
+                f"paraplan's own executor allocates, not {result.work.framework.name}'s stack, which this plan is "
+                "priced for.")
     if best.traced_peak_gib is None:
         return ("Memory not checked by the executor's dry run: `paraplan plan --verify`, or `paraplan execute --plan "
                 "plan.json --dry-run`, traces what the executor allocates for this plan.")
@@ -122,7 +127,7 @@ def _why(result: SearchResult) -> list[str]:
     if lay.pp > 1:
         lines.append(f"Pipeline parallelism of {lay.pp} ({lay.schedule}"
                      + (f", {lay.virtual_stages} chunks per rank" if lay.virtual_stages > 1 else "")
-                     + f") with {lay.num_micro_batches} micro-batches keeps the bubble at "
+                     + f") with {lay.micro_batches_text} keeps the bubble at "
                        f"{100 * p.bubble_fraction:.1f}%.")
     if lay.cp > 1:
         lines.append(f"Context parallelism of {lay.cp} splits each sequence over {lay.cp} ranks (activations and "

@@ -66,6 +66,14 @@ def test_ranked_plans_stay_sorted_after_the_event_simulation(llama_plan):
     assert times == sorted(times) and all(c.prediction.fits for c in result.ranked)
 
 
+def test_titles_count_one_micro_batch_in_the_singular():
+    one = Layout(dp=8, tp=1, pp=1, micro_batch=4, global_batch=32)
+    assert one.micro_batches_text == "1 micro-batch"
+    assert one.replace(micro_batch=2).micro_batches_text == "2 micro-batches"
+    pred, _ = simulate(Workload.create("gpt-tiny", "local", 8), one)
+    assert timeline_title(pred).endswith(", 1 micro-batch")
+
+
 def test_a_long_pipeline_is_drawn_as_three_zooms(llama_plan, tmp_path):
     work, result, _ = llama_plan
     best = result.best
@@ -352,3 +360,13 @@ def test_a_value_that_is_not_finite_is_a_note_not_a_hang(tmp_path):
     assert not draw(notes, "throughput vs memory", lambda: charts.pareto(
         [10.0, float("nan")], [1.0, 2.0], [True, False], 80.0, str(tmp_path / "p.png"), "t"))
     assert notes and notes[0].startswith("throughput vs memory chart not drawn (ValueError")
+
+
+def test_the_dry_run_hint_of_another_stacks_plan_says_what_it_traces(tmp_path):
+    """The dry run traces paraplan's own executor: a plan priced for Megatron-Core is not told that it checks it."""
+    for framework, expected in (("paraplan", "traces what the executor allocates for this plan"),
+                                ("megatron-core", "not megatron-core's stack, which this plan is priced for")):
+        work = Workload.create("gpt-tiny", "local", 8, framework=framework)
+        result = search(work, 8, top_k=1, layouts=[Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=8)])
+        report = open(write_report(result, str(tmp_path / framework), [], charts=False)["report"]).read()
+        assert expected in report

@@ -119,7 +119,7 @@ def run(args) -> int:
         print_json(out)
         return 0
     title = (f"{work.spec.name} on {work.cluster.name} ({lay.num_gpus} GPUs, {work.cluster.gpu.name}): "
-             f"{lay.short()}, global batch {lay.global_batch}, {lay.num_micro_batches} micro-batches per "
+             f"{lay.short()}, global batch {lay.global_batch}, {lay.micro_batches_text} per "
              f"replica{suffix}")
     stdout.print(table(title, ["", "predicted"], prediction_rows(out)))
     for note in out["notes"]:
