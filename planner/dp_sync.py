@@ -32,6 +32,7 @@ from .concerns import Affine, Exposure, Sync
 from .layout import Layout
 from .memory import sums_unsharded
 from .placement import Placement, consecutive_group, layout_placement
+from .schedules import runtime_unshards
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -139,7 +140,9 @@ def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str
     """FSDP2's ZeRO-2/3 ("executor" states): a gradient reduce-scatter per micro-batch under its backward, or
     once (:func:`reduces_once`: after a pipeline's last backward, exposed; without a pipeline under the last
     micro-batch's backward), the weights gathered once (ZeRO-2) or before every micro-batch's forward
-    and backward (ZeRO-3). ``per``: the load the bytes scale with (``per_param``; ``per_expert`` for the
+    and backward (ZeRO-3) — under ZeRO-2 again each time torch's pipeline runtime unshards a chunk anew
+    (schedules.runtime_unshards: interleaved ranks of more than three chunks), each such gather hidden by one
+    micro-batch's forward at most. ``per``: the load the bytes scale with (``per_param``; ``per_expert`` for the
     expert-parallel experts over their edp group, planner/moe.py). Under ZeRO-3 a backward both gathers the
     weights and reduce-scatters the gradients, over one network: the two share its window (Exposure.also)."""
     gathers = Sync("all_gather", gather, **{per: wb})
@@ -150,7 +153,8 @@ def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str
             items = [Exposure(scatter)] if lay.pp > 1 else [Exposure(scatter, hidden=bwd, floor="zero")]
         else:
             items = [Exposure(scatter, count=m, hidden=bwd, floor="zero")]
-        return items + [Exposure(gathers, hidden=fwd, floor="zero")]
+        unshards = runtime_unshards(lay.schedule, lay.pp, lay.virtual_stages, m)
+        return items + [Exposure(gathers, count=unshards, hidden=fwd, floor="zero")]
     items = [Exposure(gathers, count=m, hidden=fwd, floor="zero")]
     if not reduces_once(fw, lay):  # every micro-batch's backward gathers and reduce-scatters
         return items + [Exposure(scatter, count=m, hidden=bwd, floor="zero", also=(gathers,))]

@@ -132,6 +132,35 @@ def rank_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...],
     raise AssertionError(f"unknown schedule {schedule}")
 
 
+# chunks torch's multi-stage pipeline runtime keeps unsharded at once (_add_unshard_reshard's max_active_stages)
+RUNTIME_ACTIVE_CHUNKS = 3
+
+
+@lru_cache(maxsize=512)
+def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
+    """All-gathers of each chunk's weights a step, on average over the ranks and their chunks, under FSDP2 ZeRO-2/3
+    in torch's multi-stage pipeline runtime (torch/distributed/pipelining/schedules.py, _add_unshard_reshard): before
+    each op it unshards the next RUNTIME_ACTIVE_CHUNKS distinct chunks the rank will run and reshards the others, so
+    a rank of more chunks than that gathers them again as its order cycles through them (interleaved 1F1B with
+    pp 2, v 4, 16 micro-batches: 5.75 and 5.25 per chunk on its two ranks); 1 with at most that many chunks."""
+    if pp == 1 or schedule != "interleaved-1f1b" or v <= RUNTIME_ACTIVE_CHUNKS:
+        return 1.0
+    total = 0
+    for ops in rank_orders(schedule, pp, v, m):
+        stages = [s for _, s, _ in ops]
+        # from each position, the next chunks the rank runs, in order (walking back: each op's chunk first)
+        ahead: list[tuple[int, ...]] = [()] * len(stages)
+        upcoming: tuple[int, ...] = ()
+        for i in range(len(stages) - 1, -1, -1):
+            upcoming = (stages[i], *(s for s in upcoming if s != stages[i]))[:RUNTIME_ACTIVE_CHUNKS]
+            ahead[i] = upcoming
+        active: set[int] = set()
+        for window in ahead:
+            total += sum(s not in active for s in window)
+            active = set(window)
+    return total / (pp * v)
+
+
 def in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[dict[int, int], ...]:
     """Per rank, the micro-batches of each of its stages holding activations at the rank's peak.
 

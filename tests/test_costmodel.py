@@ -594,3 +594,40 @@ def test_executor_interleaved_zero3_keeps_its_gathered_copy():
     megatron = framework("megatron-core")
     assert state_bytes(megatron, lay).weights == state_bytes(megatron, lay.replace(schedule="1f1b",
                                                                                    virtual_stages=1)).weights
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 4, 16), (8, 4, 32), (2, 6, 16), (4, 8, 8), (4, 5, 12), (3, 4, 7), (2, 3, 16)])
+def test_runtime_unshards_count_torchs_own_lowering(pp, v, m):
+    """torch's multi-stage pipeline runtime adds UNSHARD/RESHARD actions to each rank's compute order
+    (pipelining/schedules.py _add_unshard_reshard, three chunks active): schedules.runtime_unshards, the all-gathers
+    per chunk a step, is torch's own count on ScheduleInterleaved1F1B's order (one per chunk with three or fewer)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from paraplan.planner.schedules import runtime_unshards
+
+    sched = object.__new__(torch_schedules.ScheduleInterleaved1F1B)  # its order alone: no stages, no process group
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, m
+    sched.number_of_rounds = max(1, m // pp)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    unshards = sum(a.computation_type == torch_schedules.UNSHARD for r in range(pp)
+                   for a in torch_schedules._add_unshard_reshard(sched._calculate_single_rank_operations(r)))
+    assert runtime_unshards("interleaved-1f1b", pp, v, m) == pytest.approx(unshards / (pp * v), rel=1e-12)
+    assert (unshards == pp * v) == (v <= 3)
+
+
+def test_interleaved_zero2_gathers_each_chunk_as_often_as_the_runtime_unshards_it():
+    """An FSDP2 ZeRO-2 stack (this executor) under interleaving of four chunks a rank gathers them again as the
+    runtime reshards them (mixtral-8x7b dp32 pp2 x4: the dry run traced 54 and 42 GB of all-gathers a rank where
+    one gather a step priced 7.2): the weights' all-gather bytes are runtime_unshards times one gather's."""
+    from paraplan.planner.schedules import runtime_unshards
+
+    work = Workload.create("llama2-7b", "dgx-h100", 64, nodes=2)
+    gathered = {}
+    for v in (2, 4):
+        lay = Layout(dp=8, tp=1, pp=2, micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=v,
+                     zero=2)
+        pred, _ = simulate(work, lay, [list(range(i * 34 // (2 * v), (i + 1) * 34 // (2 * v))) for i in range(2 * v)])
+        gathered[v] = [r["all_gather"] for r in pred.rank_comm_bytes]
+    assert runtime_unshards("interleaved-1f1b", 2, 4, 8) > 1
+    for two, four in zip(gathered[2], gathered[4], strict=True):
+        assert four == pytest.approx(two * runtime_unshards("interleaved-1f1b", 2, 4, 8), rel=1e-9)
