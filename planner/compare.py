@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from paraplan.hardware_specs import HardwareSpecError
 
-from . import comm
+from . import comm, moe
 from .costmodel import CostModel, Prediction, validate_layout
 from .errors import InvalidLayout
 from .layout import Layout
@@ -172,7 +172,7 @@ class DPLayoutRow:
     group: str  # the data-parallel group's size and placement
     kind: str  # the collectives that sync it, with how many times each runs
     grad_bytes: float  # gradients a GPU reduces: its tensor- and pipeline-parallel share, at the stack's width
-    kept_bytes: float  # gradients a GPU keeps after the sync (ZeRO-2/3: its 1/dp shard)
+    kept_bytes: float  # gradients a GPU keeps after the sync (ZeRO-2/3: its 1/dp shard; experts' 1/edp)
     sent_bytes: float | None  # the collectives' message bytes per iteration (simulate's rank_comm_bytes)
     traffic_s: float | None  # those collectives back to back, as if nothing overlapped them
     exposed_s: float  # what that rank waits for (never more than traffic_s)
@@ -183,21 +183,23 @@ KIND_NAMES = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "a
               "send_recv": "push/pull"}
 
 
-def _sync_view(work: Workload, pred: Prediction) -> tuple[dict, float]:
+def _sync_view(work: Workload, pred: Prediction) -> tuple[dict, float, float]:
     """(the sync summary of the pipeline rank that waits longest for its data-parallel sync, that rank's gradient
-    bytes at the width the stack reduces them: dp_sync.grad_bytes)."""
+    bytes at the width the stack reduces them (dp_sync.grad_bytes), of which its expert-parallel experts')."""
     from .dp_sync import grad_bytes
 
     lay = pred.layout
     syncs = pred.rank_dp_sync
     rank = max(range(len(syncs)), key=lambda r: syncs[r]["exposed_s"]) if syncs else 0
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
-    params = sum(pred.stages[s].params for s in rank_stages(schedule, rank, lay.pp, lay.virtual_stages))
+    held = rank_stages(schedule, rank, lay.pp, lay.virtual_stages)
+    params = sum(pred.stages[s].params for s in held)
+    experts = sum(pred.stages[s].experts for s in held)
     nothing = dict(kinds=[], bytes=0.0, unhidden_s=0.0, exposed_s=0.0)
     # without data parallelism what the rank syncs is no data-parallel sync (sequence parallelism's weight sums, a
     # tied embedding's ends): the table says none
     summary = syncs[rank] if syncs and lay.data_ranks > 1 else nothing
-    return summary, params * grad_bytes(work, lay)
+    return summary, params * grad_bytes(work, lay), experts * grad_bytes(work, lay)
 
 
 def _kinds(summary: dict, lay: Layout) -> str:
@@ -221,9 +223,13 @@ def dp_per_layout(work: Workload, rows: list[Row]) -> list[DPLayoutRow]:
         n = lay.dp * lay.cp
         where = "" if n == 1 else (f" over {span.nodes} nodes" if span.crosses_nodes else " in one node")
         cp = f" (dp {lay.dp} x cp {lay.cp})" if lay.cp > 1 else ""
-        summary, grads = _sync_view(work, pred)
-        kept = grads / lay.data_ranks if lay.zero >= 2 and lay.dp_mode != "ps" else grads
-        out.append(DPLayoutRow(row.name, lay, f"{n} GPU{'s' if n > 1 else ''}{cp}{where}", _kinds(summary, lay),
+        summary, grads, expert_grads = _sync_view(work, pred)
+        # ZeRO-2/3 shard the gradients over the data-parallel ranks, the experts' over their own group (edp: moe.py)
+        kept = (grads - expert_grads) / lay.data_ranks + expert_grads / moe.edp(lay) \
+            if lay.zero >= 2 and lay.dp_mode != "ps" else grads
+        experts = f", experts over {moe.edp(lay)}" if expert_grads else ""
+        out.append(DPLayoutRow(row.name, lay, f"{n} GPU{'s' if n > 1 else ''}{cp}{where}{experts}",
+                               _kinds(summary, lay),
                                grads, kept, summary["bytes"], summary["unhidden_s"], summary["exposed_s"],
                                pred.iteration_time_s))
     return out
@@ -274,7 +280,7 @@ def dp_optimisations(work: Workload, base: Row) -> list[DPRow]:
                 pred = model.evaluate(lay, base.stages, base.stage_recompute)
             except (InvalidLayout, HardwareSpecError):
                 continue
-            summary, grads = _sync_view(stack, pred)
+            summary, grads, _ = _sync_view(stack, pred)
             what = f"{label}, {lay.num_micro_batches} micro-batch{'es' if lay.num_micro_batches > 1 else ''} per step"
             rows.append(DPRow(what, lay, lay.global_batch, grads, summary["unhidden_s"], summary["exposed_s"],
                               pred.iteration_time_s))

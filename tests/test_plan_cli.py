@@ -348,3 +348,22 @@ def test_compare_labels_mixed_stage_modes_and_a_fixed_mode_loses_no_split(tmp_pa
     [row] = got["strategies"]
     modes = sorted(set(row["stage_recompute"]))
     assert len(modes) > 1 and row["label"] == f"{row['layout']} [{'/'.join(modes)}]"
+
+
+def test_compare_keeps_expert_gradients_sharded_over_their_own_group(tmp_path):
+    """Under ZeRO-2/3 a GPU keeps 1/dp of its dense gradients but 1/edp of its experts' (edp = dp x tp / ep: the
+    ranks holding the same experts); with ep = dp the experts' group is one GPU and nothing of them is sharded (QA
+    round 8: compare divided the whole gradient by dp)."""
+    from paraplan.planner.workload import Workload
+
+    r = run_cli_json("compare", "--model", "mixtral-tiny", "--cluster", "dgx-h100", "--global-batch", "16",
+                     "--gpus", "8", "--strategy", "dp=8,ep=8,zero=3", "--strategy", "dp=8,ep=2,zero=3",
+                     "--out", str(tmp_path), "--no-charts")
+    layers = Workload.create("mixtral-tiny", "dgx-h100", 16).profile("bf16").layers
+    experts, total = sum(x.expert_params for x in layers), sum(x.params for x in layers)
+    rows = {d["layout"].split(" ep")[1].split()[0]: d for d in r["data_parallel"]}
+    for ep, d in rows.items():
+        ep = int(ep)
+        assert d["grad_bytes_per_gpu"] == pytest.approx(4 * (total - experts + experts / ep), rel=1e-6)
+        assert d["kept_bytes_per_gpu"] == pytest.approx(4 * ((total - experts) / 8 + experts / ep / (8 // ep)),
+                                                        rel=1e-6)
