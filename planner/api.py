@@ -63,6 +63,9 @@ def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
     tasks = event_sim_tasks(lay)
     use_sim = bool(event_sim) or ((event_sim is None or keep_timeline) and tasks <= EVENT_SIM_MAX_TASKS)
     pred = model.evaluate(lay, stages, stage_recompute, simulate=use_sim, keep_timeline=keep_timeline)
+    note = a2a_overlap_note(work, lay, [c.recompute for c in pred.stages])
+    if note:
+        pred.notes.append(note)
     if not use_sim and event_sim is None:
         pred.notes.append(f"timed by the closed forms, not the event simulation: it would walk {tasks:,} tasks "
                           f"(more than {EVENT_SIM_MAX_TASKS:,}); --event-sim runs it anyway")
@@ -71,6 +74,19 @@ def simulate(work: Workload, lay: Layout, stages: list[list[int]] | None = None,
     pred_dict["plan"] = {k: v for k, v in plan.to_dict().items() if k != "prediction"}
     plan.prediction = {k: v for k, v in pred_dict.items() if k != "plan"}
     return pred, plan
+
+
+def a2a_overlap_note(work: Workload, lay: Layout, modes: list[str]) -> str | None:
+    """Where --moe-a2a-overlap was asked for but hides nothing of this layout (moe.a2a_overlap_applies to none of its
+    stages' recomputation modes), the note that says why: it is priced without it, as Megatron-Core would run it."""
+    from .moe import a2a_overlap_applies
+
+    fw = work.framework
+    if not fw.moe_a2a_overlap or any(a2a_overlap_applies(fw, lay, u) for u in modes):
+        return None
+    return ("--moe-a2a-overlap does not apply to this layout, priced without it: Megatron-Core overlaps the "
+            "all-to-alls only with ep > 1, two micro-batches or more per replica, no full recomputation nor of the MoE "
+            "blocks (mlp, selective+mlp), and virtual stages under a pipeline")
 
 
 def predict_plan(plan: Plan, spec=None) -> Prediction:

@@ -917,3 +917,19 @@ def test_megatron_core_adds_expert_biases_expert_by_expert():
     automodel = FRAMEWORKS["nemo-automodel"]  # its experts' biases: not the per-expert loop
     assert moe.fused_kernel_seconds(biased, lay, automodel, tokens, hbm, kernel) == \
         moe.fused_kernel_seconds(spec, lay, automodel, tokens, hbm, kernel)
+
+
+def test_simulate_says_when_the_all_to_all_overlap_it_was_given_hides_nothing():
+    """--moe-a2a-overlap on a layout Megatron-Core would not overlap (full recomputation, a plain 1F1B pipeline) is
+    priced without it, and simulate says so instead of dropping the switch silently (QA round 8)."""
+    from paraplan.planner.api import simulate
+    from paraplan.planner.framework import framework
+
+    work = Workload.create("mixtral-8x7b", "dgx-h100", 256, nodes=8,
+                           framework=framework("megatron-core", moe_a2a_overlap=True))
+    base = Layout(dp=16, tp=1, pp=4, micro_batch=1, global_batch=256, ep=8, zero=1, schedule="interleaved-1f1b",
+                  virtual_stages=2)
+    for lay, silent in ((base, True), (base.replace(recompute="full"), False),
+                        (base.replace(schedule="1f1b", virtual_stages=1), False)):
+        pred, _ = simulate(work, lay, event_sim=False)
+        assert silent == (not any(n.startswith("--moe-a2a-overlap does not apply") for n in pred.notes))
