@@ -44,7 +44,7 @@ MEGATRON_FLAGS = {
     "--position-embedding-type", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--multi-latent-attention", "--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
     "--v-head-dim", "--kv-channels", "--qk-layernorm", "--add-qkv-bias", "--mtp-num-layers", "--num-experts",
-    "--moe-router-topk",
+    "--moe-router-topk", "--moe-router-pre-softmax",
     "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
     "--moe-router-load-balancing-type", "--moe-router-num-groups", "--moe-router-group-topk",
@@ -1392,3 +1392,16 @@ def test_expert_biases_are_refused_by_megatron_and_torchtitan(plans):
         with pytest.raises(ExportRefused, match=r"expert_bias.*paraplan execute") as e:
             export_plan(oss, target)
         assert "\n" not in str(e.value)
+
+
+def test_megatron_routes_unrenormalised_softmax_scores_with_pre_softmax(tmp_path):
+    """DeepSeek-V2 (norm_topk_prob false) weights its experts by the softmax over every expert, not renormalised:
+    Megatron-Core's --moe-router-pre-softmax (its default, a softmax over the top k's logits, renormalises them;
+    moe_utils.topk_routing_with_score_function). Renormalising models (Mixtral) get the default."""
+    spec = load_model_spec("mixtral-tiny")
+    for norm, flag in ((True, False), (False, True)):
+        (tmp_path / "m.yaml").write_text(json.dumps({**spec.to_dict(), "name": "m", "moe_norm_topk": norm}))
+        plan = _tiny_plan(tmp_path / "m.json", str(tmp_path / "m.yaml"), "--dp", "2", "--tp", "1", "--pp", "1",
+                          "--ep", "2")
+        f, _ = megatron_export(plan, tmp_path, load_model_spec(str(tmp_path / "m.yaml")))
+        assert ("--moe-router-pre-softmax" in f) == flag

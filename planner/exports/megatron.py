@@ -91,6 +91,10 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
         notes.append(f"the model's {spec.mtp_layers} multi-token-prediction module(s) ({mtp_params(spec) / 1e9:.1f} B "
                      "parameters) are not in the plan and are left out (its memory and time do not count them); "
                      f"--mtp-num-layers {spec.mtp_layers} trains them, beyond the plan's figures")
+    if getattr(spec, "moe_score_function", "softmax") == "sigmoid" and not getattr(spec, "moe_norm_topk", True) \
+            and getattr(spec, "experts_per_token", 1) > 1:
+        notes.append("Megatron-Core renormalises the top k sigmoid scores to sum to 1; the model keeps them as they "
+                     "are (moe_norm_topk false): its expert weights differ")
     if getattr(spec, "moe_router_group_score", "top-sum") == "max":
         notes.append("Megatron-Core scores a group of experts by the sum of its top k / group_topk scores; the model "
                      "(DeepSeek-V2's group_limited_greedy) by its best score: the groups chosen may differ")
@@ -191,6 +195,11 @@ def _moe_args(spec) -> Args:
         a.append(("--moe-layer-freq", f"([0]*{dense}+[1]*{spec.num_layers - dense})"))
     if getattr(spec, "moe_score_function", "softmax") != "softmax":
         a.append(("--moe-router-score-function", spec.moe_score_function))
+    elif not getattr(spec, "moe_norm_topk", True) and spec.experts_per_token > 1:
+        # softmax over every expert, the top k's scores kept as they are (DeepSeek-V2, norm_topk_prob false):
+        # Megatron-Core's pre-softmax; its default softmax over the top k's logits renormalises them
+        # (moe_utils.topk_routing_with_score_function)
+        a.append(("--moe-router-pre-softmax", None))
     if getattr(spec, "moe_routed_scaling_factor", 1.0) != 1.0:
         a.append(("--moe-router-topk-scaling-factor", spec.moe_routed_scaling_factor))
     groups, group_topk = getattr(spec, "routing_groups", (1, 1))
