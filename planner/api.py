@@ -14,7 +14,7 @@ from .costmodel import CostModel, Prediction, framework_stages, validate_layout
 from .errors import PlanError
 from .framework import switches_of
 from .layout import Layout
-from .plan import Plan
+from .plan import Plan, config_numerics
 from .workload import Workload
 
 # The event simulator walks every task of the iteration; beyond this many it would dominate the answer's
@@ -37,7 +37,7 @@ def plan_for(work: Workload, lay: Layout, stages: list[list[int]], prediction: P
                 cluster_spec=cluster_mapping(work.cluster) if os.path.isfile(work.cluster_ref) else None,
                 seq_length=work.seq_length, nodes=work.cluster.nodes, stage_recompute=stage_recompute,
                 layer_strategies=layer_strategies or {}, attention=work.attention, framework=work.framework.name,
-                framework_switches=switches_of(work.framework),
+                framework_switches=switches_of(work.framework), model_numerics=config_numerics(work.model_ref),
                 prediction=None if prediction is None else prediction.to_dict())
 
 

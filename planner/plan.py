@@ -24,7 +24,7 @@ PLAN_KEYS = ("model", "cluster", "global_batch", "micro_batch", "num_micro_batch
              "virtual_stages", "zero", "recompute", "sequence_parallel", "dtype", "seed", "stages")
 OPTIONAL_KEYS = ("prediction", "layer_strategies", "model_spec", "seq_length", "nodes", "dp_mode", "ps_servers",
                  "ps_staleness", "stage_recompute", "attention", "cp", "ep", "etp", "framework", "framework_switches",
-                 "cluster_spec")
+                 "cluster_spec", "model_numerics")
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Plan:
     # the framework switches the prediction was priced with (framework.switches_of: --optimizer-states, ...)
     framework_switches: dict[str, Any] = field(default_factory=dict)
     prediction: dict[str, Any] | None = None
+    # an HF config.json's numerics the spec does not carry ({"rope_theta", "rms_norm_eps", "rope_scaling", "source"}:
+    # read where the plan was made), so exports read them where the config file is not
+    model_numerics: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -64,6 +67,8 @@ class Plan:
             out["framework_switches"] = dict(self.framework_switches)
         if self.cluster_spec is not None:
             out["cluster_spec"] = self.cluster_spec
+        if self.model_numerics is not None:
+            out["model_numerics"] = self.model_numerics
         if self.stage_recompute is not None:
             out["stage_recompute"] = self.stage_recompute
         strategies = dict(self.layer_strategies)
@@ -161,7 +166,8 @@ class Plan:
                    nodes=data.get("nodes"), stage_recompute=data.get("stage_recompute"),
                    layer_strategies={k: v for k, v in strategies.items() if k != "head"},
                    attention=data.get("attention", "flash"), framework=framework, framework_switches=switches,
-                   prediction=_known_figures(data.get("prediction")))
+                   prediction=_known_figures(data.get("prediction")),
+                   model_numerics=_numerics(data.get("model_numerics"), source))
 
     @classmethod
     def read(cls, path: str) -> Plan:
@@ -243,6 +249,47 @@ def _framework_switches(switches: Any, framework: str, source: str, attention: A
     except PlanError as e:
         raise PlanError(f"{source}: framework_switches: {e}") from None
     return dict(switches)
+
+
+def _numerics(value: Any, source: str) -> dict[str, Any] | None:
+    """The plan's model_numerics, checked: positive numbers for the RoPE base and norm eps, an object (or null) for
+    the RoPE scaling, the config it came from."""
+    if value is None:
+        return None
+    keys = ("rope_theta", "rms_norm_eps", "rope_scaling", "source")
+    if not isinstance(value, dict) or set(value) != set(keys):
+        raise PlanError(f"{source}: 'model_numerics' must be an object with exactly {', '.join(keys)}")
+    for k in ("rope_theta", "rms_norm_eps"):
+        v = value[k]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
+            raise PlanError(f"{source}: 'model_numerics.{k}' must be a positive number, got {v!r}")
+    if value["rope_scaling"] is not None and not isinstance(value["rope_scaling"], dict):
+        raise PlanError(f"{source}: 'model_numerics.rope_scaling' must be an object or null")
+    if not isinstance(value["source"], str):
+        raise PlanError(f"{source}: 'model_numerics.source' must be a file name")
+    return dict(value)
+
+
+def config_numerics(path: str) -> dict[str, Any] | None:
+    """An HF config.json's RoPE base, RMSNorm eps and RoPE scaling (transformers' defaults where it has none), for
+    plan.json's model_numerics; None where ``path`` is no readable HF config (a paraplan spec, a preset)."""
+    import json
+
+    if not path.endswith(".json"):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):  # Llama 4's wrapper
+            cfg = {**cfg["text_config"], "model_type": cfg.get("model_type")}
+        if not isinstance(cfg, dict) or "model_type" not in cfg:
+            return None
+        scaling = cfg.get("rope_scaling")
+        return {"rope_theta": float(cfg.get("rope_theta", 10000.0)),
+                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-5)),
+                "rope_scaling": scaling if isinstance(scaling, dict) else None, "source": path}
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _check_optional(data: dict, layout: Layout, source: str) -> None:

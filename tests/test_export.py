@@ -31,6 +31,7 @@ from torchtitan_ranks import bare_package, install_stand_ins
 from conftest import ROOT, assert_one_line_error, run_cli
 from paraplan.cli import main
 from paraplan.models import ModelSpec, TransformerSpec, block_names, count_parameters, load_model_spec
+from paraplan.planner.errors import PlanError
 from paraplan.planner.exports import ExportRefused, export_plan, report_lines
 from paraplan.planner.exports.common import StageShape
 from paraplan.planner.exports.megatron import layout_string, stage_args
@@ -1405,3 +1406,27 @@ def test_megatron_routes_unrenormalised_softmax_scores_with_pre_softmax(tmp_path
                           "--ep", "2")
         f, _ = megatron_export(plan, tmp_path, load_model_spec(str(tmp_path / "m.yaml")))
         assert ("--moe-router-pre-softmax" in f) == flag
+
+
+def test_a_plan_keeps_its_config_json_s_rope_and_norm_where_the_file_is_not(tmp_path, monkeypatch):
+    """plan.json keeps the HF config's RoPE base, norm eps and RoPE scaling (model_numerics): exported from another
+    folder, or after the config moved, the plan still trains the model it priced (QA round 8: Qwen3's base 1,000,000
+    became Megatron's 10,000). A bad model_numerics is refused in one line naming it."""
+    config = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 1000,
+              "max_position_embeddings": 1024, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "q3.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    plan = _tiny_plan(tmp_path / "q3plan.json", "cfg/q3.json", "--dp", "2", "--tp", "1", "--pp", "1")
+    assert plan.model == "cfg/q3.json" and plan.model_numerics["rope_theta"] == 1e6
+    (tmp_path / "cfg" / "q3.json").unlink()  # the config gone: the plan alone
+    kept = Plan.read(str(tmp_path / "q3plan.json"))
+    flags, notes = megatron_export(kept, tmp_path)
+    assert (flags["--rotary-base"], flags["--norm-epsilon"]) == ("1000000", "1e-06")
+    assert not any("could not be read" in n for n in notes)
+    data = json.loads((tmp_path / "q3plan.json").read_text())
+    for bad in ({**data["model_numerics"], "rope_theta": -1}, {"rope_theta": 1e6}):
+        (tmp_path / "bad.json").write_text(json.dumps({**data, "model_numerics": bad}))
+        with pytest.raises(PlanError, match="model_numerics"):
+            Plan.read(str(tmp_path / "bad.json"))

@@ -97,8 +97,12 @@ class Numerics:
 
 
 def numerics(plan: Plan) -> Numerics:
-    """The plan's HF config's numerics (any .json the planner read as one: it has a model_type), or a preset's
+    """The numerics the plan kept from its HF config (Plan.model_numerics), else that config's read now (any .json
+    the planner read as one: it has a model_type; plans written before they were kept), or a preset's
     published ones (models/presets.PUBLISHED_NUMERICS), else paraplan's own."""
+    kept = plan.model_numerics
+    if kept is not None:  # read from the config where the plan was made (planner/plan.py config_numerics)
+        return Numerics(float(kept["rope_theta"]), float(kept["rms_norm_eps"]), kept["rope_scaling"], kept["source"])
     if not plan.model.endswith(".json"):
         published = PUBLISHED_NUMERICS.get(plan.model)
         if published is None:
