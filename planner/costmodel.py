@@ -1371,6 +1371,12 @@ def validate_layout(model: CostModel, lay: Layout) -> None:
         raise InvalidLayout(f"the {work.framework.name} stack runs expert parallelism (ep {lay.ep}) beside tensor "
                             f"parallelism (tp {lay.tp}) only with sequence parallelism (--sequence-parallel)",
                             "ep with tp needs sequence parallelism")
+    if work.framework.tp_always_sp and lay.tp > 1 and not lay.sequence_parallel:
+        raise InvalidLayout(f"the {work.framework.name} stack runs tensor parallelism (tp {lay.tp}) with sequence "
+                            "parallelism always (--sequence-parallel)", "tp without sequence parallelism")
+    if work.framework.tp_always_sp and lay.etp not in (1, lay.tp):
+        raise InvalidLayout(f"the {work.framework.name} stack's expert tensor parallelism is 1 or tp ({lay.tp}), "
+                            f"not {lay.etp}", "etp other than 1 or tp")
     stages = work.framework.zero_stages
     if lay.dp > 1 and lay.dp_mode != "ps" and lay.zero not in stages:  # over dp, as the search enumerates them
         raise InvalidLayout(f"the {work.framework.name} stack runs ZeRO {' or '.join(map(str, stages))} over data "

@@ -132,6 +132,9 @@ class Framework:
     # expert with tensor parallelism only with sequence parallelism (Megatron-Core: "When using expert parallelism
     # and tensor parallelism for training, sequence parallelism must be used", model_parallel_config.py)
     moe_tp_needs_sp: bool = False
+    # tensor parallelism always with sequence parallelism, and expert tensor parallelism of 1 or tp (torchtitan:
+    # parallelize.py shards norms over the sequence whenever tp > 1; its MoE takes etp 1 or tp)
+    tp_always_sp: bool = False
     moe_a2a_overlap: bool = False
     moe_shared_expert_overlap: bool = False
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most c times its mean share
@@ -276,7 +279,7 @@ DEEPSPEED = Framework(
 TORCHTITAN = Framework(
     name="torchtitan", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
     dp_sync_pipelined="end", cp_comm="all_gather_overlap", fp8_saves_fp8_inputs=False, fp8_weight_bytes=0.0,
-    fp8_scaling="dynamic", recompute_early_stop=True,
+    fp8_scaling="dynamic", recompute_early_stop=True, tp_always_sp=True,
     source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
            "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
 

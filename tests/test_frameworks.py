@@ -541,3 +541,22 @@ def test_zero3_gathers_and_reduce_scatters_share_the_backward_window(write):
         transfers = pred.dp_sync_of()[0]["unhidden_s"]
         assert transfers > pred.time_s["compute"]
         assert pred.iteration_time_s >= transfers, fw
+
+
+def test_torchtitan_prices_only_what_torchtitan_runs():
+    """torchtitan shards norms over the sequence whenever tp > 1 and takes expert tensor parallelism of 1 or tp
+    (its parallelize.py; the export refused the rest after the planner had priced it: QA round 8): such layouts are
+    invalid under its profile, named so, and still priced for this executor."""
+    from paraplan.planner.costmodel import validate_layout
+    from paraplan.planner.errors import InvalidLayout
+
+    titan = CostModel(Workload.create("mixtral-8x7b", "dgx-h100", 256, nodes=4, framework="torchtitan"))
+    ours = CostModel(Workload.create("mixtral-8x7b", "dgx-h100", 256, nodes=4))
+    base = Layout(dp=8, tp=4, pp=1, micro_batch=1, global_batch=256, ep=8, zero=1, sequence_parallel=True)
+    validate_layout(titan, base)
+    validate_layout(titan, base.replace(etp=4))
+    for lay, why in ((base.replace(sequence_parallel=False), "with sequence parallelism always"),
+                     (base.replace(etp=2), "expert tensor parallelism is 1 or tp (4), not 2")):
+        with pytest.raises(InvalidLayout, match=__import__("re").escape(why)):
+            validate_layout(titan, lay)
+        validate_layout(ours, lay)
