@@ -861,7 +861,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     found (proven), or — unless ``refine_slack`` is None (exhaustive) — when even its balanced split,
     priced exactly, is more than ``refine_slack`` slower than that k-th best, or when the ILP, given that
     time (plus ``CUTOFF_MARGIN``) as a cutoff, proves no split beats it. In that heuristic mode, interleaved and V
-    layouts of identical layers take their quick split polished, without an ILP (ilp.polished_quick_split).
+    layouts of transformer layers take their quick split polished, without an ILP (ilp.polished_quick_split).
     ``model``: a cost model of ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs
     are reused.
     """
