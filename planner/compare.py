@@ -115,6 +115,8 @@ def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimu
     for text in strategies:
         fields = parse_strategy(text)
         lay = strategy_layout(fields, gpus, work.global_batch, dtype, text)
+        if work.framework.tp_always_sp and lay.tp > 1 and "sp" not in fields:  # what that stack runs (as simulate)
+            lay = lay.replace(sequence_parallel=True)
         rows.append(price_layout(model, lay, text, "recompute" in fields))
 
     def best_of(layouts: list[Layout] | None = None):

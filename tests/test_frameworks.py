@@ -560,3 +560,9 @@ def test_torchtitan_prices_only_what_torchtitan_runs():
         with pytest.raises(InvalidLayout, match=__import__("re").escape(why)):
             validate_layout(titan, lay)
         validate_layout(ours, lay)
+    # `simulate --framework torchtitan --tp 2` without --sequence-parallel prices (and writes) what torchtitan runs
+    from conftest import run_cli_json
+
+    out = run_cli_json("simulate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "64", "--dp",
+                       "2", "--tp", "2", "--pp", "1", "--micro-batch", "1", "--framework", "torchtitan")
+    assert out["plan"]["sequence_parallel"] is True and any("sequence parallelism always" in n for n in out["notes"])

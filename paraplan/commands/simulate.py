@@ -85,6 +85,11 @@ def stage_modes_arg(text: str | None, lay) -> list[str] | None:
 def run(args) -> int:
     work = workload_from_args(args)
     lay = layout_from_args(args, work)
+    sp_note = ""
+    if work.framework.tp_always_sp and lay.tp > 1 and not lay.sequence_parallel:  # what that stack runs
+        lay = lay.replace(sequence_parallel=True)
+        sp_note = (f"the {work.framework.name} stack runs tensor parallelism with sequence parallelism always: "
+                   "priced (and written) with --sequence-parallel")
     if args.gpus is not None and lay.num_gpus != args.gpus:
         raise PlanError(f"dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp} = {lay.num_gpus}, not the --gpus {args.gpus}")
     if args.write_plan:
@@ -107,6 +112,10 @@ def run(args) -> int:
     work = ensure_calibrated(args, work)
     pred, plan = simulate(work, lay, stages, modes, keep_timeline=bool(args.gantt),
                           event_sim=True if args.event_sim else None)
+    if sp_note:
+        pred.notes.append(sp_note)
+        if sp_note not in plan.prediction.setdefault("notes", []):
+            plan.prediction["notes"].append(sp_note)
     calibrated, cal_notes, suffix = calibration_labels(work)
     label_prediction(plan, work)  # the plan file says so too, with the notes that say why
     if args.write_plan:
