@@ -47,6 +47,10 @@ def parse_data_file(path: str, what: str):
     return read_data_file(path, what, ModelSpecError)
 
 
+# keys of an HF config.json that no paraplan spec has: a file with them but no model_type is a config missing it
+_HF_ONLY_KEYS = ("architectures", "num_hidden_layers", "n_layer", "n_embd", "torch_dtype", "transformers_version")
+
+
 def _load_file(path: str) -> ModelSpec:
     data = parse_data_file(path, "model spec")
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -57,6 +61,9 @@ def _load_file(path: str) -> ModelSpec:
             return spec_from_mapping({"name": name, **mapping}, source=path)
         except ModelSpecError as e:  # in the file's own key names, not paraplan's
             raise ModelSpecError(in_config_terms(str(e), data, path)) from None
+    if isinstance(data, dict) and "family" not in data and any(k in data for k in _HF_ONLY_KEYS):
+        raise ModelSpecError(f"{path}: no 'model_type' (the key an HF config.json names its model type with) and no "
+                             "'family' (a paraplan spec's)")
     if isinstance(data, dict) and "name" not in data:
         data = {"name": stem, **data}
     return spec_from_mapping(data, source=path)

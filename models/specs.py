@@ -372,7 +372,8 @@ def _check_int(source: str, key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ModelSpecError(f"{source}: field '{key}' must be a whole number, got {value!r}")
     if value <= 0:
-        raise ModelSpecError(f"{source}: field '{key}' must be positive, got {value}")
+        least = "zero or more" if key in _ZERO_OK_FIELDS else "positive"
+        raise ModelSpecError(f"{source}: field '{key}' must be {least}, got {value}")
     limit = _LIMITS.get(key)
     if limit is not None and value > limit:
         raise ModelSpecError(f"{source}: field '{key}' = {value} is absurdly large (limit {limit})")

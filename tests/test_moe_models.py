@@ -310,6 +310,7 @@ def test_hf_deepseek_moe_layer_freq_refused(write):
     ({"first_k_dense_replace": 61}, "'first_k_dense_replace' (61) must be less than num_hidden_layers (61)"),
     ({"n_routed_experts": 0}, "'num_experts_per_tok' needs n_routed_experts > 0"),  # 0 is no dense model: null is
     ({"hidden_size": -5}, "field 'hidden_size' must be positive"),  # read under its own name: as it was
+    ({"first_k_dense_replace": -1}, "field 'first_k_dense_replace' must be zero or more"),
 ])
 def test_hf_config_errors_name_the_files_own_keys(write, changes, fragment):
     """A bad config.json is refused in its own key names (n_group, not paraplan's moe_router_num_groups), its path
@@ -319,6 +320,12 @@ def test_hf_config_errors_name_the_files_own_keys(write, changes, fragment):
         _hf(write, {**config, **changes})
     assert fragment in str(e.value) and "\n" not in str(e.value)
     assert "moe_router" not in str(e.value) and "num_layers" not in str(e.value)
+
+
+def test_a_config_json_without_model_type_is_told_so(write):
+    config = json.loads((HF / "DeepSeek-V3" / "config.json").read_text())
+    with pytest.raises(ModelSpecError, match="no 'model_type'"):
+        _hf(write, {k: v for k, v in config.items() if k != "model_type"})
 
 
 def test_hf_llama4_errors_name_the_key_under_text_config(write):
@@ -341,7 +348,8 @@ MOE = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, 
     ({"dense_layers": 2}, "'dense_layers' (2) must be less than num_layers (2)"),
     ({"moe_layer_step": 3}, "'moe_layer_step' (3) leaves no layer with experts"),
     ({"moe_layer_step": 0}, "'moe_layer_step' must be positive"),
-    ({"num_experts": -1}, "'num_experts' must be positive"),
+    ({"num_experts": -1}, "'num_experts' must be zero or more, got -1"),  # 0: a dense model
+    ({"dense_layers": -1}, "'dense_layers' must be zero or more, got -1"),
     ({"moe_score_function": "relu"}, "'moe_score_function' must be one of softmax, sigmoid"),
     ({"moe_aux_loss_coeff": -0.1}, "'moe_aux_loss_coeff' must be non-negative"),
     ({"moe_aux_loss_coeff": "a lot"}, "'moe_aux_loss_coeff' must be a number"),
