@@ -285,11 +285,13 @@ def config_numerics(path: str) -> dict[str, Any] | None:
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             return None
         scaling = cfg.get("rope_scaling")
-        return {"rope_theta": float(cfg.get("rope_theta", 10000.0)),
-                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-5)),
-                "rope_scaling": scaling if isinstance(scaling, dict) else None, "source": path}
+        theta, eps = float(cfg.get("rope_theta", 10000.0)), float(cfg.get("rms_norm_eps", 1e-5))
     except (OSError, ValueError, TypeError):
         return None
+    if not (0 < theta < float("inf") and 0 < eps < float("inf")):  # nothing a plan could be read back with
+        return None
+    return {"rope_theta": theta, "rms_norm_eps": eps, "rope_scaling": scaling if isinstance(scaling, dict) else None,
+            "source": path}
 
 
 def _check_optional(data: dict, layout: Layout, source: str) -> None:

@@ -1425,6 +1425,10 @@ def test_a_plan_keeps_its_config_json_s_rope_and_norm_where_the_file_is_not(tmp_
     flags, notes = megatron_export(kept, tmp_path)
     assert (flags["--rotary-base"], flags["--norm-epsilon"]) == ("1000000", "1e-06")
     assert not any("could not be read" in n for n in notes)
+    from paraplan.planner.plan import config_numerics
+
+    (tmp_path / "odd.json").write_text(json.dumps({**config, "rope_theta": -1.0}))
+    assert config_numerics(str(tmp_path / "odd.json")) is None  # never written where a plan could not be read back
     data = json.loads((tmp_path / "q3plan.json").read_text())
     for bad in ({**data["model_numerics"], "rope_theta": -1}, {"rope_theta": 1e6}):
         (tmp_path / "bad.json").write_text(json.dumps({**data, "model_numerics": bad}))
