@@ -21,6 +21,7 @@ from paraplan.hardware_specs import HardwareSpecError
 from . import comm, moe
 from .costmodel import CostModel, Prediction, validate_layout
 from .errors import InvalidLayout
+from .framework import sequence_parallel_as_run
 from .layout import Layout
 from .placement import layout_placement, placement
 from .schedules import rank_stages
@@ -115,8 +116,8 @@ def compare(work: Workload, gpus: int, strategies: list[str], dtype: str, optimu
     for text in strategies:
         fields = parse_strategy(text)
         lay = strategy_layout(fields, gpus, work.global_batch, dtype, text)
-        if work.framework.tp_always_sp and lay.tp > 1 and "sp" not in fields:  # what that stack runs (as simulate)
-            lay = lay.replace(sequence_parallel=True)
+        if "sp" not in fields:  # what the stack runs (as simulate)
+            lay = sequence_parallel_as_run(work.framework, lay)
         rows.append(price_layout(model, lay, text, "recompute" in fields))
 
     def best_of(layouts: list[Layout] | None = None):

@@ -461,3 +461,12 @@ def other_stack_note(fw: Framework, priced: str, measured: str, check: str) -> s
         return None
     return (f"{priced} priced for framework {describe(fw)}, but {measured} of this executor's stack (paraplan): "
             f"their differences (states, buffers, overlaps) show as prediction error; {check}")
+
+
+def sequence_parallel_as_run(fw: Framework, lay):
+    """``lay`` as the stack runs it when sequence parallelism was not asked for: on beside tensor parallelism where
+    the stack always has it (Framework.tp_always_sp: torchtitan); ``lay`` itself otherwise. simulate and compare price
+    that (the search enumerates both and validate_layout drops the other)."""
+    if fw.tp_always_sp and lay.tp > 1 and not lay.sequence_parallel:
+        return lay.replace(sequence_parallel=True)
+    return lay

@@ -270,28 +270,37 @@ def _numerics(value: Any, source: str) -> dict[str, Any] | None:
     return dict(value)
 
 
+def hf_numerics(cfg: Any, source: str) -> dict[str, Any] | None:
+    """An HF config's RoPE base, RMSNorm eps and RoPE scaling (transformers' defaults, 10,000 and 1e-5, where it has
+    none; a Llama 4 wrapper's from its text_config), as plan.json's model_numerics; None for anything else (a paraplan
+    spec written as JSON) or values no plan could be read back with."""
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):  # Llama 4's wrapper
+        cfg = {**cfg["text_config"], "model_type": cfg.get("model_type")}
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        return None
+    try:
+        theta, eps = float(cfg.get("rope_theta", 10000.0)), float(cfg.get("rms_norm_eps", 1e-5))
+    except (ValueError, TypeError):
+        return None
+    if not (0 < theta < float("inf") and 0 < eps < float("inf")):
+        return None
+    scaling = cfg.get("rope_scaling")
+    return {"rope_theta": theta, "rms_norm_eps": eps, "rope_scaling": scaling if isinstance(scaling, dict) else None,
+            "source": source}
+
+
 def config_numerics(path: str) -> dict[str, Any] | None:
-    """An HF config.json's RoPE base, RMSNorm eps and RoPE scaling (transformers' defaults where it has none), for
-    plan.json's model_numerics; None where ``path`` is no readable HF config (a paraplan spec, a preset)."""
+    """:func:`hf_numerics` of the config.json at ``path`` (what the planner read the model from); None where it is
+    no readable HF config (a paraplan spec, a preset)."""
     import json
 
     if not path.endswith(".json"):
         return None
     try:
         with open(path) as f:
-            cfg = json.load(f)
-        if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):  # Llama 4's wrapper
-            cfg = {**cfg["text_config"], "model_type": cfg.get("model_type")}
-        if not isinstance(cfg, dict) or "model_type" not in cfg:
-            return None
-        scaling = cfg.get("rope_scaling")
-        theta, eps = float(cfg.get("rope_theta", 10000.0)), float(cfg.get("rms_norm_eps", 1e-5))
-    except (OSError, ValueError, TypeError):
+            return hf_numerics(json.load(f), path)
+    except (OSError, ValueError):
         return None
-    if not (0 < theta < float("inf") and 0 < eps < float("inf")):  # nothing a plan could be read back with
-        return None
-    return {"rope_theta": theta, "rms_norm_eps": eps, "rope_scaling": scaling if isinstance(scaling, dict) else None,
-            "source": path}
 
 
 def _check_optional(data: dict, layout: Layout, source: str) -> None:

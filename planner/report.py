@@ -265,23 +265,21 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     if scaling:
         md += ["", "## Scaling", "", "| GPUs | best layout | tokens/s | per GPU | MFU |", "|---|---|---|---|---|"]
         for sp in scaling:
-            stand_in = sp.stand_in
-            if sp.cut_short and stand_in is not None and stand_in.prediction.fits:
-                q = stand_in.prediction
-                md.append(f"| {sp.gpus} | {stand_in.layout.short()} (the chosen layout at dp {stand_in.layout.dp}, not "
-                          f"re-planned: {sp.cut_short}) | {q.tokens_per_s:,.0f} | {q.tokens_per_s / sp.gpus:,.0f} | "
+            shown, stand_in = sp.shown, sp.stand_in
+            if shown is not None:  # the re-plan's best, or the stand-in of one cut short (it fits)
+                q = shown.prediction
+                name = shown.layout.short() + ("" if shown is sp.best else f" (the chosen layout at dp "
+                                                                              f"{shown.layout.dp}, not re-planned: "
+                                                                              f"{sp.cut_short})")
+                md.append(f"| {sp.gpus} | {name} | {q.tokens_per_s:,.0f} | {q.tokens_per_s / sp.gpus:,.0f} | "
                           f"{100 * q.mfu:.1f}% |")
             elif sp.cut_short:
                 q = stand_in.prediction if stand_in is not None else None
                 why = f"; the chosen layout at dp {stand_in.layout.dp} needs {q.peak_memory_gib:.1f} of " \
                       f"{q.memory_capacity_gib:g} GiB" if q is not None else ""
                 md.append(f"| {sp.gpus} | not known ({sp.cut_short}){why} | | | |")
-            elif sp.best is None:
-                md.append(f"| {sp.gpus} | nothing fits | | | |")
             else:
-                q = sp.best.prediction
-                md.append(f"| {sp.gpus} | {sp.best.layout.short()} | {q.tokens_per_s:,.0f} | "
-                          f"{q.tokens_per_s / sp.gpus:,.0f} | {100 * q.mfu:.1f}% |")
+                md.append(f"| {sp.gpus} | nothing fits | | | |")
     if charts:
         md += ["", "## Charts", ""]
         for key, title in (("breakdown", "Where the time goes (top plans)"), ("memory", "Memory per GPU"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from paraplan.planner import chart_guard
 from paraplan.planner.api import simulate
 from paraplan.planner.errors import PlanError
+from paraplan.planner.framework import sequence_parallel_as_run
 from paraplan.planner.layout import RECOMPUTE
 from paraplan.planner.plan import label_prediction
 from paraplan.planner.search import summary_mode
@@ -86,8 +87,8 @@ def run(args) -> int:
     work = workload_from_args(args)
     lay = layout_from_args(args, work)
     sp_note = ""
-    if work.framework.tp_always_sp and lay.tp > 1 and not lay.sequence_parallel:  # what that stack runs
-        lay = lay.replace(sequence_parallel=True)
+    if (run := sequence_parallel_as_run(work.framework, lay)) is not lay:  # what that stack runs
+        lay = run
         sp_note = (f"the {work.framework.name} stack runs tensor parallelism with sequence parallelism always: "
                    "priced (and written) with --sequence-parallel")
     if args.gpus is not None and lay.num_gpus != args.gpus:

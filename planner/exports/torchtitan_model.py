@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from paraplan.models import TransformerSpec, count_parameters
 from paraplan.models.presets import LLAMA31_SCALING, PUBLISHED_NUMERICS
 
-from ..plan import Plan
+from ..plan import Plan, hf_numerics
 from .common import ExportRefused
 
 TARGET = "torchtitan"
@@ -102,7 +102,7 @@ def numerics(plan: Plan) -> Numerics:
     published ones (models/presets.PUBLISHED_NUMERICS), else paraplan's own."""
     kept = plan.model_numerics
     if kept is not None:  # read from the config where the plan was made (planner/plan.py config_numerics)
-        return Numerics(float(kept["rope_theta"]), float(kept["rms_norm_eps"]), kept["rope_scaling"], kept["source"])
+        return _numerics_of(kept)
     if not plan.model.endswith(".json"):
         published = PUBLISHED_NUMERICS.get(plan.model)
         if published is None:
@@ -112,12 +112,19 @@ def numerics(plan: Plan) -> Numerics:
     try:
         with open(plan.model) as f:
             cfg = json.load(f)
-        if not isinstance(cfg, dict) or "model_type" not in cfg:  # a paraplan spec written as JSON: its defaults
-            return Numerics()
-        return Numerics(float(cfg.get("rope_theta", ROPE_THETA)), float(cfg.get("rms_norm_eps", NORM_EPS)),
-                        cfg.get("rope_scaling") or None, plan.model)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError):
         return Numerics(missing=plan.model)
+    read = hf_numerics(cfg, plan.model)
+    if read is not None:
+        return _numerics_of(read)
+    # a paraplan spec written as JSON: its defaults; an HF config whose values cannot be read: say so
+    return Numerics(missing=plan.model) if isinstance(cfg, dict) and "model_type" in cfg else Numerics()
+
+
+def _numerics_of(values: dict) -> Numerics:
+    """Numerics from a plan's model_numerics (planner/plan.py hf_numerics)."""
+    return Numerics(float(values["rope_theta"]), float(values["rms_norm_eps"]), values["rope_scaling"],
+                    values["source"])
 
 
 def titan_model(plan: Plan, spec: TransformerSpec) -> TitanModel:
