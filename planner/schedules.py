@@ -142,9 +142,24 @@ def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
     in torch's multi-stage pipeline runtime (torch/distributed/pipelining/schedules.py, _add_unshard_reshard): before
     each op it unshards the next RUNTIME_ACTIVE_CHUNKS distinct chunks the rank will run and reshards the others, so
     a rank of more chunks than that gathers them again as its order cycles through them (interleaved 1F1B with
-    pp 2, v 4, 16 micro-batches: 5.75 and 5.25 per chunk on its two ranks); 1 with at most that many chunks."""
+    pp 2, v 4, 16 micro-batches: 5.75 and 5.25 per chunk on its two ranks); 1 with at most that many chunks.
+
+    Past its warm-up the order repeats one round of pp micro-batches per chunk (once m // pp exceeds m % pp, every
+    round holds pp micro-batches: _interleaved), so the count grows by a fixed amount per pp more micro-batches:
+    walked for two counts of m's residue from (pp + 2)·pp on and extended linearly (equal to the full walk: tests),
+    instead of walking thousands of ops for every micro-batch count the search tries."""
     if pp == 1 or schedule != "interleaved-1f1b" or v <= RUNTIME_ACTIVE_CHUNKS:
         return 1.0
+    start = (pp + 2) * pp + m % pp
+    if m <= start + pp:
+        return _unshards_walked(schedule, pp, v, m) / (pp * v)
+    first, second = _unshards_walked(schedule, pp, v, start), _unshards_walked(schedule, pp, v, start + pp)
+    return (first + (m - start) // pp * (second - first)) / (pp * v)
+
+
+@lru_cache(maxsize=512)
+def _unshards_walked(schedule: str, pp: int, v: int, m: int) -> int:
+    """runtime_unshards' gathers summed over the ranks and their chunks, by walking each rank's order."""
     total = 0
     for ops in rank_orders(schedule, pp, v, m):
         stages = [s for _, s, _ in ops]
@@ -158,7 +173,7 @@ def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
         for window in ahead:
             total += sum(s not in active for s in window)
             active = set(window)
-    return total / (pp * v)
+    return total
 
 
 def in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[dict[int, int], ...]:

@@ -596,7 +596,8 @@ def test_executor_interleaved_zero3_keeps_its_gathered_copy():
                                                                                    virtual_stages=1)).weights
 
 
-@pytest.mark.parametrize("pp,v,m", [(2, 4, 16), (8, 4, 32), (2, 6, 16), (4, 8, 8), (4, 5, 12), (3, 4, 7), (2, 3, 16)])
+@pytest.mark.parametrize("pp,v,m", [(2, 4, 16), (8, 4, 32), (2, 6, 16), (4, 8, 8), (4, 5, 12), (3, 4, 7), (2, 3, 16),
+                                    (2, 4, 64), (3, 5, 41), (4, 6, 50), (8, 5, 120)])  # the last four extended
 def test_runtime_unshards_count_torchs_own_lowering(pp, v, m):
     """torch's multi-stage pipeline runtime adds UNSHARD/RESHARD actions to each rank's compute order
     (pipelining/schedules.py _add_unshard_reshard, three chunks active): schedules.runtime_unshards, the all-gathers
@@ -613,6 +614,18 @@ def test_runtime_unshards_count_torchs_own_lowering(pp, v, m):
                    for a in torch_schedules._add_unshard_reshard(sched._calculate_single_rank_operations(r)))
     assert runtime_unshards("interleaved-1f1b", pp, v, m) == pytest.approx(unshards / (pp * v), rel=1e-12)
     assert (unshards == pp * v) == (v <= 3)
+
+
+def test_runtime_unshards_extended_past_the_warm_up_equals_the_full_walk():
+    """Past (pp + 2)·pp micro-batches runtime_unshards extends two walked counts of m's residue mod pp linearly (the
+    order repeats a round of pp micro-batches a chunk); every count, multiple of pp or not, equals walking the order."""
+    from paraplan.planner.schedules import _unshards_walked, runtime_unshards
+
+    for pp, v in ((2, 4), (2, 7), (3, 5), (4, 4), (4, 6), (8, 5)):
+        start = (pp + 2) * pp
+        for m in range(start, start + 4 * pp):
+            assert runtime_unshards("interleaved-1f1b", pp, v, m) * pp * v == pytest.approx(
+                _unshards_walked("interleaved-1f1b", pp, v, m), rel=1e-12), (pp, v, m)
 
 
 def test_interleaved_zero2_gathers_each_chunk_as_often_as_the_runtime_unshards_it():
