@@ -144,13 +144,13 @@ def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
     a rank of more chunks than that gathers them again as its order cycles through them (interleaved 1F1B with
     pp 2, v 4, 16 micro-batches: 5.75 and 5.25 per chunk on its two ranks); 1 with at most that many chunks.
 
-    Past its warm-up the order repeats one round of pp micro-batches per chunk (once m // pp exceeds m % pp, every
-    round holds pp micro-batches: _interleaved), so the count grows by a fixed amount per pp more micro-batches:
-    walked for two counts of m's residue from (pp + 2)·pp on and extended linearly (equal to the full walk: tests),
-    instead of walking thousands of ops for every micro-batch count the search tries."""
+    Once m // pp exceeds m % pp every round of the order holds pp micro-batches (_interleaved) and, past the
+    warm-up, the order repeats one round per chunk, so the count grows by a fixed amount per pp more micro-batches:
+    it is walked for two counts of m's residue, a round after that point, and extended linearly (equal to the full
+    walk: tests), instead of walking thousands of ops for every micro-batch count the search tries."""
     if pp == 1 or schedule != "interleaved-1f1b" or v <= RUNTIME_ACTIVE_CHUNKS:
         return 1.0
-    start = (pp + 2) * pp + m % pp
+    start = pp * (max(2, m % pp + 1) + 1) + m % pp
     if m <= start + pp:
         return _unshards_walked(schedule, pp, v, m) / (pp * v)
     first, second = _unshards_walked(schedule, pp, v, start), _unshards_walked(schedule, pp, v, start + pp)

@@ -617,13 +617,12 @@ def test_runtime_unshards_count_torchs_own_lowering(pp, v, m):
 
 
 def test_runtime_unshards_extended_past_the_warm_up_equals_the_full_walk():
-    """Past (pp + 2)·pp micro-batches runtime_unshards extends two walked counts of m's residue mod pp linearly (the
-    order repeats a round of pp micro-batches a chunk); every count, multiple of pp or not, equals walking the order."""
+    """Past its warm-up runtime_unshards extends two walked counts of m's residue mod pp linearly (the order repeats
+    a round of pp micro-batches a chunk); every count, multiple of pp or not, equals walking the order."""
     from paraplan.planner.schedules import _unshards_walked, runtime_unshards
 
     for pp, v in ((2, 4), (2, 7), (3, 5), (4, 4), (4, 6), (8, 5)):
-        start = (pp + 2) * pp
-        for m in range(start, start + 4 * pp):
+        for m in range(pp, (pp + 3) * pp):
             assert runtime_unshards("interleaved-1f1b", pp, v, m) * pp * v == pytest.approx(
                 _unshards_walked("interleaved-1f1b", pp, v, m), rel=1e-12), (pp, v, m)
 
