@@ -890,26 +890,30 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     valid = [c for c in candidates if c.status != "invalid"]
     capacity = work.cluster.gpu.memory_bytes
     # Every layout gets a cheap bound (its pipeline's time alone, time_bound) and waits in a heap; the full first-pass
-    # bound (time and memory, lower_bound) only when it reaches the heap's top. The cheap one is never above the full
-    # one, so layouts come out in the order of their full bounds as if every one had been computed; those still
-    # waiting when the k-th price is reached keep the cheap bound, their memory never checked.
-    waiting: list[tuple[float, int, bool, Candidate]] = []
+    # bound (time and memory, lower_bound) only when it reaches the heap's top, the second (the recomputation memory
+    # forces, the slowest rank, the data-parallel wait) when it reaches the top again, the quick price when it does
+    # a third time. Each bound is never below the one before, so layouts come out in the order of their tightest
+    # bounds as if every one had been computed; those still waiting when the k-th price is reached keep the bound
+    # they have (with the cheap one, their memory never checked).
+    waiting: list[tuple[float, int, int, Candidate]] = []  # (bound, index, bounds computed: 0 cheap, 1, 2, cand)
     for idx, cand in enumerate(valid):
         if cand.status == "dominated":
             continue
         cand.lower_bound_s, cand.memory_checked = time_bound(model, cand.layout), False
-        waiting.append((cand.lower_bound_s, idx, False, cand))
+        waiting.append((cand.lower_bound_s, idx, 0, cand))
     heapq.heapify(waiting)
     # Quick exact prices (balanced split) in lower-bound order, until the bound passes the k-th price.
     alive: list[Candidate] = []
     quick: list[tuple[float, int]] = []
-    kth: list[float] = []
+    kth: list[float] = []  # the k best prices so far (a max-heap of -t): quick prices, or polished ones
+    best_times: list[float] = []  # the k best refined prices (polished or by ILP; a max-heap of -t)
+    early = refine_slack is not None  # heuristic mode: a polish-only layout entering the k best is polished at once
     while waiting:
-        _, idx, full, cand = waiting[0]
+        _, idx, stage, cand = waiting[0]
         if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
             break
         heapq.heappop(waiting)
-        if not full:
+        if stage == 0:
             bound, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False,
                                              data_parallel_wait=False)
             cand.lower_bound_s, cand.memory_checked = max(bound, cand.lower_bound_s), True
@@ -920,24 +924,30 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 cand.reason = (f"out of memory by at least {(lb_mem - capacity) / 2**30:.1f} GiB "
                                f"(needs {lb_mem / 2**30:.1f} GiB per GPU with the least-memory split)")
             else:
-                heapq.heappush(waiting, (cand.lower_bound_s, idx, True, cand))
+                heapq.heappush(waiting, (cand.lower_bound_s, idx, 1, cand))
+            continue
+        if stage == 1 and len(kth) >= top_k:  # the tighter bound, for layouts the first one let through
+            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=-kth[0])[0])
+            heapq.heappush(waiting, (cand.lower_bound_s, idx, 2, cand))
             continue
         alive.append(cand)
-        if len(kth) >= top_k:  # the tighter bound, computed only for layouts the quick one let through
-            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=-kth[0])[0])
-            if cand.lower_bound_s >= -kth[0]:
-                continue
         pred = quick_price(model, cand.layout, modes, cand.no_fit)
         if pred is None:
             quick.append((float("inf"), len(alive) - 1))
             continue
         cand.prediction = pred
         quick.append((pred.iteration_time_s, len(alive) - 1))
-        heapq.heappush(kth, -pred.iteration_time_s)
+        price = pred.iteration_time_s
+        if early and (len(kth) < top_k or price < -kth[0]) and cand.layout.virtual_stages > 1 \
+                and _quick_split_suffices(model, cand.layout):
+            # it would be polished later anyway if it stays among the k best; polished now, its (lower) price
+            # prunes the layouts after it: the quick prices of interleaved splits run a few % above the polished
+            _accept(cand, polished_quick_split(model, cand.layout, pred, allowed_modes), best_times, top_k)
+            price = cand.prediction.iteration_time_s
+        heapq.heappush(kth, -price)
         if len(kth) > top_k:
             heapq.heappop(kth)
     quick.sort()
-    best_times: list[float] = []
     solves = 0
     pending = [alive[idx] for _, idx in quick]
     qtime = {id(alive[idx]): q for q, idx in quick}
@@ -953,6 +963,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
             while pending and len(batch) < workers:
                 cand = pending.pop(0)
                 done += 1
+                if cand.status == "ok":  # polished already, in the quick prices' loop
+                    unsolved += 1
+                    continue
                 if cand.lower_bound_s >= threshold:
                     continue
                 if refine_slack is not None and qtime[id(cand)] > threshold * (1 + refine_slack):
