@@ -954,13 +954,13 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
     time_limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S  # per ILP
     done = unsolved = unfit = 0
+    started: list[tuple[Candidate, Any]] = []  # ILPs under way, oldest first
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        while pending:
-            # The next few layouts worth an ILP under the current k-th best time (CBC runs in its own
-            # process, so a batch solves in parallel on the machine's cores).
+        while pending or started:
+            # The next layouts worth an ILP under the current k-th best time, up to ``workers`` solving at once (CBC
+            # runs in its own process); the polish-only layouts are polished here while they solve.
             threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
-            batch = []
-            while pending and len(batch) < workers:
+            while pending and len(started) < workers:
                 cand = pending.pop(0)
                 done += 1
                 if cand.status == "ok":  # polished already, in the quick prices' loop
@@ -980,27 +980,29 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                     unsolved += 1
                     threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
                     continue
-                batch.append(cand)
+                # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
+                # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
+                cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
+                    else None
+                hopeless = threshold * (1 + refine_slack) if refine_slack is not None else None
+                started.append((cand, pool.submit(best_partition, model, cand.layout, allowed_modes,
+                                                  start=cand.prediction, cutoff_s=cutoff, refine_below_s=hopeless,
+                                                  time_limit_s=time_limit)))
             if progress is not None:
                 progress(done, len(quick))
-            # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
-            # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
-            cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
-                else None
-            hopeless = threshold * (1 + refine_slack) if refine_slack is not None else None
-            futures = [pool.submit(best_partition, model, c.layout, allowed_modes, start=c.prediction,
-                                   cutoff_s=cutoff, refine_below_s=hopeless, time_limit_s=time_limit) for c in batch]
-            for cand, fut in zip(batch, futures, strict=True):
-                solves += 1
-                try:
-                    part = fut.result()
-                except InvalidLayout as e:
-                    cand.status, cand.reason, cand.prediction = "oom", str(e), None
-                    continue
-                if part is None:
-                    cand.status, cand.reason = "priced", "bound"
-                    continue
-                _accept(cand, part, best_times, top_k)
+            if not started:
+                continue
+            cand, fut = started.pop(0)
+            solves += 1
+            try:
+                part = fut.result()
+            except InvalidLayout as e:
+                cand.status, cand.reason, cand.prediction = "oom", str(e), None
+                continue
+            if part is None:
+                cand.status, cand.reason = "priced", "bound"
+                continue
+            _accept(cand, part, best_times, top_k)
     final = -best_times[0] if len(best_times) >= top_k else None
     for cand in valid:
         if cand.status == "pruned":
