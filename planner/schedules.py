@@ -159,20 +159,20 @@ def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
 
 @lru_cache(maxsize=512)
 def _unshards_walked(schedule: str, pp: int, v: int, m: int) -> int:
-    """runtime_unshards' gathers summed over the ranks and their chunks, by walking each rank's order."""
+    """runtime_unshards' gathers summed over the ranks and their chunks, by walking each rank's order: before each op
+    the runtime holds the next RUNTIME_ACTIVE_CHUNKS distinct chunks from it on (its window), so each op gathers the
+    chunks of its window that the op before's lacked. Walked backwards, each window comes from the next one."""
     total = 0
     for ops in rank_orders(schedule, pp, v, m):
-        stages = [s for _, s, _ in ops]
-        # from each position, the next chunks the rank runs, in order (walking back: each op's chunk first)
-        ahead: list[tuple[int, ...]] = [()] * len(stages)
-        upcoming: tuple[int, ...] = ()
-        for i in range(len(stages) - 1, -1, -1):
-            upcoming = (stages[i], *(s for s in upcoming if s != stages[i]))[:RUNTIME_ACTIVE_CHUNKS]
-            ahead[i] = upcoming
-        active: set[int] = set()
-        for window in ahead:
-            total += sum(s not in active for s in window)
-            active = set(window)
+        later: tuple[int, ...] = ()  # the window of the op after this one
+        for i in range(len(ops) - 1, -1, -1):
+            chunk = ops[i][1]
+            if later and later[0] == chunk:
+                continue  # the same window as the next op's: it gathers nothing
+            window = (chunk, *(c for c in later if c != chunk))[:RUNTIME_ACTIVE_CHUNKS]
+            total += sum(c not in window for c in later)  # what the next op gathers
+            later = window
+        total += len(later)  # the first op gathers its whole window
     return total
 
 
