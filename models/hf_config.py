@@ -141,6 +141,9 @@ def spec_mapping_from_hf(data: dict[str, Any], source: str) -> dict[str, Any]:
         if model_type == "deepseek_v3" and out.get("num_experts"):  # DeepseekV3Config's defaults: n_group 8, topk 4
             out.setdefault("moe_router_num_groups", 8)
             out.setdefault("moe_router_group_topk", 4)
+            # its default top-k method, noaux_tc: scores plus e_score_correction_bias (aux-loss-free balancing)
+            if data.get("topk_method", "noaux_tc") == "noaux_tc" and out.get("moe_score_function") == "sigmoid":
+                out["moe_router_expert_bias"] = True
         if model_type == "deepseek_v2" and data.get("topk_method", "greedy") != "group_limited_greedy":
             out.pop("moe_router_num_groups", None)  # V2's greedy top-k ignores its n_group / topk_group
             out.pop("moe_router_group_topk", None)

@@ -60,8 +60,8 @@ _OPTIONAL_FIELDS = frozenset({
     "num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts", "dense_layers",
     "moe_layer_step", "moe_score_function", "moe_norm_topk", "moe_routed_scaling_factor", "moe_aux_loss_coeff",
     "sliding_window", "qkv_bias", "expert_bias", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_group_score"})
-_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias", "expert_bias"})
+    "moe_router_group_score", "moe_router_expert_bias"})
+_BOOL_FIELDS = frozenset({"qk_norm", "moe_norm_topk", "qkv_bias", "expert_bias", "moe_router_expert_bias"})
 _ZERO_OK_FIELDS = frozenset({"num_experts", "num_shared_experts", "dense_layers", "mtp_layers"})
 
 
@@ -132,6 +132,11 @@ class TransformerSpec(ModelSpec):
     moe_router_num_groups: int = 1
     moe_router_group_topk: int = 1
     moe_router_group_score: str = "top-sum"  # GROUP_SCORES
+    # auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2; Wang et al., arXiv 2408.15664): a bias
+    # per routed expert added to its score for the top-k choice alone, moved each step against the expert's load (HF
+    # topk_method "noaux_tc", e_score_correction_bias; Megatron-Core's moe_router_enable_expert_bias). No time or
+    # memory worth pricing; the exports pass it on. paraplan's executor balances with the sequence-wise loss alone
+    moe_router_expert_bias: bool = False
 
     is_transformer: ClassVar[bool] = True
     required: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -248,7 +253,8 @@ class TransformerSpec(ModelSpec):
     def _validate_moe(self, source: str) -> None:
         moe_only = {"experts_per_token": None, "moe_ffn_hidden_size": None, "num_shared_experts": 0,
                     "dense_layers": 0, "moe_layer_step": 1, "expert_bias": False, "moe_router_num_groups": 1,
-                    "moe_router_group_topk": 1, "moe_router_group_score": "top-sum"}
+                    "moe_router_group_topk": 1, "moe_router_group_score": "top-sum",
+                    "moe_router_expert_bias": False}
         if not self.is_moe:
             given = [k for k, default in moe_only.items() if getattr(self, k) != default]
             if given:
@@ -268,6 +274,10 @@ class TransformerSpec(ModelSpec):
         if self.moe_score_function not in SCORE_FUNCTIONS:
             raise ModelSpecError(f"{source}: field 'moe_score_function' must be one of "
                                  f"{', '.join(SCORE_FUNCTIONS)}, got {self.moe_score_function!r}")
+        if self.moe_router_expert_bias and self.moe_score_function != "sigmoid":
+            raise ModelSpecError(f"{source}: field 'moe_router_expert_bias' needs moe_score_function sigmoid (the "
+                                 "bias moves sigmoid scores, as in DeepSeek-V3 and Megatron-Core), got "
+                                 f"{self.moe_score_function!r}")
         if self.moe_router_group_score not in GROUP_SCORES:
             raise ModelSpecError(f"{source}: field 'moe_router_group_score' must be one of {', '.join(GROUP_SCORES)}, "
                                  f"got {self.moe_router_group_score!r}")

@@ -49,6 +49,7 @@ MEGATRON_FLAGS = {
     "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
     "--moe-router-load-balancing-type", "--moe-router-num-groups", "--moe-router-group-topk",
+    "--moe-router-enable-expert-bias",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
     "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",

@@ -218,6 +218,26 @@ def test_group_limited_routing_fields(write):
         spec_from_mapping({**base, "moe_router_group_score": "max"}, "spec.yaml")
 
 
+def test_aux_loss_free_expert_bias_is_read_from_deepseek_v3_s_top_k_method(write, tmp_path):
+    """DeepSeek-V3 balances its experts with a bias on the routing scores (HF topk_method noaux_tc, its config's
+    default; arXiv 2412.19437 Sec. 2.1.2): the preset and the config.json set moe_router_expert_bias, Megatron-LM's
+    export turns on --moe-router-enable-expert-bias; other methods and models do not. It needs sigmoid scores."""
+    assert hf_spec("DeepSeek-V3").moe_router_expert_bias and load_model_spec("deepseek-v3").moe_router_expert_bias
+    assert not load_model_spec("mixtral-8x7b").moe_router_expert_bias
+    assert not load_model_spec("llama4-maverick").moe_router_expert_bias  # sigmoid, but no bias
+    from paraplan.planner.exports.megatron import _moe_args
+
+    assert ("--moe-router-enable-expert-bias", None) in _moe_args(load_model_spec("deepseek-v3"))
+    assert all(flag != "--moe-router-enable-expert-bias" for flag, _ in _moe_args(load_model_spec("mixtral-8x7b")))
+    base = dict(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=32,
+                num_experts=8, experts_per_token=2, moe_router_expert_bias=True)
+    with pytest.raises(ModelSpecError, match="'moe_router_expert_bias' needs moe_score_function sigmoid"):
+        spec_from_mapping(base, "spec.yaml")
+    with pytest.raises(ModelSpecError, match="'moe_router_expert_bias' needs num_experts"):
+        spec_from_mapping({**base, "num_experts": 0, "experts_per_token": None}, "spec.yaml")
+    assert spec_from_mapping({**base, "moe_score_function": "sigmoid"}, "spec.yaml").moe_router_expert_bias
+
+
 def test_group_limited_router_picks_within_the_best_groups():
     """models.moe.group_limited_topk as Megatron-Core's moe_utils.group_limited_topk: groups scored by the sum of
     their top k / group_topk scores, the k experts taken within the group_topk best groups only."""

@@ -205,6 +205,8 @@ def _moe_args(spec) -> Args:
     groups, group_topk = getattr(spec, "routing_groups", (1, 1))
     if groups > 1:  # node-limited routing (Megatron-Core's moe_utils.group_limited_topk: the plan's "top-sum" rule)
         a += [("--moe-router-num-groups", groups), ("--moe-router-group-topk", group_topk)]
+    if getattr(spec, "moe_router_expert_bias", False):  # Megatron-Core's default update rate, 1e-3, is DeepSeek-V3's
+        a.append(("--moe-router-enable-expert-bias", None))
     if hasattr(spec, "moe_aux_loss_coeff"):
         a.append(("--moe-aux-loss-coeff", spec.moe_aux_loss_coeff))
         if spec.moe_aux_loss_coeff:  # the plan's loss is per sequence (models/moe.py sequence_aux_loss, DeepSeek's);
