@@ -7,11 +7,14 @@
 2. Bound each layout from below in O(1): the pipeline with perfectly divided work and the least-work
    recomputation, the point-to-point sends every split has (_send_floor), plus the optimizer step; and from
    memory: model states alone over pp ranks. Lazily: every layout first gets the pipeline's time alone
-   (time_bound, one block table per class of layouts), the rest only when it comes up.
+   (time_bound, one block table per class of layouts), the rest only when it comes up, then a tighter second
+   bound (the recomputation memory forces, the slowest rank, the data-parallel wait) when it comes up again.
 3. Visit layouts in order of their lower bound; stop when the bound reaches the k-th best time found.
    Each visited layout gets the ILP's stage split (see :mod:`ilp`), priced exactly by the cost model — except,
    in the default (heuristic) mode, interleaved and V layouts of transformer layers, whose chunk rule leaves
-   little to choose: their quick split, polished on the exact model (ilp.polished_quick_split).
+   little to choose: their quick split, polished on the exact model (ilp.polished_quick_split); one that enters
+   the k best quick prices is polished at once, so that its polished price is the one later layouts must beat.
+   The ILPs solve beside the polishing (CBC in its own process).
 Every layout the search considered is returned with its status for the report.
 """
 
