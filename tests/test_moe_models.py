@@ -218,11 +218,13 @@ def test_group_limited_routing_fields(write):
         spec_from_mapping({**base, "moe_router_group_score": "max"}, "spec.yaml")
 
 
-def test_aux_loss_free_expert_bias_is_read_from_deepseek_v3_s_top_k_method(write, tmp_path):
+def test_aux_loss_free_expert_bias_is_read_from_deepseek_v3_s_top_k_method(write):
     """DeepSeek-V3 balances its experts with a bias on the routing scores (HF topk_method noaux_tc, its config's
     default; arXiv 2412.19437 Sec. 2.1.2): the preset and the config.json set moe_router_expert_bias, Megatron-LM's
     export turns on --moe-router-enable-expert-bias; other methods and models do not. It needs sigmoid scores."""
     assert hf_spec("DeepSeek-V3").moe_router_expert_bias and load_model_spec("deepseek-v3").moe_router_expert_bias
+    v3 = json.loads((HF / "DeepSeek-V3" / "config.json").read_text())
+    assert not _hf(write, {**v3, "topk_method": "greedy"}).moe_router_expert_bias
     assert not load_model_spec("mixtral-8x7b").moe_router_expert_bias
     assert not load_model_spec("llama4-maverick").moe_router_expert_bias  # sigmoid, but no bias
     from paraplan.planner.exports.megatron import _moe_args
