@@ -941,8 +941,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         cand.prediction = pred
         quick.append((pred.iteration_time_s, len(alive) - 1))
         price = pred.iteration_time_s
-        if early and (len(kth) < top_k or price < -kth[0]) and cand.layout.virtual_stages > 1 \
-                and _quick_split_suffices(model, cand.layout):
+        if early and (len(kth) < top_k or price < -kth[0]) and _quick_split_suffices(model, cand.layout):
             # it would be polished later anyway if it stays among the k best; polished now, its (lower) price
             # prunes the layouts after it: the quick prices of interleaved splits run a few % above the polished
             _accept(cand, polished_quick_split(model, cand.layout, pred, allowed_modes), best_times, top_k)
@@ -976,7 +975,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                     # no quick split of it fits (quick_price repairs one-stage-per-rank splits; not interleaved ones)
                     unfit += qtime[id(cand)] == float("inf")
                     continue
-                if refine_slack is not None and cand.prediction is not None and cand.layout.virtual_stages > 1 \
+                if refine_slack is not None and cand.prediction is not None \
                         and _quick_split_suffices(model, cand.layout):
                     _accept(cand, polished_quick_split(model, cand.layout, cand.prediction, allowed_modes),
                             best_times, top_k)
@@ -1032,14 +1031,16 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
 
 
 def _quick_split_suffices(model: CostModel, lay: Layout) -> bool:
-    """Heuristic mode: does an interleaved or V layout keep its quick split, polished, without an ILP? Where its
-    blocks are an embedding, transformer layers and a head: the chunk rule (every chunk within a layer of the others)
-    leaves it little to choose, identical layers or not (dense and MoE ones: DeepSeek-V3's first three, Llama 4's
-    alternate). Measured (search and re-pricing, one run each, megatron-core): DeepSeek-V3 on 256 H100s went from 50
-    ILPs (their problems built in Python: ~1 s each) and 19.5 s to 4 ILPs and 5.3 s, the same two best plans, the
-    third faster; on 1024 H100s 6.9 -> 5.9 s, Llama 4 Maverick on 512 10.1 -> 7.5 s, the same top three, as for
-    Qwen3-235B and Mixtral 8x22B. Other models' blocks (convolutions) differ too much for an even split: they keep
+    """Heuristic mode: does an interleaved or V layout (never one of one stage per rank) keep its quick split, polished,
+    without an ILP? Where its blocks are an embedding, transformer layers and a head: the chunk rule (every chunk within
+    a layer of the others) leaves it little to choose, identical layers or not (dense and MoE ones: DeepSeek-V3's first
+    three, Llama 4's alternate). Measured (search and re-pricing, one run each, megatron-core): DeepSeek-V3 on 256 H100s
+    went from 50 ILPs (their problems built in Python: ~1 s each) and 19.5 s to 4 ILPs and 5.3 s, the same two best
+    plans, the third faster; on 1024 H100s 6.9 -> 5.9 s, Llama 4 Maverick on 512 10.1 -> 7.5 s, the same top three, as
+    for Qwen3-235B and Mixtral 8x22B. Other models' blocks (convolutions) differ too much for an even split: they keep
     their ILP."""
+    if lay.virtual_stages == 1:
+        return False
     layers = model.work.profile(lay.dtype).layers
     return model.repeated_blocks(lay) or (model.work.spec.is_transformer and layers[0].kind == "embedding" and all(
         x.kind == "transformer_layer" for x in layers[1:-1]))
