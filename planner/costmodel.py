@@ -38,7 +38,16 @@ from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .fused_activations import fused_layer_bytes
 from .layout import Layout, recomputes_core, recomputes_mlp, recomputes_norm_act
-from .memory import GiB, ddp_buckets, embedding_grad_bytes, layer_activation_bytes, loss_bytes, rank_memory, state_bytes
+from .memory import (
+    FRAGMENTATION,
+    GiB,
+    ddp_buckets,
+    embedding_grad_bytes,
+    layer_activation_bytes,
+    loss_bytes,
+    rank_memory,
+    state_bytes,
+)
 from .placement import Placement, consecutive_group, layout_placement
 from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
@@ -375,6 +384,15 @@ class _LayoutStages:
             st.p2p_bytes += 2 * boundary
         return st
 
+
+
+def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding) -> float:
+    """A pipeline rank's saved activations at its peak: the most any of its peak moments holds (``holding``:
+    schedules.peak_matrices' entry for it), else at ``flights``' one moment."""
+    if holding is not None and len(holding[1]) > 1:
+        order, held = holding
+        return float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
+    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages)
 
 class CostModel:
     """Prices layouts of one workload; caches per-block costs across calls (the search calls it a lot)."""
@@ -815,20 +833,37 @@ class CostModel:
         (schedules.peak_matrices' entry, or None for ``flights``' one), ``states`` the layout's (state_bytes,
         moe.expert_states), ``grads_at_peak`` grads_at_activation_peak of the rank, ``simulated`` its simulated
         activation peak where there is one."""
-        if simulated is not None:
-            acts = simulated
-        elif holding is not None and len(holding[1]) > 1:
-            order, held = holding
-            acts = float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
-        else:
-            acts = sum(flights.get(s, 0) * costs[s].act_bytes for s in stages)
-        acts += max(costs[s].act_working for s in stages)
+        acts = simulated if simulated is not None else held_activations(costs, stages, flights, holding)
+        return self._rank_bytes_at(costs, stages, acts + max(costs[s].act_working for s in stages), states,
+                                   grads_at_peak)
+
+    def _rank_bytes_at(self, costs: list[StageCost], stages: tuple[int, ...], activations: float, states: tuple,
+                       grads_at_peak: bool) -> dict[str, float]:
+        """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included)."""
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
-        return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, acts, self.work.cluster.gpu,
-                           first_freed, experts=experts, expert_states=states[1],
+        return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, activations,
+                           self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
                            root_params=sum(costs[s].root_params for s in stages))
+
+    def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
+                            holding, states: tuple, cap_gib: float) -> Callable[[], bool]:
+        """:meth:`least_recompute`'s test of one rank whose gradients meet its activation peak: does it fit ``cap_gib``
+        with its stages' costs as ``costs`` has them when asked (the caller changes their modes in it)? The rank's
+        bytes are then rank_memory's without activations, which no recomputation mode changes (parameters and
+        states), priced once, plus 1 + FRAGMENTATION times its activations, priced at each test (the allocator's
+        share of every tensor byte: memory.untracked_bytes); tests/test_costmodel.py checks it against
+        :meth:`_rank_bytes`."""
+        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True).values())
+        room = cap_gib * GiB
+        per_byte = 1 + FRAGMENTATION
+
+        def fits() -> bool:
+            acts = held_activations(costs, stages, flights, holding) + max(costs[s].act_working for s in stages)
+            return base + per_byte * acts <= room
+
+        return fits
 
     def least_recompute(self, lay: Layout, stages: list[list[int]], modes: tuple[str, ...] | list[str]
                         ) -> tuple[list[str], list[StageCost]] | None:
@@ -849,12 +884,16 @@ class CostModel:
         states = (state_bytes(self.work.framework, lay), moe.expert_states(self.work.framework, lay))
         grads_at_peak = [self.grads_at_activation_peak(lay, ranks[r], flights[r]) for r in range(p)]
 
-        def fits(r: int) -> bool:  # a rank's memory depends on its own stages alone: only they are priced again
-            got = self._rank_bytes(current, ranks[r], flights[r], holdings[r], states, grads_at_peak[r])
-            return sum(x / GiB for x in got.values()) <= cap
+        def fits_by_breakdown(r: int) -> Callable[[], bool]:  # where its first backward frees activations
+            def fits() -> bool:  # a rank's memory depends on its own stages alone: only they are priced again
+                got = self._rank_bytes(current, ranks[r], flights[r], holdings[r], states, False)
+                return sum(x / GiB for x in got.values()) <= cap
+            return fits
 
         for r in range(p):
-            if fits(r):
+            fits = self._fit_by_activations(current, ranks[r], flights[r], holdings[r], states, cap) \
+                if grads_at_peak[r] else fits_by_breakdown(r)
+            if fits():
                 continue
             order = sorted(ranks[r], key=lambda s: (-flights[r].get(s, 0), s))
             for u in modes[1:]:
@@ -862,7 +901,7 @@ class CostModel:
                     by_mode[u] = self.stage_costs(lay, stages, [u] * len(stages))
                 for s in order:
                     chosen[s], current[s] = u, by_mode[u][s]
-                    if fits(r):
+                    if fits():
                         break
                 else:
                     continue

@@ -216,16 +216,20 @@ class _BoundParts:
     forced_total: float | None = None
     coupled: float | None = None  # slowest_rank_bound, once asked for
     wait: float | None = None  # the ranks' mean data-parallel wait at least, once asked for
+    memory_only: bool = False  # over the memory asked for: the time parts above left out (_bound_parts)
 
 
 def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_recomputation: bool = True,
-                data_parallel_wait: bool = True, beat: float = float("inf")) -> tuple[float, dict[str, float]]:
+                data_parallel_wait: bool = True, beat: float = float("inf"),
+                capacity: float | None = None) -> tuple[float, dict[str, float]]:
     """The time no stage split of ``lay`` can beat, and per recomputation mode the memory (bytes) its
     most loaded rank needs at least (see the module docstring). ``forced_recomputation``: charge the
     recomputation memory forces (see recomputation_bound; tighter, and dearer to compute);
     ``data_parallel_wait``: charge the ranks' least data-parallel wait (least_dp_wait; dearer too). Each part is
     computed once per layout (CostModel.bound_parts); the dearest (the slowest rank's, then the data-parallel
     wait: it decides only 52 of the demo's 1,479 second bounds) only while the bound stays below ``beat``.
+    ``capacity``: GPU bytes; where even the least memory exceeds them the time is only the whole model's
+    pipeline time (no sends, no optimizer step, none of the tighter parts): the caller rejects the layout.
 
     Time: the pipeline's closed form with perfectly divided work (or the slowest rank's whole blocks) and the
     sends between stages that every split has, the ranks' mean data-parallel wait after their own work, the
@@ -236,8 +240,11 @@ def lower_bound(model: CostModel, lay: Layout, modes: tuple[str, ...], forced_re
     """
     key = (lay, modes)
     parts = model.bound_parts.get(key)
-    if parts is None:
-        parts = model.bound_parts[key] = _bound_parts(model, lay, modes)
+    if parts is None or (parts.memory_only and capacity is None):
+        parts = model.bound_parts[key] = _bound_parts(model, lay, modes, capacity)
+    if parts.memory_only:
+        return _pipeline_time(lay, parts.total, max(parts.total / lay.pp, parts.fullest), parts.bwd_weight), \
+            parts.memory
     total, p = parts.total, lay.pp
     slowest = parts.fullest
     if forced_recomputation and parts.forcing is not None:
@@ -340,7 +347,10 @@ def _block_class(model: CostModel, lay: Layout, place, modes: tuple[str, ...]) -
     return got
 
 
-def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _BoundParts:
+def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity: float | None = None) -> _BoundParts:
+    """:func:`lower_bound`'s parts of ``lay``; where even the least memory (over the modes) exceeds ``capacity``
+    bytes, the memory alone with the time from the whole model's costs, without sends and optimizer step (cheaper
+    and still a bound: the search rejects such a layout at once)."""
     work = model.work
     place = layout_placement(work.cluster, lay)
     cls = _block_class(model, lay, place, modes)
@@ -364,6 +374,13 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _Boun
     # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
     equalised = _equalised_bytes(states, least, counts, [acts[u] for u in modes])
+    memory = {}
+    for u, held_bytes in zip(modes, equalised, strict=True):
+        tensors = held_bytes + cls.working[u]
+        memory[u] = tensors + untracked_bytes(gpu, tensors)
+    if capacity is not None and min(memory.values()) > capacity:  # out of memory on any split: time parts left out
+        return _BoundParts(total=cls.total, fullest=cls.table.fullest_rank(p), bwd_weight=cls.totals["none"][
+            "bwd_weight"], opt=0.0, memory=memory, forcing=None, coupling=(), waiting=None, memory_only=True)
     # all ranks' time per micro-batch: every block in its cheapest mode, unless memory forces recomputation
     cheapest = min(times, key=times.get)
     forcing = (times, acts, min(states), least, room, counts) \
@@ -376,10 +393,6 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> _Boun
     opt = optimizer_step(model, lay).at(RankLoad(params=params / p))
     if experts:
         opt += moe.expert_optimizer_step(model, lay).at(RankLoad(experts=experts / p))
-    memory = {}
-    for u, held_bytes in zip(modes, equalised, strict=True):
-        tensors = held_bytes + cls.working[u]
-        memory[u] = tensors + untracked_bytes(gpu, tensors)
     sends, least_sends = _send_floor(model, lay, place, cls.table)
     # blocks are whole: with few layers per rank the slowest rank, not total/p, binds (on the cheapest costs)
     return _BoundParts(total=cls.total + sends, fullest=cls.table.fullest_rank(p) + least_sends,
@@ -918,7 +931,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         heapq.heappop(waiting)
         if stage == 0:
             bound, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False,
-                                             data_parallel_wait=False)
+                                             data_parallel_wait=False, capacity=capacity)
             cand.lower_bound_s, cand.memory_checked = max(bound, cand.lower_bound_s), True
             cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
             lb_mem = min(mem_by_mode.values())

@@ -150,6 +150,41 @@ def test_least_recompute_fits_each_rank_recomputing_its_fullest_chunks_first(sma
         assert not model.ranks_fit(lay, stages, undone)[r]
 
 
+def test_least_recompute_fit_test_is_the_memory_breakdowns_verdict(small):
+    """least_recompute tests a rank whose gradients meet its activation peak by its bytes without activations plus
+    (1 + fragmentation) times its activations (CostModel._fit_by_activations): on random per-stage modes and
+    GPUs just above and below each rank's need, it must say what the summed breakdown (ranks_fit's) says."""
+    import random
+
+    from paraplan.planner import moe
+    from paraplan.planner.costmodel import even_stages
+    from paraplan.planner.memory import GiB, state_bytes
+    from paraplan.planner.schedules import in_flight, peak_matrices, rank_stages
+
+    rng = random.Random(5)
+    model = CostModel(small)
+    modes = modes_for(model)
+    tested = 0
+    for short in ("dp1 tp2 pp4 mb2 zb-vx2 sp", "dp2 tp1 pp4 mb1 interleaved-1f1bx2 z1", "dp4 tp1 pp2 mb1 1f1b z3"):
+        lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == short)
+        p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+        stages = even_stages(model, lay)
+        flights, held = in_flight(lay.schedule, p, v, m), peak_matrices(lay.schedule, p, v, m)
+        states = (state_bytes(small.framework, lay), moe.expert_states(small.framework, lay))
+        for _ in range(4):
+            costs = model.stage_costs(lay, stages, [rng.choice(modes) for _ in stages])
+            for r in range(p):
+                mine = rank_stages(lay.schedule, r, p, v)
+                if not model.grads_at_activation_peak(lay, mine, flights[r]):
+                    continue
+                need = sum(model._rank_bytes(costs, mine, flights[r], held[r], states, True).values()) / GiB
+                for cap in (need * (1 + 1e-9), need * (1 - 1e-9)):
+                    fits = model._fit_by_activations(costs, mine, flights[r], held[r], states, cap)
+                    assert fits() == (cap > need), (short, r)
+                    tested += 1
+    assert tested > 20
+
+
 def test_polish_filters_are_what_evaluate_says(small):
     """The polish skips a neighbour split by two cheap checks; each must agree with the full price it skips:
     pipeline_makespan is the closed-form price less the exposed data-parallel wait and the optimizer step (so a
@@ -433,8 +468,14 @@ def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(
             validate_layout(model, lay)
         except InvalidLayout:
             continue
-        full, _ = lower_bound(model, lay, modes, forced_recomputation=False, data_parallel_wait=False)
+        full, memory = lower_bound(model, lay, modes, forced_recomputation=False, data_parallel_wait=False)
         assert time_bound(model, lay) <= full, lay.short()
+        # asked with a GPU its least memory exceeds (the search's first pass), the memory is the same, the time
+        # bound the cheap one; asked again without, the full bound
+        over = CostModel(small)
+        cheap, same = lower_bound(over, lay, modes, False, False, capacity=min(memory.values()) * (1 - 1e-9))
+        assert same == memory and cheap == time_bound(model, lay), lay.short()
+        assert lower_bound(over, lay, modes, False, False) == (full, memory)
     result = search(small, 8)
     kth = result.ranked[-1].time_s
     unchecked = [c for c in result.candidates if c.status == "pruned" and not c.memory_checked]
