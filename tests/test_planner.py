@@ -455,6 +455,36 @@ def test_whole_stage_bound_charges_the_head_to_the_rank_that_holds_it():
         assert bound * lay.num_micro_batches <= brute_force(model, lay) * (1 + 1e-9), schedule
 
 
+def test_polishing_while_an_ilp_solves_leaves_the_search_as_it_was(small, monkeypatch):
+    """While it waits for an ILP, the search polishes later layouts ahead of their turn (search._polish_ahead); their
+    turn alone decides what becomes of them. With ILPs that never finish while asked (every layout that may be
+    polished is, ahead), every candidate's status and price must be what the search gives without."""
+    from paraplan.planner import search as search_module
+
+    polished = []
+    real_polish, real_ahead = search_module.polished_quick_split, search_module._polish_ahead
+    monkeypatch.setattr(search_module, "polished_quick_split",
+                        lambda *a, **k: polished.append(1) or real_polish(*a, **k))
+    monkeypatch.setattr(search_module, "_polish_ahead", lambda *a: None)
+    alone = search(small, 8)
+    polished_alone = len(polished)
+
+    class Solving:  # an ILP's future that is never done when asked
+        def __init__(self, fut):
+            self.fut = fut
+
+        def done(self):
+            return False
+
+    monkeypatch.setattr(search_module, "_polish_ahead", lambda model, fut, *a: real_ahead(model, Solving(fut), *a))
+    polished.clear()
+    ahead = search(small, 8)
+    assert len(polished) > polished_alone  # the instance polishes ahead layouts whose turn then prunes or prices them
+    assert [(c.layout, c.status, c.time_s, c.stages) for c in ahead.candidates] == \
+        [(c.layout, c.status, c.time_s, c.stages) for c in alone.candidates]
+    assert ahead.ilp_solves == alone.ilp_solves and ahead.notes == alone.notes
+
+
 def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(small):
     """The search orders layouts by a cheap time bound and computes the full first-pass bound (time and memory)
     lazily, so the cheap one must never exceed it (else the order, and what is pruned, would change); a layout
