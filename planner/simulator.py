@@ -3,8 +3,8 @@
 Tasks are the schedule's ops (forward F, backward B, and in zero-bubble schedules the deferred
 weight-gradient W) of every stage and micro-batch. Edges: the data dependencies (F of stage s after F
 of s-1; B of s after B of s+1, the last stage's B after its F; W after B), plus each rank running its
-ops in the schedule's order. A task starts when its predecessors finish; the makespan and each
-rank's busy intervals and activation memory over time come out. Uneven stages and per-stage
+ops in the schedule's order. A task starts when its predecessors finish; the makespan, each
+rank's busy intervals and its activation memory's peak come out. Uneven stages and per-stage
 differences that closed forms cannot express are handled exactly. Point-to-point transfers are
 charged to the sending stage's task durations (blocking sends, as Megatron's schedules issue them).
 """
@@ -12,6 +12,7 @@ charged to the sending stage's task durations (blocking sends, as Megatron's sch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from .schedules import rank_orders, stage_rank
@@ -36,7 +37,6 @@ class SimResult:
     rank_finish: list[float]  # when each pipeline rank ends its last task
     timeline: list[TimelineEntry] = field(default_factory=list)
     peak_activation_bytes: list[float] = field(default_factory=list)  # per rank
-    memory_curve: list[list[tuple[float, float]]] = field(default_factory=list)  # per rank: (time, bytes)
 
 
 def build_graph(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: list[float],
@@ -73,64 +73,54 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
                       keep_timeline: bool = False) -> SimResult:
     """Run the task graph: every task starts when its data dependency and its rank's previous task end.
 
-    Walks the ranks' orders directly (each task once) instead of sorting the networkx graph, which
-    :func:`build_graph` builds for inspection; the two give the same times (tests).
+    Walks the ranks' orders directly (each task once, in the form :func:`_walk_orders` caches) instead of sorting the
+    networkx graph, which :func:`build_graph` builds for inspection; the two give the same times (tests).
     """
     split = schedule == "zb-v"
-    n_stages = pp * v
-    last = n_stages - 1
-    orders = rank_orders(schedule, pp, v, m)
-    # Finish times in flat lists indexed stage·m + micro-batch (-1: not run yet); the planner runs this
+    walks = _walk_orders(schedule, pp, v, m)
+    # Finish times in one flat list: forwards at stage·m + micro-batch, backwards after them, one slot for the
+    # weight gradients (nothing waits on one but its own rank's next task); -1: not run yet. The planner runs this
     # for thousands of layouts, so no per-task tuples or dicts on the hot path.
-    done_f, done_b = [-1.0] * (n_stages * m), [-1.0] * (n_stages * m)
-    t_bw = t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)]  # non-zb: B is the whole backward
+    done = [-1.0] * (2 * pp * v * m + 1)
+    durations = (t_f, t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)], t_w)  # non-zb: B is whole
     starts: dict[tuple[str, int, int], float] = {}  # only for the timeline
     finish: dict[tuple[str, int, int], float] = {}
     # Activation memory, kept as the ranks run: a rank runs its tasks one after another, so the events
     # (a forward's start allocates, the freeing task's end releases) come in time order, and at one instant a
     # release (a task that ends) comes before an allocation (the next task that starts then): the forward
     # reuses what the backward released, so the two never count at once.
-    frees = "W" if split else "B"
+    frees = 2 if split else 1  # W, else B
     memory = act_bytes is not None
     level, peak = [0.0] * pp, [0.0] * pp
-    curves: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     ptr, clock = [0] * pp, [0.0] * pp
-    remaining = sum(len(o) for o in orders)
+    orders = rank_orders(schedule, pp, v, m) if keep_timeline else None
+    remaining = sum(len(w) for w in walks)
     while remaining:
         progressed = False
         for r in range(pp):
-            order, k, now = orders[r], ptr[r], clock[r]
-            curve = curves[r]
-            while k < len(order):
-                kind, s, i = order[k]
-                if kind == "F":
-                    ready = done_f[(s - 1) * m + i] if s > 0 else 0.0
-                elif kind == "B":
-                    ready = done_b[(s + 1) * m + i] if s < last else done_f[s * m + i]
-                else:  # W: after its own B
-                    ready = done_b[s * m + i]
+            walk, k, now = walks[r], ptr[r], clock[r]
+            held, top = level[r], peak[r]
+            while k < len(walk):
+                kind, s, after, slot = walk[k]
+                ready = done[after] if after >= 0 else 0.0
                 if ready < 0:
                     break
                 begin = now if now > ready else ready
-                now = begin + (t_f[s] if kind == "F" else t_bw[s] if kind == "B" else t_w[s])
-                if kind == "F":
-                    done_f[s * m + i] = now
-                elif kind == "B":
-                    done_b[s * m + i] = now
+                now = begin + durations[kind][s]
+                done[slot] = now
                 if memory:
-                    if kind == "F":
-                        level[r] += act_bytes[s]
-                        peak[r] = max(peak[r], level[r])
-                        curve.append((begin, level[r]))
+                    if kind == 0:
+                        held += act_bytes[s]
+                        if held > top:
+                            top = held
                     elif kind == frees:
-                        level[r] -= act_bytes[s]
-                        curve.append((now, level[r]))
+                        held -= act_bytes[s]
                 if keep_timeline:
-                    starts[order[k]], finish[order[k]] = begin, now
+                    starts[orders[r][k]], finish[orders[r][k]] = begin, now
                 k += 1
             if k > ptr[r]:
                 remaining -= k - ptr[r]
-                ptr[r], clock[r] = k, now
+                ptr[r], clock[r], level[r], peak[r] = k, now, held, top
                 progressed = True
         assert progressed, f"schedule {schedule} deadlocks (p={pp}, v={v}, m={m})"
     result = SimResult(makespan=max(clock), rank_finish=list(clock))
@@ -138,8 +128,25 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
         result.timeline = sorted((TimelineEntry(stage_rank(schedule, op[1], pp), op[0], op[1], op[2], starts[op],
                                                 finish[op]) for op in starts), key=lambda e: (e.rank, e.start))
     if memory:
-        result.peak_activation_bytes, result.memory_curve = peak, curves
+        result.peak_activation_bytes = peak
     return result
+
+
+@lru_cache(maxsize=64)
+def _walk_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+    """rank_orders as simulate_pipeline walks them: per task (kind: 0 F, 1 B, 2 W; its stage; the slot of the task
+    it waits for, -1 for none; its own slot) in simulate_pipeline's flat list of finish times. Shared: read-only."""
+    n = pp * v * m
+    last = pp * v - 1
+
+    def task(kind: str, s: int, i: int) -> tuple[int, int, int, int]:
+        if kind == "F":
+            return 0, s, (s - 1) * m + i if s > 0 else -1, s * m + i
+        if kind == "B":  # after the next stage's B, the last stage's after its own F
+            return 1, s, n + (s + 1) * m + i if s < last else s * m + i, n + s * m + i
+        return 2, s, n + s * m + i, 2 * n  # W: after its own B
+
+    return tuple(tuple(task(*op) for op in order) for order in rank_orders(schedule, pp, v, m))
 
 
 def graph_makespan(g: nx.DiGraph) -> float:
