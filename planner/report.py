@@ -184,8 +184,11 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
     if faster:
         result.notes.append(faster)
 
-    def every_candidate() -> None:
+    exports: list[str] = []
+
+    def every_candidate() -> None:  # and the report's export section (it reads plan.json): while the charts draw
         write_candidates_csv(result, files["candidates"])
+        exports.extend(report_lines(files["plan"]))  # the export command per framework, or why it cannot take it
 
     if charts and server:  # the candidates (~90,000 rows for a 1T model's search) written while the charts are drawn
         try:
@@ -289,7 +292,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
                 md += [f"### {title}", "", f"![{title}]({os.path.basename(files[key])})", ""]
     md += ["", "Files: `plan.json` (run it with `paraplan execute --plan plan.json`), `candidates.csv` (every "
            "candidate with its status).", ""]
-    md += report_lines(files["plan"])  # the export command per framework, or why it cannot take the plan
+    md += exports
     with atomic_open(files["report"]) as f:
         f.write("\n".join(md))
     return files
