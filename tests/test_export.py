@@ -62,7 +62,7 @@ MEGATRON_FLAGS = {
     "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-param-gather",
     "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity", "--rotary-base", "--norm-epsilon",
-    "--use-rope-scaling", "--rope-scaling-factor",
+    "--use-rope-scaling", "--rope-scaling-factor", "--no-gradient-accumulation-fusion", "--init-model-with-meta-device",
 }
 
 
@@ -222,6 +222,12 @@ def test_megatron_zero3_full_recompute_and_uneven_pipeline(plans, tmp_path):
     zero2, _ = variant(plan, Path(tmp_path / "z3.json"), zero=2)
     f, notes = megatron_export(zero2, tmp_path)
     assert f["--data-parallel-sharding-strategy"] == "optim_grads" and any("ZeRO-2" in n for n in notes)
+    # as NVIDIA's Megatron-FSDP scripts run it (examples/megatron_fsdp), whatever stack the plan was priced for
+    fsdp = {"--use-distributed-optimizer", "--no-gradient-accumulation-fusion", "--init-model-with-meta-device"}
+    assert fsdp <= set(f)
+    assert not {"--overlap-grad-reduce", "--overlap-param-gather"} & set(f)  # priced for this executor: no overlap
+    f, _ = megatron_export(zero2.replace(framework="megatron-core"), tmp_path)
+    assert {"--overlap-grad-reduce", "--overlap-param-gather", "--use-megatron-fsdp"} <= set(f)
     # per-stage recomputation: one mode for all (the strongest), said in a note
     p3d, _ = plans["3d"]
     mixed = p3d.replace(stage_recompute=["full"] + ["none"] * (len(p3d.stages) - 1))

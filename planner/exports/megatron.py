@@ -13,7 +13,8 @@ Mapping (plan -> Megatron-LM):
   interleaved and even; --decoder-first/last-pipeline-num-layers when only the end stages differ;
   otherwise --pipeline-model-parallel-layout, which states every (virtual) stage exactly.
 - ZeRO 1 -> --use-distributed-optimizer; ZeRO 2 / 3 -> Megatron-FSDP (--use-megatron-fsdp
-  --data-parallel-sharding-strategy optim_grads / optim_grads_params, which needs --ckpt-format fsdp_dtensor).
+  --data-parallel-sharding-strategy optim_grads / optim_grads_params, with the flags NVIDIA's Megatron-FSDP scripts
+  give it: MEGATRON_FSDP_FLAGS).
 - recompute selective -> --recompute-granularity selective; norm+act -> selective with --recompute-modules layernorm
   moe_act; full -> full, uniform, one layer per checkpoint.
 - dtype bf16/fp16 -> --bf16/--fp16; fp8 -> --bf16 --fp8-format hybrid (and --fp8-recipe tensorwise where priced with
@@ -23,9 +24,10 @@ Mapping (plan -> Megatron-LM):
   accumulates bf16 runs' gradients in fp32 unless told); FP8 parameters (no cached FP8 weight copy priced) ->
   --fp8-param-gather; bf16 Adam moments -> --use-precision-aware-optimizer
   --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16; the data-parallel overlap -> --overlap-grad-reduce (and
-  --overlap-param-gather with the distributed optimizer); MoE: the token dispatcher (--moe-token-dispatcher-type
-  alltoall, or flex with --moe-flex-dispatcher-backend hybridep; Megatron's default is allgather), grouped GEMMs
-  (--moe-grouped-gemm), the all-to-all overlap (--overlap-moe-expert-parallel-comm --delay-wgrad-compute).
+  --overlap-param-gather with the distributed optimizer where priced, always with Megatron-FSDP); MoE: the token
+  dispatcher (--moe-token-dispatcher-type alltoall, or flex with --moe-flex-dispatcher-backend hybridep; Megatron's
+  default is allgather), grouped GEMMs (--moe-grouped-gemm), the all-to-all overlap
+  (--overlap-moe-expert-parallel-comm --delay-wgrad-compute).
 Refused: the zb-v schedule, parameter servers, class-sharded heads, non-decoder models (bert, CNNs).
 """
 
@@ -50,13 +52,19 @@ from .common import (
 
 TARGET = "megatron"
 MEGATRON_SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py at d98e8a64ddf3 (2026-08-22)"
+# What Megatron-FSDP runs with besides its sharding strategy, as NVIDIA's own scripts give it
+# (examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh and sbatch_mfsdp_deepseek_v3.sh): the distributed optimizer
+# (Megatron-FSDP v1 needs it; arguments.py sets it, with a warning, where it is missing), no fused weight-gradient
+# accumulation, the model built on the meta device and materialised in shards (a model that fits only sharded would
+# not fit while it is built whole), and the fsdp_dtensor checkpoint format (arguments.py requires it).
+MEGATRON_FSDP_FLAGS = [("--use-distributed-optimizer", None), ("--no-gradient-accumulation-fusion", None),
+                       ("--init-model-with-meta-device", None), ("--ckpt-format", "fsdp_dtensor")]
 ZERO_FLAGS = {
     0: [],
     1: [("--use-distributed-optimizer", None)],
-    2: [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads"),
-        ("--ckpt-format", "fsdp_dtensor")],
+    2: [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads"), *MEGATRON_FSDP_FLAGS],
     3: [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
-        ("--ckpt-format", "fsdp_dtensor")],
+        *MEGATRON_FSDP_FLAGS],
 }
 DTYPE_FLAGS = {"bf16": [("--bf16", None)], "fp16": [("--fp16", None)], "fp32": [],
                "fp8": [("--bf16", None), ("--fp8-format", "hybrid")]}
@@ -341,9 +349,11 @@ def stack_args(plan: Plan, spec, notes: list[str]) -> Args:
             notes.append("priced with fp32 master weights (8 B of optimizer state per parameter); Megatron with bf16 "
                          "parameters keeps them as 16-bit remainders by default (store_param_remainders): less "
                          "memory than priced")
-    if fw.overlap_dp and lay.data_ranks > 1 and lay.zero <= 1:
+    if fw.overlap_dp and lay.data_ranks > 1:
         a.append(("--overlap-grad-reduce", None))
-        if lay.zero == 1 and fw.overlap_param_gather:
+        # the distributed optimizer's gathers under the next step's forward; Megatron-FSDP's prefetch of the next
+        # units' parameters (NVIDIA's Megatron-FSDP scripts give both flags)
+        if (lay.zero == 1 and fw.overlap_param_gather) or lay.zero >= 2:
             a.append(("--overlap-param-gather", None))
     return a
 
