@@ -92,8 +92,8 @@ def dry_run(model: str, batch: int, flags: str, folder: str) -> dict:
     return json.loads(out.stdout)
 
 
-def errors(rank: dict) -> tuple[float, float, float]:
-    """(peak error, tensor error, worst traffic error) of the prediction relative to the trace."""
+def errors(rank: dict) -> tuple[float, float, float, float]:
+    """(peak error, tensor error, worst traffic error, FLOPs error) of the prediction relative to the trace."""
     other = rank["memory_gib"]["other"]
     predicted_tensors = rank["predicted_memory_gib"] - rank["predicted_memory_breakdown_gib"]["other"]
     tensor_err = predicted_tensors / rank["tensor_peak_gib"] - 1
@@ -104,7 +104,8 @@ def errors(rank: dict) -> tuple[float, float, float]:
         want = rank["predicted_comm_bytes"][kind]
         if max(got, want) > 0.01 * total:  # kinds under 1% of the rank's traffic: absolute, not relative
             worst = max(worst, abs(want / got - 1) if got else float("inf"))
-    return peak_err, tensor_err, worst
+    flops_err = rank["predicted_flops"] / rank["flops"] - 1 if rank["flops"] else float("inf")
+    return peak_err, tensor_err, worst, flops_err
 
 
 def main() -> int:
@@ -117,8 +118,8 @@ def main() -> int:
     if args.moe:
         cases = MOE + MOE_BIG
     print(f"{'plan':70s} {'rank':>5s} {'traced':>8s} {'pred':>8s} {'peak':>7s} {'tensors':>8s} {'traffic':>8s} "
-          f"{'secs':>5s}")
-    worst = [0.0, 0.0, 0.0]
+          f"{'FLOPs':>7s} {'secs':>5s}")
+    worst = [0.0, 0.0, 0.0, 0.0]
     with tempfile.TemporaryDirectory() as tmp:
         for model, batch, flags in cases:
             t0 = time.perf_counter()
@@ -126,11 +127,13 @@ def main() -> int:
             secs = time.perf_counter() - t0
             name = f"{Path(model).stem} {flags}"
             for r in result["ranks"]:
-                peak, tensors, traffic = errors(r)
-                worst = [max(w, abs(x)) for w, x in zip(worst, (peak, tensors, traffic), strict=True)]
+                peak, tensors, traffic, flops = errors(r)
+                worst = [max(w, abs(x)) for w, x in zip(worst, (peak, tensors, traffic, flops), strict=True)]
                 print(f"{name[:70]:70s} {r['rank']:5d} {r['peak_memory_gib']:8.2f} {r['predicted_memory_gib']:8.2f} "
-                      f"{100 * peak:+6.1f}% {100 * tensors:+7.1f}% {100 * traffic:7.1f}% {secs:5.0f}", flush=True)
-    print(f"worst: peak {100 * worst[0]:.1f}%, tensors alone {100 * worst[1]:.1f}%, traffic {100 * worst[2]:.1f}%")
+                      f"{100 * peak:+6.1f}% {100 * tensors:+7.1f}% {100 * traffic:7.1f}% {100 * flops:+6.1f}% "
+                      f"{secs:5.0f}", flush=True)
+    print(f"worst: peak {100 * worst[0]:.1f}%, tensors alone {100 * worst[1]:.1f}%, traffic {100 * worst[2]:.1f}%, "
+          f"FLOPs {100 * worst[3]:.1f}%")
     return 0
 
 

@@ -87,7 +87,8 @@ class DryRun:
                      "predicted_memory_breakdown_gib": pred.rank_memory_breakdown_gib[t.pp_rank] if pred else None,
                      "comm_bytes": {k: float(v) for k, v in t.comm_bytes.items()},
                      "predicted_comm_bytes": pred.rank_comm_bytes[t.pp_rank] if pred else None,
-                     "flops": t.flops, "micro_batches_traced": list(t.micro_batches_traced),
+                     "flops": t.flops, "predicted_flops": pred.rank_flops[t.pp_rank] if pred else None,
+                     "micro_batches_traced": list(t.micro_batches_traced),
                      "trace_seconds": t.seconds}
             ranks.append(entry)
         gpu = self._gpu()

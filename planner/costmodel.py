@@ -260,6 +260,8 @@ class Prediction:
     traffic_of: Callable[[], list[dict[str, float]]] | None = field(default=None, repr=False, compare=False)
     # per pipeline rank: its data-parallel sync (concerns.sync_summary), computed when first read (compare's table)
     dp_sync_of: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
+    # per pipeline rank: the FLOPs it computes an iteration (CostModel.rank_flops), computed when first read (dry run)
+    flops_of: Callable[[], list[float]] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def rank_comm_bytes(self) -> list[dict[str, float]]:
@@ -269,11 +271,16 @@ class Prediction:
     def rank_dp_sync(self) -> list[dict[str, Any]]:
         return self.dp_sync_of() if self.dp_sync_of is not None else []
 
+    @cached_property
+    def rank_flops(self) -> list[float]:
+        return self.flops_of() if self.flops_of is not None else []
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (the scaling chart's forked re-plans send their best back) with the traffic computed."""
         state = dict(self.__dict__)
         state["rank_comm_bytes"], state["traffic_of"] = self.rank_comm_bytes, None
         state["rank_dp_sync"], state["dp_sync_of"] = self.rank_dp_sync, None
+        state["rank_flops"], state["flops_of"] = self.rank_flops, None
         return state
 
     @property
@@ -401,6 +408,7 @@ class CostModel:
         self.work = work
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
+        self._block_flops: dict[str, list[float]] = {}  # per dtype: each block's forward + backward FLOPs per sample
         self._block_bases: dict[tuple, tuple] = {}  # block_cost's parts every recomputation mode shares
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._core_share: dict[str, float] = {}  # per dtype: the attention scores' share of them
@@ -952,6 +960,22 @@ class CostModel:
             out[kind] += nbytes
         return out
 
+    def rank_flops(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...]) -> float:
+        """The FLOPs one rank of a pipeline rank holding ``stages`` computes an iteration, as the dry run's trace
+        counts them (matmuls and attention): each of its blocks' forward and backward FLOPs (the profile's, per
+        sample) for every sample of its micro-batches, divided over tensor and context parallelism (each rank
+        computes its shard of every matmul, its slice of the sequence), and its recomputation's (StageCost's is the
+        tensor-parallel group's per micro-batch). The flash attention kernels' backward recomputes the scores, a
+        fifth matmul the model's 3x forward leaves out: the trace counts ~2% more on gpt-tiny."""
+        m = lay.num_micro_batches
+        per_sample = self._block_flops.get(lay.dtype)
+        if per_sample is None:
+            per_sample = self._block_flops[lay.dtype] = [x.fwd_flops + x.bwd_flops
+                                                         for x in self.work.profile(lay.dtype).layers]
+        samples = m * lay.micro_batch / (lay.tp * lay.cp)
+        return sum(samples * sum(per_sample[b] for b in costs[s].blocks) + m * costs[s].recompute_flops / lay.tp
+                   for s in stages)
+
     # ---- the whole iteration ----
     def evaluate(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None,
                  simulate: bool = False, keep_timeline: bool = False, costs: list[StageCost] | None = None
@@ -1082,7 +1106,8 @@ class CostModel:
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
             in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,
             traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)],
-            dp_sync_of=lambda: [sync_summary(dp_items[r], loads[r]) for r in range(p)])
+            dp_sync_of=lambda: [sync_summary(dp_items[r], loads[r]) for r in range(p)],
+            flops_of=lambda: [self.rank_flops(lay, costs, ranks[r]) for r in range(p)])
 
 
 def _rank_phase_times(costs: list[StageCost], ranks: list[tuple[int, ...]], v: int

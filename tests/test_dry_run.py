@@ -50,10 +50,13 @@ def test_prediction_matches_the_trace(tmp_path, case):
     result = dry_run(job, "cuda").to_dict()
     assert len(result["ranks"]) == job.layout.pp  # one traced rank per pipeline stage
     for rank in result["ranks"]:
-        peak_err, _, traffic_err = bench.errors(rank)
+        peak_err, _, traffic_err, flops_err = bench.errors(rank)
         assert abs(peak_err) <= 0.10, (rank["rank"], rank["peak_memory_gib"], rank["predicted_memory_gib"])
         assert traffic_err <= 0.05, (rank["rank"], rank["comm_bytes"], rank["predicted_comm_bytes"])
-        assert rank["flops"] > 0
+        # the flash kernels' backward recomputes the scores, a matmul the model's FLOPs leave out (0.5-2.5% on this
+        # spread); MoE experts are priced at balanced routing, the trace routes its own tokens (-6.2% to +3.5%)
+        low, high = (-0.08, 0.08) if getattr(job.spec, "num_experts", 0) else (-0.03, 0.0)
+        assert low <= flops_err <= high, (rank["rank"], rank["flops"], rank["predicted_flops"])
 
 
 def test_cli_contract_and_table(tmp_path):

@@ -41,7 +41,9 @@ def print_dry_run(result: dict, job) -> None:
             if got or want:
                 rows.append([f"{r['rank']} (stage {r['pp_rank']})", kind, human(got, "B"),
                              "-" if want is None else human(want, "B"), _delta(got, want)])
-        rows.append([f"{r['rank']} (stage {r['pp_rank']})", "FLOPs", human(r["flops"]), "", ""])
+        want = r.get("predicted_flops")
+        rows.append([f"{r['rank']} (stage {r['pp_rank']})", "FLOPs", human(r["flops"]),
+                     "-" if want is None else human(want), _delta(r["flops"], want)])
     stdout.print(table("Traffic and FLOPs per rank and iteration (traced / predicted)",
                        ["rank", "kind", "traced", "predicted", "pred. vs traced"], rows))
     peak, gpu = result["peak_memory_gib"], result["gpu_memory_gib"]
