@@ -650,7 +650,8 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
         # only the counts the chunk rule allows a rank (each holds at least its least: below, that time)
         lo, hi = int(least.min()), min(L, int((base + spare).sum(axis=1).max()))
         times = np.full((p, L + 1), np.inf)
-        times[:, lo:hi + 1] = _chunk_hold_times(np.arange(lo, hi + 1), T, A, states, held_at_peak, base, spare, room)
+        times[:, lo:hi + 1] = _chunk_hold_times(np.arange(lo, hi + 1), T, A, states, held_at_peak, base, spare, room,
+                                                shape_key=(schedule, p, v, m, L))
         times[:, :lo] = times[:, lo:lo + 1]
     else:  # one stage per rank; a single rank (pp 1) holds every layer
         least = np.array([L]) if p == 1 else np.zeros(len(states), dtype=int)
@@ -703,7 +704,8 @@ def _frontier(T: np.ndarray, A: np.ndarray) -> list[int]:
 
 
 def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: np.ndarray, held: np.ndarray,
-                      base: np.ndarray, spare: np.ndarray, room: np.ndarray) -> np.ndarray:
+                      base: np.ndarray, spare: np.ndarray, room: np.ndarray, shape_key: tuple | None = None
+                      ) -> np.ndarray:
     """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers over its v chunks within
     its memory ``room`` (R,) (whole_stage_bound, v > 1). A layer costs T_u seconds in mode u and, in chunk c of rank
     r, states[r] + held[r, c]·A_u bytes; by the chunk rule chunk c holds at least base[r, c] layers and at most
@@ -712,42 +714,92 @@ def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: 
     rule allows. Each chunk may mix modes (relaxed: the ILP gives a stage one): the least time is then a fractional
     knapsack, solved greedily — every chunk in the fastest mode, then steps down the modes' frontier (_frontier),
     cheapest time per byte saved first (a step's rate in chunk c is its frontier slope over held[r, c]), until the
-    rank fits; inf where even the smallest modes do not. Never falling as the count grows."""
+    rank fits; inf where even the smallest modes do not. Never falling as the count grows.
+    ``shape_key``: what ``counts``, ``held``, ``base`` and ``spare`` are made from (whole_stage_bound's), so that
+    their share of the work (_ChunkFill) is done once for every layout of that pipeline."""
+    fill = _chunk_fill(shape_key, counts, held, base, spare) if shape_key is not None \
+        else _ChunkFill.of(counts, held, base, spare)
     R, V = held.shape
     N = len(counts)
     hull = _frontier(T, A)
     t0, a0 = T[hull[0]], A[hull[0]]
-    least = base.sum(axis=1)  # (R,)
-    n = np.maximum(counts[None, :], least[:, None])  # (R, N): a rank holds its chunks' least at the least
-    extra = n - least[:, None]  # (R, N): layers beyond those, to the chunks in order, each up to its spare
-    before = np.cumsum(spare, axis=1) - spare  # (R, V)
-    taken = np.minimum(np.maximum(extra[:, :, None] - before[:, None, :], 0), spare[:, None, :])  # (R, N, V)
-    k = base[:, None, :] + taken  # (R, N, V): layers per chunk (np.clip's checks cost more than the rest)
-    over = n * states[:, None] + (k * held[:, None, :]).sum(axis=2) * a0 - room[:, None]  # (R, N): bytes to save
-    over[extra > spare.sum(axis=1)[:, None]] = np.inf  # more than the chunk rule lets the rank hold
+    n = fill.n
+    over = n * states[:, None] + fill.held_layers * a0 - room[:, None]  # (R, N): bytes to save
+    over[fill.beyond] = np.inf  # more than the chunk rule lets the rank hold
     fastest = n * t0
     K = len(hull) - 1
     if K == 0 or not (over > 0).any():  # one mode, or the fastest fits everywhere
         return np.where(over <= 0, fastest, np.inf)
     dT = np.diff(T[hull])  # (K,): time each step down the frontier adds per layer
     dA = -np.diff(A[hull])  # (K,): bytes per micro-batch it saves per layer
-    with np.errstate(divide="ignore"):
-        rate = ((dT / dA)[None, None, :] / held[:, :, None]).reshape(R, V * K)  # (R, S): seconds per byte saved
-    order = np.argsort(rate, axis=1, kind="stable")  # (R, S): the steps, cheapest first
     rows = np.arange(R)[:, None]
-    rate = rate[rows, order]
-    chunk, step = np.divmod(order, K)  # (R, S)
-    layers = k[rows[:, :, None], np.arange(N)[None, :, None], chunk[:, None, :]]  # (R, N, S)
+    if K == 1:  # one step per chunk: its order (by held alone) and the layers it takes are the pipeline's (_ChunkFill)
+        chunk, layers = fill.order, fill.layers
+        with np.errstate(divide="ignore"):
+            rate = (dT / dA)[0] / fill.held_sorted  # (R, S = V): seconds per byte saved, cheapest first
+        step_saves, step_adds = fill.held_sorted * dA[0], dT[0]
+    else:
+        with np.errstate(divide="ignore"):
+            rate = ((dT / dA)[None, None, :] / held[:, :, None]).reshape(R, V * K)  # (R, S): seconds per byte saved
+        order = np.argsort(rate, axis=1, kind="stable")  # (R, S): the steps, cheapest first
+        rate = rate[rows, order]
+        chunk, step = np.divmod(order, K)  # (R, S)
+        layers = fill.k[rows[:, :, None], np.arange(N)[None, :, None], chunk[:, None, :]]  # (R, N, S)
+        step_saves, step_adds = held[rows, chunk] * dA[step], dT[step][:, None, :]
     saved = np.zeros((R, N, V * K + 1))
     added = np.zeros((R, N, V * K + 1))
-    np.cumsum(layers * (held[rows, chunk] * dA[step])[:, None, :], axis=2, out=saved[:, :, 1:])
-    np.cumsum(layers * dT[step][:, None, :], axis=2, out=added[:, :, 1:])
+    np.cumsum(layers * step_saves[:, None, :], axis=2, out=saved[:, :, 1:])
+    np.cumsum(layers * step_adds, axis=2, out=added[:, :, 1:])
     whole = (saved[:, :, 1:] < over[:, :, None]).sum(axis=2)  # (R, N): steps taken whole before one taken in part
     ri, ni = np.ogrid[:R, :N]
     part = rate[ri, np.minimum(whole, V * K - 1)]  # (R, N)
     with np.errstate(invalid="ignore"):
         mixed = fastest + added[ri, ni, whole] + (over - saved[ri, ni, whole]) * part
     return np.where(over <= 0, fastest, np.where(whole < V * K, mixed, np.inf))
+
+
+@dataclass
+class _ChunkFill:
+    """_chunk_hold_times' arrays that depend on the pipeline alone (the counts and the chunks' held, least and spare
+    layers), not on the layer's costs or the rank's memory: computed once per pipeline shape (_chunk_fill)."""
+
+    n: np.ndarray  # (R, N): layers a rank holds at each count (its chunks' least at least)
+    k: np.ndarray  # (R, N, V): layers per chunk, the least first, the rest to the chunks in order up to their spare
+    held_layers: np.ndarray  # (R, N): sum over chunks of k·held (micro-batches' layers at the peak)
+    beyond: np.ndarray  # (R, N): more layers than the chunk rule lets the rank hold
+    order: np.ndarray  # (R, V): the chunks by held[r, c], most first (a one-step frontier's cheapest steps first)
+    held_sorted: np.ndarray  # (R, V): held in that order
+    layers: np.ndarray  # (R, N, V): k in that order
+
+    @classmethod
+    def of(cls, counts: np.ndarray, held: np.ndarray, base: np.ndarray, spare: np.ndarray) -> _ChunkFill:
+        R, V = held.shape
+        N = len(counts)
+        least = base.sum(axis=1)  # (R,)
+        n = np.maximum(counts[None, :], least[:, None])  # (R, N): a rank holds its chunks' least at the least
+        extra = n - least[:, None]  # (R, N): layers beyond those, to the chunks in order, each up to its spare
+        before = np.cumsum(spare, axis=1) - spare  # (R, V)
+        taken = np.minimum(np.maximum(extra[:, :, None] - before[:, None, :], 0), spare[:, None, :])  # (R, N, V)
+        k = base[:, None, :] + taken  # (R, N, V): layers per chunk (np.clip's checks cost more than the rest)
+        rows = np.arange(R)[:, None]
+        with np.errstate(divide="ignore"):
+            order = np.argsort(1.0 / held, axis=1, kind="stable")  # as a one-step rate, slope / held, orders them
+        return cls(n=n, k=k, held_layers=(k * held[:, None, :]).sum(axis=2),
+                   beyond=extra > spare.sum(axis=1)[:, None], order=order, held_sorted=held[rows, order],
+                   layers=k[rows[:, :, None], np.arange(N)[None, :, None], order[:, None, :]])
+
+
+_CHUNK_FILLS: dict[tuple, _ChunkFill] = {}
+
+
+def _chunk_fill(key: tuple, counts: np.ndarray, held: np.ndarray, base: np.ndarray, spare: np.ndarray) -> _ChunkFill:
+    """_ChunkFill.of, once per ``key`` (whole_stage_bound's pipeline: schedule, p, v, m, L). Shared: read-only."""
+    got = _CHUNK_FILLS.get(key)
+    if got is None:
+        if len(_CHUNK_FILLS) >= 4096:
+            _CHUNK_FILLS.clear()
+        got = _CHUNK_FILLS[key] = _ChunkFill.of(counts, held, base, spare)
+    return got
 
 
 def _hold_times(counts: np.ndarray, T: np.ndarray, D: np.ndarray, room: np.ndarray) -> np.ndarray:
