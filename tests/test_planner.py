@@ -597,6 +597,14 @@ def test_chunks_count_their_own_micro_batches_in_flight():
     tight = _chunk_hold_times(np.arange(2, 3), T, A, np.zeros(1), held, base, spare, np.array([5.0]))[0]
     assert tight.tolist() == pytest.approx([2 + 1 / 3 + 1 / 21])
     assert _chunk_hold_times(np.arange(2, 3), T, A, np.zeros(1), held, base, spare, np.array([1.0]))[0, 0] == np.inf
+    # the pipeline's share computed once (whole_stage_bound's key) serves later calls alike, with any costs and room
+    key = ("test pipeline", id(held))
+    for room in (20.0, 5.0, 1.0):
+        for costs in ((T, A), (np.array([1.0, 1.1, 1.5]), np.array([4.0, 2.0, 0.5]))):  # one and two frontier steps
+            fresh = _chunk_hold_times(np.arange(2, 6), *costs, np.zeros(1), held, base, spare, np.array([room]))
+            shared = _chunk_hold_times(np.arange(2, 6), *costs, np.zeros(1), held, base, spare, np.array([room]),
+                                       shape_key=key)
+            assert np.array_equal(fresh, shared)
     # the frontier leaves out a mode slower and no smaller, and one above the chord of its neighbours
     assert _frontier(np.array([1.0, 1.2, 4 / 3]), np.array([4.0, 4.5, 0.5])) == [0, 2]
     assert _frontier(np.array([1.0, 1.3, 4 / 3]), np.array([4.0, 2.0, 0.5])) == [0, 2]
