@@ -392,7 +392,6 @@ class _LayoutStages:
         return st
 
 
-
 def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding) -> float:
     """A pipeline rank's saved activations at its peak: the most any of its peak moments holds (``holding``:
     schedules.peak_matrices' entry for it), else at ``flights``' one moment."""
@@ -400,6 +399,7 @@ def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: d
         order, held = holding
         return float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
     return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages)
+
 
 class CostModel:
     """Prices layouts of one workload; caches per-block costs across calls (the search calls it a lot)."""
@@ -861,7 +861,7 @@ class CostModel:
         with its stages' costs as ``costs`` has them when asked (the caller changes their modes in it)? The rank's
         bytes are then rank_memory's without activations, which no recomputation mode changes (parameters and
         states), priced once, plus 1 + FRAGMENTATION times its activations, priced at each test (the allocator's
-        share of every tensor byte: memory.untracked_bytes); tests/test_costmodel.py checks it against
+        share of every tensor byte: memory.untracked_bytes); tests/test_planner.py checks it against
         :meth:`_rank_bytes`."""
         base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True).values())
         room = cap_gib * GiB
