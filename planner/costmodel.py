@@ -392,6 +392,20 @@ class _LayoutStages:
         return st
 
 
+def _tp_flops_share(ops, t: int) -> float:
+    """The share of a block's FLOPs one of ``t`` tensor-parallel ranks computes: its sharded GEMMs' 1/t, its replicated
+    ones' whole (as profiler/tp_view.py weighs them), and its routed experts' 1/t (expert parallelism deals the tensor-
+    parallel group's tokens out, balanced: planner/moe.py); 1/t for a block without GEMMs listed."""
+    total = sum(ops.gemm_flops)
+    if t == 1:
+        return 1.0
+    if not total:
+        return 1.0 / t
+    routed = ops.gemm_moe or [0] * len(ops.gemm_flops)
+    divided = sum(f for f, s, r in zip(ops.gemm_flops, ops.gemm_sharded, routed, strict=True) if s or r == 2)
+    return (divided / t + (total - divided)) / total
+
+
 def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding) -> float:
     """A pipeline rank's saved activations at its peak: the most any of its peak moments holds (``holding``:
     schedules.peak_matrices' entry for it), else at ``flights``' one moment."""
@@ -408,7 +422,7 @@ class CostModel:
         self.work = work
         self._blocks: dict[tuple, BlockCost] = {}
         self._tables: dict[tuple, _BlockTable] = {}
-        self._block_flops: dict[str, list[float]] = {}  # per dtype: each block's forward + backward FLOPs per sample
+        self._block_flops: dict[tuple, list[float]] = {}  # (dtype, tp): per block, its FLOPs per sample and rank
         self._block_bases: dict[tuple, tuple] = {}  # block_cost's parts every recomputation mode shares
         self._fwd_flops: dict[str, int] = {}  # per dtype: the model's forward FLOPs per sample
         self._core_share: dict[str, float] = {}  # per dtype: the attention scores' share of them
@@ -963,17 +977,19 @@ class CostModel:
     def rank_flops(self, lay: Layout, costs: list[StageCost], stages: tuple[int, ...]) -> float:
         """The FLOPs one rank of a pipeline rank holding ``stages`` computes an iteration, as the dry run's trace
         counts them (matmuls and attention): each of its blocks' forward and backward FLOPs (the profile's, per
-        sample) for every sample of its micro-batches, divided over tensor and context parallelism (each rank
-        computes its shard of every matmul, its slice of the sequence), and its recomputation's (StageCost's is the
-        tensor-parallel group's per micro-batch). The flash attention kernels' backward recomputes the scores, a
-        fifth matmul the model's 3x forward leaves out: the trace counts ~2% more on gpt-tiny."""
-        m = lay.num_micro_batches
-        per_sample = self._block_flops.get(lay.dtype)
+        sample) for every sample of its micro-batches, over context parallelism (each rank its slice of the
+        sequence) and tensor parallelism — the sharded GEMMs' share divided, the replicated ones' whole on every rank
+        (profiler/tp_view.py's ratio: MLA's down-projections, a router) — and its recomputation's (StageCost's is
+        the tensor-parallel group's per micro-batch). The flash attention kernels' backward recomputes the scores,
+        a fifth matmul the model's 3x forward leaves out: the trace counts ~2% more on gpt-tiny."""
+        m, t = lay.num_micro_batches, lay.tp
+        key = (lay.dtype, t)
+        per_sample = self._block_flops.get(key)
         if per_sample is None:
-            per_sample = self._block_flops[lay.dtype] = [x.fwd_flops + x.bwd_flops
-                                                         for x in self.work.profile(lay.dtype).layers]
-        samples = m * lay.micro_batch / (lay.tp * lay.cp)
-        return sum(samples * sum(per_sample[b] for b in costs[s].blocks) + m * costs[s].recompute_flops / lay.tp
+            per_sample = self._block_flops[key] = [(x.fwd_flops + x.bwd_flops) * _tp_flops_share(x.fwd_ops, t)
+                                                   for x in self.work.profile(lay.dtype).layers]
+        samples = m * lay.micro_batch / lay.cp
+        return sum(samples * sum(per_sample[b] for b in costs[s].blocks) + m * costs[s].recompute_flops / t
                    for s in stages)
 
     # ---- the whole iteration ----

@@ -307,7 +307,7 @@ def test_dry_run_of_an_expert_parallel_plan_matches_the_prediction(tmp_path):
     (rank,) = result["ranks"]
     peak, tensors, traffic, flops = bench.errors(rank)
     assert abs(peak) <= 0.10 and abs(tensors) <= 0.10 and traffic <= 0.05, (peak, tensors, traffic)
-    assert abs(flops) <= 0.08, flops  # the experts' FLOPs as the active ones priced (balanced routing)
+    assert abs(flops) <= 0.05, flops  # the experts' FLOPs as the active ones priced (balanced routing)
     layers, micro_batches, tokens, k, h = 4, 2, 2 * 128, 2, 128
     expected = layers * micro_batches * (4 * tokens * k * h * 2 + 4 * 8)
     assert rank["comm_bytes"]["all_to_all"] == rank["predicted_comm_bytes"]["all_to_all"] == expected
