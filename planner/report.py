@@ -186,17 +186,17 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
 
     exports: list[str] = []
 
-    def every_candidate() -> None:  # and the report's export section (it reads plan.json): while the charts draw
+    def beside_the_charts() -> None:  # every candidate, and the export section (it reads plan.json)
         write_candidates_csv(result, files["candidates"])
         exports.extend(report_lines(files["plan"]))  # the export command per framework, or why it cannot take it
 
     if charts and server:  # the candidates (~90,000 rows for a 1T model's search) written while the charts are drawn
         try:
-            server.draw(files, result.notes, _chart_requests(result, out, scaling), meanwhile=every_candidate)
+            server.draw(files, result.notes, _chart_requests(result, out, scaling), meanwhile=beside_the_charts)
         finally:
             server.close()
     else:
-        every_candidate()
+        beside_the_charts()
         if charts:
             chart_guard.draw_files(files, result.notes, [r.job() for r in _chart_requests(result, out, scaling)])
     for name in CHART_FILES:  # an earlier report's chart this one did not draw would pass for this plan's
