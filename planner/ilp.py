@@ -531,19 +531,35 @@ def chunks_balanced(stages: list[list[int]], n_blocks: int, ends_ride_along: boo
         sizes = [len(s) - (s[0] == 0) - (s[-1] == n_blocks - 1) if s else 0 for s in stages]
     else:
         sizes = [len(s) for s in stages]
-    last = len(stages) - 1
-    slack = [1 if ends_ride_along and k in (0, last) else 0 for k in range(len(stages))]
-    return any(all(low - slack[k] <= c <= low + 1 for k, c in enumerate(sizes))
-               for low in range(min(sizes), min(sizes) + 2))
+    return _sizes_balanced(sizes, ends_ride_along)
+
+
+def _sizes_balanced(sizes: list[int], ends_ride_along: bool) -> bool:
+    """:func:`chunks_balanced` of the chunks' counted sizes (layers only, where the ends ride along)."""
+    last = len(sizes) - 1
+    low = min(sizes)
+    top = max(sizes)
+    if top > low + 1 + (ends_ride_along and last > 0):  # no floor puts every chunk within [floor - slack, floor + 1]
+        return False
+    return any(all(floor - (1 if ends_ride_along and k in (0, last) else 0) <= c <= floor + 1
+                   for k, c in enumerate(sizes)) for floor in range(low, low + 2))
 
 
 def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, ...], rank_of: list[int],
-                with_modes: bool = True):
+                with_modes: bool = True, balanced: bool | None = None):
     """Partitions one boundary move, or (``with_modes``) one stage's mode change or one pipeline rank's (all its
-    stages at once), away (the ILP's own space)."""
+    stages at once), away (the ILP's own space). ``balanced``: only those that keep :func:`chunks_balanced`'s rule
+    (True: where the ends ride along), checked on the stages' sizes before any is built (a polish of an
+    interleaved split rejects about 7 in 10 boundary moves)."""
     S = len(stages)
     cuts = [sum(len(s) for s in stages[:k + 1]) for k in range(S - 1)]
     n = sum(len(s) for s in stages)
+    counted = None
+    if balanced is not None:  # the sizes chunks_balanced counts (stages are contiguous, none empty)
+        counted = [len(s) for s in stages]
+        if balanced:
+            counted[0] -= 1
+            counted[-1] -= 1
     for k in range(S - 1):
         for d in (-1, 1):
             new = list(cuts)
@@ -551,9 +567,17 @@ def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, .
             lo = new[k - 1] if k else 0
             hi = new[k + 1] if k + 1 < len(new) else n
             if lo < new[k] < hi:
+                if counted is not None:
+                    counted[k] += d
+                    counted[k + 1] -= d
+                    keep = _sizes_balanced(counted, balanced)
+                    counted[k] -= d
+                    counted[k + 1] += d
+                    if not keep:
+                        continue
                 bounds = [0, *new, n]
                 yield [list(range(bounds[j], bounds[j + 1])) for j in range(S)], modes
-    if not with_modes:
+    if not with_modes or (counted is not None and not _sizes_balanced(counted, balanced)):
         return
     for s in range(S):
         for u in allowed:
@@ -727,7 +751,14 @@ def polished_quick_split(model: CostModel, lay: Layout, start: Prediction, allow
     if lay.virtual_stages > 1 and len({c.recompute for c in start.stages}) > 1:
         # memory forces recomputation on some stages, not all: a layer off an end chunk may spare it (where every
         # stage needs the same mode, one layer moved spares none)
+        # every stage without recomputation, the fastest: where even that pipeline is no faster, no fit is (the linear
+        # closed form grows with every stage's time), and the fit is the dearer test (about half the demo's moves)
+        pretest = modes[0] == "none" and linear_makespan(lay.schedule, lay.pp, lay.virtual_stages,
+                                                           lay.num_micro_batches) is not None
         for stages in lighter_end_stages(model, lay):
+            if pretest and pipeline_makespan(lay, model.stage_costs(lay, stages, ["none"] * len(stages))) \
+                    >= start.iteration_time_s:
+                continue
             got = model.least_recompute(lay, stages, modes)
             if got is None or pipeline_makespan(lay, got[1]) >= start.iteration_time_s:
                 continue  # does not fit, or its pipeline alone is no faster: no need to price it whole
@@ -764,16 +795,15 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
     best = part
     improved = True
     rounds = 0
+    balanced = model.repeated_blocks(lay) if lay.virtual_stages > 1 else None
     while improved and rounds < max_rounds:
         rounds += 1
         improved = False
         rank_of = [stage_rank(lay.schedule if lay.pp > 1 else "1f1b", s, lay.pp) for s in range(lay.num_stages)]
-        n_blocks = sum(len(s) for s in best.stages)
         # modes too only for few stages: a deep pipeline's (64+ stages, 4-5 ms a price) would cost seconds a
-        # round, and the ILP chose them on the same costs
-        for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of, lay.num_stages <= 16):
-            if lay.virtual_stages > 1 and not chunks_balanced(stages, n_blocks, model.repeated_blocks(lay)):
-                continue
+        # round, and the ILP chose them on the same costs; chunks kept balanced where v > 1
+        for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of, lay.num_stages <= 16,
+                                            balanced):
             costs = model.stage_costs(lay, stages, st_modes)
             if pipeline_makespan(lay, costs) >= best.prediction.iteration_time_s * (1 - 1e-9):
                 continue  # its pipeline alone is as slow: the exact price (makespan + waits + step) cannot improve

@@ -1,0 +1,67 @@
+"""The polish's shortcuts (planner/ilp.py) change what it costs, never what it finds: the boundary moves it tries are
+exactly those that keep the chunk rule, and its cheap pipeline test skips only moves the fit would have dropped."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paraplan.planner import ilp
+from paraplan.planner.costmodel import (
+    CostModel,
+    even_stages,
+    least_recompute_prediction,
+    lighter_end_stages,
+    pipeline_makespan,
+)
+from paraplan.planner.layout import Layout
+from paraplan.planner.workload import Workload
+
+
+def _split(rng: random.Random) -> tuple[list[list[int]], int]:
+    stages = rng.randint(1, 12)
+    n = rng.randint(stages, 6 * stages)
+    cuts = sorted(rng.sample(range(1, n), stages - 1))
+    bounds = [0, *cuts, n]
+    return [list(range(bounds[j], bounds[j + 1])) for j in range(stages)], n
+
+
+@pytest.mark.parametrize("ends_ride_along", [True, False])
+def test_balanced_moves_are_the_moves_that_keep_the_chunk_rule(ends_ride_along):
+    """_neighbours(balanced=...) yields, in the same order, the neighbours chunks_balanced accepts, for the boundary
+    moves and for the mode changes alike (none of those where the split itself breaks the rule)."""
+    rng = random.Random(7)
+    allowed = ("none", "selective", "full")
+    kept = 0
+    for _ in range(600):
+        stages, n = _split(rng)
+        modes = [rng.choice(allowed) for _ in stages]
+        rank_of = [s % max(1, len(stages) // 2) for s in range(len(stages))]
+        every = [(st, md) for st, md in ilp._neighbours(stages, modes, allowed, rank_of)
+                 if ilp.chunks_balanced(st, n, ends_ride_along)]
+        assert list(ilp._neighbours(stages, modes, allowed, rank_of, True, ends_ride_along)) == every
+        kept += len(every)
+    assert kept > 1000  # the rule lets many through: the comparison is not of empty lists
+
+
+def test_pipeline_pretest_leaves_the_polished_split_as_it_was(monkeypatch):
+    """polished_quick_split skips an end chunk's lighter split whose pipeline, with no stage recomputing, is no faster
+    than the start: the fit that follows would have dropped it. With the pretest switched off (linear_makespan
+    answering None) the answer is the same split, modes and time (the README demo's interleaved x4 layout, whose
+    even split recomputes and whose lighter splits include slower ones)."""
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    lay = Layout(dp=2, tp=2, pp=8, cp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b",
+                 virtual_stages=4, zero=2, sequence_parallel=True)
+    answers = []
+    for pretest in (True, False):
+        model = CostModel(work)
+        start = least_recompute_prediction(model, lay, even_stages(model, lay), ilp.modes_for(model))
+        if not pretest:
+            monkeypatch.setattr(ilp, "linear_makespan", lambda *args: None)
+        if pretest:  # some lighter split is skipped by the pretest, so the comparison tests it
+            assert any(pipeline_makespan(lay, model.stage_costs(lay, st, ["none"] * len(st))) >= start.iteration_time_s
+                       for st in lighter_end_stages(model, lay))
+        part = ilp.polished_quick_split(model, lay, start)
+        answers.append((part.stages, part.recompute, part.prediction.iteration_time_s))
+    assert answers[0] == answers[1]
