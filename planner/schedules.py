@@ -46,35 +46,57 @@ def _one_f_one_b(r: int, p: int, m: int) -> list[Op]:
 
 
 def _interleaved(r: int, p: int, v: int, m: int) -> list[Op]:
+    kind, stage, micro = _interleaved_arrays(r, p, v, m)
+    names = ("F", "B")
+    return list(zip([names[k] for k in kind.tolist()], stage.tolist(), micro.tolist(), strict=True))
+
+
+def _interleaved_arrays(r: int, p: int, v: int, m: int):
+    """Rank r's interleaved order as arrays (kind: 0 F, 1 B; stage; micro-batch), each (2·v·m,). Torch's flexible
+    order, in closed form: micro-batches go in rounds of g = m // max(1, m // p); forward step j runs chunk
+    (j // g) mod v on micro-batch (j // (g·v))·g + j mod g, backward step j chunk v - 1 - (j // g) mod v on the
+    same micro-batch. After the warm-up's forwards each step runs a forward and then the backward of step j -
+    warm-up, and the cool-down runs the backwards left (equal to the step-by-step walk: tests)."""
+    import numpy as np
+
     rounds = max(1, m // p)
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (p - 1 - r), v * m)
     total = v * m
-    fwd_stage = lambda step: ((step // per_round) % v) * p + r
-    bwd_stage = lambda step: (v - 1 - ((step - warmup) // per_round) % v) * p + r
-    next_f: dict[int, int] = defaultdict(int)
-    next_b: dict[int, int] = defaultdict(int)
-    ops: list[Op] = []
+    steady = total - warmup  # steps that run a forward and a backward
+    j = np.arange(total)
+    mb = (j // (per_round * v)) * per_round + j % per_round  # (total,): step j's micro-batch, forward or backward
+    turn = (j // per_round) % v
+    fwd, bwd = turn * p + r, (v - 1 - turn) * p + r  # (total,): step j's forward and backward stage
+    kind = np.ones(2 * total, dtype=np.int64)
+    stage, micro = np.empty_like(kind), np.empty_like(kind)
+    mid = slice(warmup, warmup + 2 * steady)
+    for out, f_val, b_val in ((stage, fwd, bwd), (micro, mb, mb)):
+        out[:warmup] = f_val[:warmup]
+        out[mid][0::2] = f_val[warmup:]
+        out[mid][1::2] = b_val[:steady]
+        out[warmup + 2 * steady:] = b_val[steady:]
+    kind[:warmup] = 0
+    kind[mid][0::2] = 0
+    return kind, stage, micro
 
-    def f(step):
-        s = fwd_stage(step)
-        ops.append(("F", s, next_f[s]))
-        next_f[s] += 1
 
-    def b(step):
-        s = bwd_stage(step)
-        ops.append(("B", s, next_b[s]))
-        next_b[s] += 1
+KIND_CODES = {"F": 0, "B": 1, "W": 2}
 
-    for step in range(total + warmup):
-        if step < warmup:
-            f(step)
-        elif step < total:
-            f(step)
-            b(step)
-        else:
-            b(step)
-    return ops
+
+def rank_order_arrays(schedule: str, pp: int, v: int, m: int) -> list[tuple[Any, Any, Any]]:
+    """:func:`rank_orders` as arrays per rank: (kind: 0 F, 1 B, 2 W; stage; micro-batch), for the event simulation's
+    walk (interleaved orders of thousands of ops built without a tuple per op)."""
+    import numpy as np
+
+    if schedule == "interleaved-1f1b":
+        return [_interleaved_arrays(r, pp, v, m) for r in range(pp)]
+    out = []
+    for order in rank_orders(schedule, pp, v, m):
+        kinds, stages, micros = zip(*order, strict=True) if order else ((), (), ())
+        out.append((np.array([KIND_CODES[k] for k in kinds], dtype=np.int64), np.array(stages, dtype=np.int64),
+                    np.array(micros, dtype=np.int64)))
+    return out
 
 
 def _zbv(r: int, p: int, m: int) -> list[Op]:
@@ -162,17 +184,23 @@ def _unshards_walked(schedule: str, pp: int, v: int, m: int) -> int:
     """runtime_unshards' gathers summed over the ranks and their chunks, by walking each rank's order: before each op
     the runtime holds the next RUNTIME_ACTIVE_CHUNKS distinct chunks from it on (its window), so each op gathers the
     chunks of its window that the op before's lacked. Walked backwards, each window comes from the next one."""
+    import numpy as np
+
     total = 0
-    for ops in rank_orders(schedule, pp, v, m):
-        later: tuple[int, ...] = ()  # the window of the op after this one
-        for i in range(len(ops) - 1, -1, -1):
-            chunk = ops[i][1]
-            if later and later[0] == chunk:
-                continue  # the same window as the next op's: it gathers nothing
-            window = (chunk, *(c for c in later if c != chunk))[:RUNTIME_ACTIVE_CHUNKS]
-            total += sum(c not in window for c in later)  # what the next op gathers
-            later = window
-        total += len(later)  # the first op gathers its whole window
+    for _, stage, _ in rank_order_arrays(schedule, pp, v, m):
+        if not len(stage):
+            continue
+        # an op followed by one of its own chunk has that op's window: only the last of each run can gather
+        runs = stage[np.append(stage[:-1] != stage[1:], True)].tolist()
+        window: list[int] = []  # the next op's, its chunk first
+        for chunk in reversed(runs):
+            if chunk in window:  # moved to the front: nothing leaves the window, the next op gathers nothing
+                window.remove(chunk)
+            elif len(window) == RUNTIME_ACTIVE_CHUNKS:  # the window's last leaves it: the next op gathers it back
+                window.pop()
+                total += 1
+            window.insert(0, chunk)
+        total += len(window)  # the first op gathers its whole window
     return total
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from .schedules import rank_orders, stage_rank
+from .schedules import rank_order_arrays, rank_orders, stage_rank
 
 if TYPE_CHECKING:  # the task graph is built only to check the direct walk against it (tests)
     import networkx as nx
@@ -136,17 +136,20 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
 def _walk_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
     """rank_orders as simulate_pipeline walks them: per task (kind: 0 F, 1 B, 2 W; its stage; the slot of the task
     it waits for, -1 for none; its own slot) in simulate_pipeline's flat list of finish times. Shared: read-only."""
+    import numpy as np
+
     n = pp * v * m
     last = pp * v - 1
-
-    def task(kind: str, s: int, i: int) -> tuple[int, int, int, int]:
-        if kind == "F":
-            return 0, s, (s - 1) * m + i if s > 0 else -1, s * m + i
-        if kind == "B":  # after the next stage's B, the last stage's after its own F
-            return 1, s, n + (s + 1) * m + i if s < last else s * m + i, n + s * m + i
-        return 2, s, n + s * m + i, 2 * n  # W: after its own B
-
-    return tuple(tuple(task(*op) for op in order) for order in rank_orders(schedule, pp, v, m))
+    out = []
+    for kind, s, i in rank_order_arrays(schedule, pp, v, m):  # each (ops,)
+        own = s * m + i  # a forward's slot; a backward's is n after
+        fwd, bwd = kind == 0, kind == 1
+        # F after the stage before's F; B after the next stage's B (the last stage's after its own F); W after its B
+        after = np.where(fwd, np.where(s > 0, own - m, -1),
+                         np.where(bwd, np.where(s < last, n + own + m, own), n + own))
+        slot = np.where(fwd, own, np.where(bwd, n + own, 2 * n))  # every W in one slot: nothing waits on one
+        out.append(tuple(zip(kind.tolist(), s.tolist(), after.tolist(), slot.tolist(), strict=True)))
+    return tuple(out)
 
 
 def graph_makespan(g: nx.DiGraph) -> float:

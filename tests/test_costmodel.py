@@ -616,6 +616,26 @@ def test_runtime_unshards_count_torchs_own_lowering(pp, v, m):
     assert (unshards == pp * v) == (v <= 3)
 
 
+@pytest.mark.parametrize("pp,v,m", [(2, 4, 16), (8, 4, 32), (3, 4, 7), (4, 6, 50), (2, 3, 5), (4, 2, 6), (8, 6, 256),
+                                    (4, 3, 10), (3, 2, 3), (4, 4, 12)])
+def test_interleaved_order_is_torchs_own(pp, v, m):
+    """schedules.rank_orders' interleaved order (built in closed form, schedules._interleaved_arrays) is the compute
+    order torch's ScheduleInterleaved1F1B gives each rank, op for op, micro-batch counts multiple of pp or not."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from paraplan.planner.schedules import rank_orders
+
+    sched = object.__new__(torch_schedules.ScheduleInterleaved1F1B)  # its order alone: no stages, no process group
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, m
+    sched.number_of_rounds = max(1, m // pp)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    kinds = {torch_schedules.FORWARD: "F", torch_schedules.FULL_BACKWARD: "B"}
+    for r in range(pp):
+        theirs = [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+                  for a in sched._calculate_single_rank_operations(r) if a is not None]
+        assert list(rank_orders("interleaved-1f1b", pp, v, m)[r]) == theirs, r
+
+
 def test_runtime_unshards_extended_past_the_warm_up_equals_the_full_walk():
     """Past its warm-up runtime_unshards extends two walked counts of m's residue mod pp linearly (the order repeats
     a round of pp micro-batches a chunk); every count, multiple of pp or not, equals walking the order."""
