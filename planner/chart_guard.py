@@ -65,10 +65,12 @@ def draw_files(files: dict[str, str], notes: list[str], jobs: list[ChartJob]) ->
     _record(files, notes, jobs, _draw_jobs(jobs))
 
 
-def _draw_jobs(jobs: list[ChartJob]) -> dict[str, tuple[bool, list[str]]]:
+def _draw_jobs(jobs: list[ChartJob], then: Callable[[], dict[str, tuple[bool, list[str]]]] | None = None
+               ) -> dict[str, tuple[bool, list[str]]]:
     """{key: (drawn, notes)} for every job; where there are fork and two cores, the jobs are dealt into two
     shares of about equal weight (heaviest first, each to the lighter share; the heaviest away) and one is drawn in
-    a forked child."""
+    a forked child. ``then``: more work for this process once its share is drawn, while the child may still draw
+    (the chart server's second batch); its results are merged in."""
     away: list[ChartJob] = []
     if len(jobs) > 1 and (os.cpu_count() or 1) >= 2 and "fork" in multiprocessing.get_all_start_methods():
         here_weight = away_weight = 0.0
@@ -83,6 +85,8 @@ def _draw_jobs(jobs: list[ChartJob]) -> dict[str, tuple[bool, list[str]]]:
     for job in jobs:
         if child is None or job not in away:
             results[job.key] = _draw_one(job)
+    if then is not None:
+        results.update(then())
     if child:
         results.update(_collect(child, away))
     return results
@@ -203,15 +207,24 @@ class ChartServer:
             atexit.register(self.close)
 
     def draw(self, files: dict[str, str], notes: list[str], requests: list[ChartRequest],
-             meanwhile: Callable[[], None] | None = None) -> None:
+             meanwhile: Callable[[], None] | None = None,
+             later: Callable[[], list[ChartRequest]] | None = None) -> None:
         """Draw ``requests``; record what was drawn in ``files`` and each chart's (and the import's) notes.
-        ``meanwhile``: the caller's own work, done while the child draws (its errors are the caller's)."""
+        ``meanwhile``: the caller's own work, done while the child draws (its errors are the caller's).
+        ``later``: after that, the charts whose data the caller had to wait for (the report's scaling chart, its
+        re-plans), sent to the child as a second batch: it draws them once it has drawn its own share of the first
+        (its grandchild may still draw the other), so the first need not wait for them. Recorded after ``requests``,
+        in their order."""
         jobs = [r.job() for r in requests]
         try:
             module_lines, sent = self._send(requests) if self._child is not None else (None, False)
             if meanwhile is not None:
                 meanwhile()
-            results = self._receive() if sent and module_lines == [] else {}
+            more = later() if later is not None else []
+            jobs += [r.job() for r in more]
+            # the child waits for the second batch (empty or not) once it has drawn its share of the first
+            ready = sent and module_lines == [] and self._send_more(more)
+            results = self._receive() if ready else {}
         finally:
             self.close()
         if module_lines is None:  # no child, or it failed before it was ready: the module's import here
@@ -223,6 +236,15 @@ class ChartServer:
             results.update(_draw_jobs([job for job in jobs if job.key not in results]))
         notes.extend(module_lines)
         _record(files, notes, jobs, results)
+
+    def _send_more(self, requests: list[ChartRequest]) -> bool:
+        """The second batch to the child (after :meth:`_send`'s): whether it went through."""
+        conn, _ = self._child
+        try:
+            conn.send_bytes(pickle.dumps(requests))
+            return True
+        except _PIPE_ERRORS:
+            return False
 
     def _send(self, requests: list[ChartRequest]) -> tuple[list[str] | None, bool]:
         """(the import's notes, or None where the child never got ready; whether the requests went to it)."""
@@ -273,8 +295,9 @@ def _own_group(pid: int) -> None:
 
 
 def _server(conn) -> None:
-    """Forked by ChartServer: import the charts and send the import's notes (none: ready); receive the requests,
-    draw them and send {key: (drawn, notes)}. On any failure it stops sending: the parent draws what is missing."""
+    """Forked by ChartServer: import the charts and send the import's notes (none: ready); receive the requests and
+    draw them, then the second batch (ChartServer.draw's ``later``) while the grandchild still draws its share; send
+    {key: (drawn, notes)} for both. On any failure it stops sending: the parent draws what is missing."""
     try:
         _own_group(0)
         os.nice(CHILD_NICENESS)  # its imports run beside the search: the search, and its solvers, go first
@@ -283,7 +306,11 @@ def _server(conn) -> None:
         conn.send_bytes(pickle.dumps(module_lines))
         requests = pickle.loads(conn.recv_bytes())  # our parent's own pickle, over a private pipe
         if ready:
-            conn.send_bytes(pickle.dumps(_draw_jobs([r.job() for r in requests])))
+            def second_batch() -> dict[str, tuple[bool, list[str]]]:  # what the parent had to wait for (``later``),
+                return {job.key: _draw_one(job) for job in  # drawn here while the grandchild draws its share
+                        (r.job() for r in pickle.loads(conn.recv_bytes()))}
+
+            conn.send_bytes(pickle.dumps(_draw_jobs([r.job() for r in requests], then=second_batch)))
     except BaseException:  # noqa: BLE001 - the parent sees the closed pipe and draws in line
         pass
     finally:

@@ -169,36 +169,44 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
                  server: chart_guard.ChartServer | None = None) -> dict[str, str]:
     """Write the whole report folder; returns {what: path}. ``scaling`` may be a call that waits for the
     points (see scaling.ScalingReplans). ``server``: draws the charts in its child (started with the command,
-    it has them imported by now) while the candidates are written; without one they are drawn here
-    (chart_guard.draw_files)."""
+    it has them imported by now) while the candidates are written, the scaling chart last, once its points are in
+    (the re-plans may still run when the search ends); without one they are drawn here (chart_guard.draw_files)."""
     os.makedirs(out, exist_ok=True)
     files = {"report": os.path.join(out, "report.md"), "plan": os.path.join(out, "plan.json"),
              "candidates": os.path.join(out, "candidates.csv")}
     best = result.best
     assert best is not None
     write_plan(result, best, files["plan"])
-    if callable(scaling):
-        replans, points = scaling, []  # the re-plans at fewer GPUs; if they fail, no scaling chart or table
-        scaling = points if chart_guard.draw(result.notes, "scaling", lambda: points.extend(replans())) else []
-    faster = fewer_gpus_faster(result, scaling)
-    if faster:
-        result.notes.append(faster)
-
     exports: list[str] = []
+    points: list[ScalingPoint] = []
 
     def beside_the_charts() -> None:  # every candidate, and the export section (it reads plan.json)
         write_candidates_csv(result, files["candidates"])
         exports.extend(report_lines(files["plan"]))  # the export command per framework, or why it cannot take it
 
-    if charts and server:  # the candidates (~90,000 rows for a 1T model's search) written while the charts are drawn
+    def scaling_points() -> list[ScalingPoint]:  # waits for the re-plans at fewer GPUs where they still run
+        if callable(scaling):  # if they fail, no scaling chart or table
+            chart_guard.draw(result.notes, "scaling", lambda: points.extend(scaling()))
+        else:
+            points.extend(scaling)
+        faster = fewer_gpus_faster(result, points)
+        if faster:
+            result.notes.append(faster)
+        return points
+
+    if charts and server:
+        # the other charts are drawn while the candidates (~90,000 rows for a 1T model's search) are written and the
+        # scaling chart's re-plans finish; it is drawn last
         try:
-            server.draw(files, result.notes, _chart_requests(result, out, scaling), meanwhile=beside_the_charts)
+            server.draw(files, result.notes, _chart_requests(result, out), meanwhile=beside_the_charts,
+                        later=lambda: _chart_requests(result, out, scaling_points(), only_scaling=True))
         finally:
             server.close()
     else:
+        scaling_points()
         beside_the_charts()
         if charts:
-            chart_guard.draw_files(files, result.notes, [r.job() for r in _chart_requests(result, out, scaling)])
+            chart_guard.draw_files(files, result.notes, [r.job() for r in _chart_requests(result, out, points)])
     for name in CHART_FILES:  # an earlier report's chart this one did not draw would pass for this plan's
         path = os.path.join(out, name)
         if path not in files.values() and os.path.isfile(path):
@@ -265,9 +273,9 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
             md.append(f"- {status[k]:,} {labels[k]}")
     if reasons:
         md += ["", "Rejections by reason:", ""] + [f"- {n:,} x {r}" for r, n in reasons.most_common(8)]
-    if scaling:
+    if points:
         md += ["", "## Scaling", "", "| GPUs | best layout | tokens/s | per GPU | MFU |", "|---|---|---|---|---|"]
-        for sp in scaling:
+        for sp in points:
             shown, stand_in = sp.shown, sp.stand_in
             if shown is not None:  # the re-plan's best, or the stand-in of one cut short (it fits)
                 q = shown.prediction
@@ -317,13 +325,17 @@ def fewer_gpus_faster(result: SearchResult, scaling: list[ScalingPoint]) -> str:
             f"search uses every GPU it is given; plan --gpus {top.gpus} plans on fewer)")
 
 
-def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint]) -> list[chart_guard.ChartRequest]:
-    """The report's charts as chart_guard draws them (data only: they go to the drawing child through a pipe)."""
+def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint] | None = None,
+                    only_scaling: bool = False) -> list[chart_guard.ChartRequest]:
+    """The report's charts as chart_guard draws them (data only: they go to the drawing child through a pipe): the
+    scaling chart where ``scaling`` has points; ``only_scaling``: that one alone."""
+    request = lambda key, name, what, chart, *args, weight=1.0, **kwargs: chart_guard.ChartRequest(  # noqa: E731
+        key, os.path.join(out, name), what, chart, args, kwargs, weight)
+    if only_scaling:
+        return [_scaling_request(result, scaling, request)] if scaling else []
     preds = [c.prediction for c in result.ranked]
     labels = [c.layout.short() for c in result.ranked]
     title = f"{result.work.spec.name} on {result.gpus} x {result.work.cluster.gpu.name}"
-    request = lambda key, name, what, chart, *args, weight=1.0, **kwargs: chart_guard.ChartRequest(  # noqa: E731
-        key, os.path.join(out, name), what, chart, args, kwargs, weight)
     requests = [request("breakdown", "time_breakdown.png", "time breakdown", "time_breakdown", preds, labels,
                         title=f"Where the time goes — {title}"),
                 request("memory", "memory.png", "memory", "memory_vs_capacity", preds, labels,
@@ -340,11 +352,7 @@ def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint])
             requests.append(request("timeline", "timeline.png", "timeline", "gantt", sims[0],
                                     weight=1.5 if bars > 500 else 0.5))
     if scaling:
-        requests.append(request("scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
-                                [s.shown.prediction if s.shown else None for s in scaling],
-                                title=f"Throughput vs GPU count — {result.work.spec.name}",
-                                labels=[s.shown.layout.short() if s.shown else "" for s in scaling],
-                                stand_ins=[s.best is None and s.shown is not None for s in scaling]))
+        requests.append(_scaling_request(result, scaling, request))
     priced = [c.prediction for c in result.candidates if c.prediction is not None]
     if priced:  # the points alone (thousands of predictions would be slow to send)
         top = {id(c.prediction) for c in result.ranked}
@@ -353,3 +361,11 @@ def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint])
                                 [id(p) in top for p in priced], priced[0].memory_capacity_gib,
                                 title=f"Throughput vs memory — {title}"))
     return requests
+
+
+def _scaling_request(result: SearchResult, scaling: list[ScalingPoint], request) -> chart_guard.ChartRequest:
+    return request("scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
+                   [s.shown.prediction if s.shown else None for s in scaling],
+                   title=f"Throughput vs GPU count — {result.work.spec.name}",
+                   labels=[s.shown.layout.short() if s.shown else "" for s in scaling],
+                   stand_ins=[s.best is None and s.shown is not None for s in scaling])

@@ -303,6 +303,49 @@ def test_a_failure_beside_the_drawing_stops_every_drawing_process(tmp_path, monk
     assert not (tmp_path / "t.txt").exists()
 
 
+def test_charts_asked_for_later_are_drawn_after_the_first_batch(tmp_path, monkeypatch):
+    """ChartServer.draw's ``later`` (the report's scaling chart, which waits for its re-plans): asked for after the
+    caller's own work, drawn by the same child once the first batch is drawn, recorded after it; where the child dies
+    on it, drawn here; no child is left behind."""
+    import multiprocessing
+
+    from paraplan.planner import charts
+    from paraplan.planner.chart_guard import ChartRequest, ChartServer
+
+    parent = os.getpid()
+    order: list[str] = []
+
+    def write(*args, path: str, **kwargs) -> None:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+    def dies_in_a_child(*args, path: str, **kwargs) -> None:
+        if os.getpid() != parent:
+            os._exit(3)
+        write(path=path)
+
+    monkeypatch.setattr(charts, "time_breakdown", write)
+    monkeypatch.setattr(charts, "scaling", dies_in_a_child)
+    first = [ChartRequest("a", str(tmp_path / "a.txt"), "first", "time_breakdown")]
+
+    def later_ok() -> list[ChartRequest]:
+        order.append("later")
+        return [ChartRequest("b", str(tmp_path / "b.txt"), "second", "time_breakdown")]
+
+    files, notes = {}, []
+    ChartServer().draw(files, notes, first, meanwhile=lambda: order.append("meanwhile"), later=later_ok)
+    assert order == ["meanwhile", "later"] and list(files) == ["a", "b"] and notes == []
+    assert (tmp_path / "b.txt").read_text() not in ("", str(parent))  # drawn by the server's child
+    assert multiprocessing.active_children() == []
+
+    files = {}
+    ChartServer().draw(files, notes, first, later=lambda: [
+        ChartRequest("s", str(tmp_path / "s.txt"), "scaling", "scaling")])
+    assert list(files) == ["a", "s"] and notes == []
+    assert (tmp_path / "s.txt").read_text() == str(parent)  # the child died on it: drawn here
+    assert multiprocessing.active_children() == []
+
+
 # ---------------- the drawing layer (planner/raster.py): ticks, colours and where a bar lands ----------------
 
 
