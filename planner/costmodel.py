@@ -49,7 +49,7 @@ from .memory import (
     state_bytes,
 )
 from .placement import Placement, consecutive_group, layout_placement
-from .schedules import closed_form_makespan, in_flight, peak_matrices, rank_stages, stage_rank
+from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_matrices, rank_stages, stage_rank
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
@@ -1140,11 +1140,16 @@ def pipeline_makespan(lay: Layout, costs: list[StageCost]) -> float:
     the exposed data-parallel waits and the optimizer step to, so a lower bound on its iteration time (rank 0
     finishes at the makespan). Cheap: the polish skips neighbours it shows cannot improve."""
     p, v = lay.pp, lay.virtual_stages
+    schedule = lay.schedule if p > 1 else "1f1b"
+    linear = linear_makespan(schedule, p, v, lay.num_micro_batches)
+    if linear is not None:  # a·slowest rank + b·all ranks (closed_form_makespan's linear forms, summed per stage)
+        totals = [c.total for c in costs]
+        per_rank = totals if v == 1 else [sum(totals[s] for s in rank_stages(lay.schedule, r, p, v)) for r in range(p)]
+        return linear[0] * max(per_rank) + linear[1] * sum(per_rank)
     ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
     rank_fwd, rank_b, rank_w = _rank_phase_times(costs, ranks, v)
     rank_time = [f + b + w for f, b, w in zip(rank_fwd, rank_b, rank_w, strict=True)]
-    return closed_form_makespan(lay.schedule if p > 1 else "1f1b", p, v, lay.num_micro_batches, rank_time, rank_fwd,
-                                rank_w)
+    return closed_form_makespan(schedule, p, v, lay.num_micro_batches, rank_time, rank_fwd, rank_w)
 
 
 def grads_meet_peak(schedule: str, pp: int, v: int, m: int, stages: tuple[int, ...], flights: dict[int, int]) -> bool:

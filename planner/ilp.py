@@ -575,8 +575,9 @@ def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, .
                     counted[k + 1] += d
                     if not keep:
                         continue
-                bounds = [0, *new, n]
-                yield [list(range(bounds[j], bounds[j + 1])) for j in range(S)], modes
+                moved = list(stages)  # the other stages' lists shared (read-only, as every caller keeps them)
+                moved[k], moved[k + 1] = list(range(lo, new[k])), list(range(new[k], hi))
+                yield moved, modes
     if not with_modes or (counted is not None and not _sizes_balanced(counted, balanced)):
         return
     for s in range(S):
