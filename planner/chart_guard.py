@@ -304,6 +304,8 @@ def _server(conn) -> None:
         module_lines: list[str] = []
         ready = charts_module(module_lines) is not None
         conn.send_bytes(pickle.dumps(module_lines))
+        if ready:  # while the parent searches: the first chart's set-up, paid here once (raster.warm_up)
+            _warm_up()
         requests = pickle.loads(conn.recv_bytes())  # our parent's own pickle, over a private pipe
         if ready:
             def second_batch() -> dict[str, tuple[bool, list[str]]]:  # what the parent had to wait for (``later``),
@@ -315,6 +317,16 @@ def _server(conn) -> None:
         pass
     finally:
         conn.close()
+
+
+def _warm_up() -> None:
+    """raster.warm_up, whose failure changes nothing: a chart that cannot be drawn says so when it is drawn."""
+    from . import raster
+
+    try:
+        raster.warm_up()
+    except Exception:  # noqa: BLE001, S110 - only a head start; the drawing reports its own errors
+        pass
 
 
 def _fork_server():

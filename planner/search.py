@@ -751,7 +751,7 @@ def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: 
     np.cumsum(layers * step_saves[:, None, :], axis=2, out=saved[:, :, 1:])
     np.cumsum(layers * step_adds, axis=2, out=added[:, :, 1:])
     whole = (saved[:, :, 1:] < over[:, :, None]).sum(axis=2)  # (R, N): steps taken whole before one taken in part
-    ri, ni = np.ogrid[:R, :N]
+    ri, ni = rows, np.arange(N)[None, :]  # (R, 1), (1, N): what np.ogrid gives, without its slower set-up
     part = rate[ri, np.minimum(whole, V * K - 1)]  # (R, N)
     with np.errstate(invalid="ignore"):
         mixed = fastest + added[ri, ni, whole] + (over - saved[ri, ni, whole]) * part
