@@ -393,16 +393,17 @@ class _LayoutStages:
 
 
 def _tp_flops_share(ops, t: int) -> float:
-    """The share of a block's FLOPs one of ``t`` tensor-parallel ranks computes: its sharded GEMMs' 1/t, its replicated
-    ones' whole (as profiler/tp_view.py weighs them), and its routed experts' 1/t (expert parallelism deals the tensor-
-    parallel group's tokens out, balanced: planner/moe.py); 1/t for a block without GEMMs listed."""
+    """The share of a block's FLOPs one of ``t`` tensor-parallel ranks computes, weighed as the pricing weighs its
+    GEMMs: the sharded ones' 1/t, the replicated ones' whole (profiler/tp_view.py), and the whole MoE block's 1/t —
+    router, shared and routed experts, each rank running the block on its own 1/t of the tokens (moe.rank_view;
+    executor/expert_parallel.py); 1/t for a block without GEMMs listed."""
     total = sum(ops.gemm_flops)
     if t == 1:
         return 1.0
     if not total:
         return 1.0 / t
-    routed = ops.gemm_moe or [0] * len(ops.gemm_flops)
-    divided = sum(f for f, s, r in zip(ops.gemm_flops, ops.gemm_sharded, routed, strict=True) if s or r == 2)
+    in_moe = ops.gemm_moe or [0] * len(ops.gemm_flops)
+    divided = sum(f for f, s, m in zip(ops.gemm_flops, ops.gemm_sharded, in_moe, strict=True) if s or m > 0)
     return (divided / t + (total - divided)) / total
 
 
@@ -978,10 +979,12 @@ class CostModel:
         """The FLOPs one rank of a pipeline rank holding ``stages`` computes an iteration, as the dry run's trace
         counts them (matmuls and attention): each of its blocks' forward and backward FLOPs (the profile's, per
         sample) for every sample of its micro-batches, over context parallelism (each rank its slice of the
-        sequence) and tensor parallelism — the sharded GEMMs' share divided, the replicated ones' whole on every rank
-        (profiler/tp_view.py's ratio: MLA's down-projections, a router) — and its recomputation's (StageCost's is
-        the tensor-parallel group's per micro-batch). The flash attention kernels' backward recomputes the scores,
-        a fifth matmul the model's 3x forward leaves out: the trace counts ~2% more on gpt-tiny."""
+        sequence) and tensor parallelism as the pricing weighs them (_tp_flops_share) — and its recomputation's
+        (StageCost's is the tensor-parallel group's per micro-batch). The flash attention kernels' backward
+        recomputes the scores, a fifth matmul the model's 3x forward leaves out: the trace counts ~2% more on
+        gpt-tiny. Known gap: the profile counts MLA's down-projections (inside the attention region) as sharded, the
+        pricing divides them over tp, and this executor runs them whole on every tensor-parallel rank (the trace
+        counts their (1 - 1/tp) more: tests/test_dry_run.py)."""
         m, t = lay.num_micro_batches, lay.tp
         key = (lay.dtype, t)
         per_sample = self._block_flops.get(key)
