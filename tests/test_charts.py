@@ -207,6 +207,21 @@ def test_charts_drawn_beside_each_other_come_out_as_drawn_in_order(tmp_path):
     assert multiprocessing.active_children() == []
 
 
+def _write_pid(*args, path: str, **kwargs) -> None:
+    """A stand-in chart: the pid of the process that drew it."""
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _dying_in_a_child(parent: int):
+    """A stand-in chart that kills any process but ``parent`` drawing it (drawn there as :func:`_write_pid`)."""
+    def chart(*args, path: str, **kwargs) -> None:
+        if os.getpid() != parent:
+            os._exit(3)
+        _write_pid(path=path)
+    return chart
+
+
 def test_the_chart_server_draws_in_its_child_and_what_it_cannot_is_drawn_here(tmp_path, monkeypatch):
     """chart_guard.ChartServer (forked when `plan` starts, so the drawing's imports are not on the command's path):
     its charts come back with the same notes, in the requests' order; a child that dies before or while drawing
@@ -219,21 +234,14 @@ def test_the_chart_server_draws_in_its_child_and_what_it_cannot_is_drawn_here(tm
 
     parent = os.getpid()
 
-    def write(*args, path: str, **kwargs) -> None:
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
 
     def broken(*args, path: str, **kwargs) -> None:
         raise OSError("No space left on device")
 
-    def dies_in_a_child(*args, path: str, **kwargs) -> None:
-        if os.getpid() != parent:
-            os._exit(3)
-        write(path=path)
 
-    monkeypatch.setattr(charts, "time_breakdown", write)
+    monkeypatch.setattr(charts, "time_breakdown", _write_pid)
     monkeypatch.setattr(charts, "memory_vs_capacity", broken)
-    monkeypatch.setattr(charts, "scaling", dies_in_a_child)
+    monkeypatch.setattr(charts, "scaling", _dying_in_a_child(parent))
     requests = [ChartRequest("a", str(tmp_path / "a.txt"), "first", "time_breakdown", ([1.0], ["x"])),
                 ChartRequest("b", str(tmp_path / "b.txt"), "memory", "memory_vs_capacity", weight=3.0),
                 ChartRequest("c", str(tmp_path / "c.txt"), "third", "time_breakdown")]
@@ -315,17 +323,10 @@ def test_charts_asked_for_later_are_drawn_after_the_first_batch(tmp_path, monkey
     parent = os.getpid()
     order: list[str] = []
 
-    def write(*args, path: str, **kwargs) -> None:
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
 
-    def dies_in_a_child(*args, path: str, **kwargs) -> None:
-        if os.getpid() != parent:
-            os._exit(3)
-        write(path=path)
 
-    monkeypatch.setattr(charts, "time_breakdown", write)
-    monkeypatch.setattr(charts, "scaling", dies_in_a_child)
+    monkeypatch.setattr(charts, "time_breakdown", _write_pid)
+    monkeypatch.setattr(charts, "scaling", _dying_in_a_child(parent))
     first = [ChartRequest("a", str(tmp_path / "a.txt"), "first", "time_breakdown")]
 
     def later_ok() -> list[ChartRequest]:
