@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from executor_cases import STEPS, Case, assert_losses_match, launched_run, reference_losses, reference_model
+from spawned_rank import exit_passed_rank
 
 from paraplan.executor.batches import BatchSource
 from paraplan.executor.machine import free_port
@@ -96,6 +97,7 @@ def _capture_gradients(rank: int, case: Case, port: int, folder: str) -> None:
         torch.save({**capture.grads, "classes": model.head.classes}, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_passed_rank()
 
 
 class _Capture:

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from spawned_rank import exit_passed_rank
 
 # torchtitan's data, tokenizer and metrics plumbing needs packages its CPU test install lacks (tokenizers, datasets,
 # torchdata, tensorboard), and its MoE kernels need triton: stand-ins where those do not import, so that the
@@ -101,3 +102,4 @@ def gpt_rank(rank: int, port: int, mode: str) -> None:
         assert model.output.weight is model.tok_embeddings.weight  # still one parameter
     finally:
         dist.destroy_process_group()
+    exit_passed_rank()
