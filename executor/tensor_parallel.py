@@ -57,6 +57,8 @@ def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
                                use_local_output=False)
     if style == "norm":
         return SequenceParallel(use_local_output=True) if sp else None
+    if style == "replicated":  # run whole inside its region (MLA's down-projections and latent norms)
+        return None
     if style == "region":
         # The region's input enters as one replicated DTensor that all its column-parallel linears share, so
         # their input gradients add up before a single collective in backward (Megatron's f operator):

@@ -385,11 +385,14 @@ def transformer_tp_plan(spec: TransformerSpec) -> dict[str, str]:
     one before each colwise group in backward); ``vocab_embedding`` (embedding sharded over the
     vocabulary); ``vocab_head`` (output projection sharded over the vocabulary); ``norm`` (replicated,
     or sequence-parallel when the plan turns sequence parallelism on, Korthikanti et al. 2022);
-    ``region`` marks a module whose input is all-gathered over the sequence under sequence parallelism.
+    ``region`` marks a module whose input is all-gathered over the sequence under sequence parallelism;
+    ``replicated``: a module inside a region that every rank runs whole (the executor leaves it as it is).
 
     Multi-head latent attention shards by heads: ``wq_b`` (or ``wq``) and ``wkv_b`` colwise, ``wo`` rowwise;
-    its low-rank down-projections ``wq_a``/``wkv_a`` and their norms are replicated (Megatron-Core's MLA
-    does the same), though inside the attention region. Qwen3's q_norm/k_norm act per head (on each
+    its low-rank down-projections ``wq_a``/``wkv_a`` and their norms are replicated, though inside the attention
+    region: this executor and torchtitan run them on the gathered sequence, whole; Megatron-Core duplicates them
+    too, on each rank's sequence shard under sequence parallelism (the cost model divides them there:
+    Framework.mla_tp_input "latent"). Qwen3's q_norm/k_norm act per head (on each
     rank's own heads) with one weight shared by all heads.
 
     MoE blocks (``layers.N.moe``: router, experts, shared experts) have no style: they stay replicated
@@ -405,6 +408,8 @@ def transformer_tp_plan(spec: TransformerSpec) -> dict[str, str]:
                  "layers.*.mlp": "region", "layers.*.attn.wo": "rowwise", f"layers.*.mlp.{mlp_out}": "rowwise"})
     plan.update({f"layers.*.attn.{n}": "colwise" for n in attn_in})
     plan.update({f"layers.*.mlp.{n}": "colwise" for n in mlp_in})
+    if spec.mla:  # whole on every rank, though inside the attention region: not divided by the profile's tp views
+        plan.update({f"layers.*.attn.{n}": "replicated" for n in ("wq_a", "q_norm", "wkv_a", "kv_norm")})
     return plan
 
 

@@ -107,7 +107,8 @@ def gemm_dtype(dtype: str, layer_kind: str, core: bool, bf16_expert: bool = Fals
 
 def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, sp: bool, gpu: GPUSpec, dtype: str,
                         attention: str, elementwise: float = 1.0, causal_fraction: float = 1.0,
-                        fp8_experts: bool = True, softmax_fallback: bool = False) -> PassTimes:
+                        fp8_experts: bool = True, softmax_fallback: bool = False,
+                        split_replicated: bool = False) -> PassTimes:
     """Peak-and-efficiency estimate for a block profiled at one micro-batch, scaled to ``micro_batch_scale``.
 
     Tensor parallelism divides the GEMMs and memory traffic of the sharded modules by ``tp``;
@@ -119,7 +120,9 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     still counted whole in the model FLOPs, as Megatron's formula counts them. ``fp8_experts``: under FP8 the
     routed experts' GEMMs (marked 2 in ``gemm_moe``) run in FP8 too (Framework.fp8_experts), or in bf16.
     ``softmax_fallback``: the unfused attention's softmax runs PyTorch's path, not the fused kernel
-    (softmax_falls_back; SOFTMAX_TORCH_TRAFFIC).
+    (softmax_falls_back; SOFTMAX_TORCH_TRAFFIC). ``split_replicated``: the GEMMs the profile marks replicated run on
+    each rank's sequence shard, so are divided by ``tp`` too (MLA's down-projections in Megatron-Core under
+    sequence parallelism: Framework.mla_tp_input "latent").
     """
     mix, b = layer.fwd_ops, micro_batch_scale
     memo: dict[tuple[float, str], float] = {}  # an MoE layer's E/ep experts repeat one GEMM shape: price it once
@@ -135,7 +138,7 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
     in_mlp = mix.gemm_mlp or [False] * len(mix.gemm_flops)
     for flops, sharded, core, mark, mlp in zip(mix.gemm_flops, mix.gemm_sharded, mix.gemm_core, marks, in_mlp,
                                                strict=True):
-        done = flops * b / (tp if sharded else 1) * (causal_fraction if core else 1.0)
+        done = flops * b / (tp if sharded or split_replicated else 1) * (causal_fraction if core else 1.0)
         t = gemm(done, gemm_dtype(dtype, layer.kind, core, bf16_expert=mark == 2 and not fp8_experts))
         gemm_all += t
         gemm_core += t if core else 0.0

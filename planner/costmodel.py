@@ -593,8 +593,12 @@ class CostModel:
                 work.tokens_per_sample // lay.cp, lay.dtype)
 
         softmax_fallback = falls_back(t)
+        # MLA's down-projections (replicated) on each rank's sequence shard: Megatron-Core's duplicated linears
+        # before the latents' gather; this executor and torchtitan gather the hidden first and run them whole
+        on_shard = sp and fw.mla_tp_input == "latent" and getattr(work.spec, "mla", False) \
+            and layer.kind == "transformer_layer"
         times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
-                                    fw.fp8_experts, softmax_fallback)
+                                    fw.fp8_experts, softmax_fallback, on_shard)
         measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
         ref = None  # the share of a CPU's cores the times below were taken with (None: the cluster's figures')
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:
@@ -982,9 +986,7 @@ class CostModel:
         sequence) and tensor parallelism as the pricing weighs them (_tp_flops_share) — and its recomputation's
         (StageCost's is the tensor-parallel group's per micro-batch). The flash attention kernels' backward
         recomputes the scores, a fifth matmul the model's 3x forward leaves out: the trace counts ~2% more on
-        gpt-tiny. Known gap: the profile counts MLA's down-projections (inside the attention region) as sharded, the
-        pricing divides them over tp, and this executor runs them whole on every tensor-parallel rank (the trace
-        counts their (1 - 1/tp) more: tests/test_dry_run.py)."""
+        gpt-tiny. MLA's down-projections count whole on every tensor-parallel rank, as this executor runs them."""
         m, t = lay.num_micro_batches, lay.tp
         key = (lay.dtype, t)
         per_sample = self._block_flops.get(key)

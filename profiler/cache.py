@@ -21,8 +21,9 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 7  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
-# experts' weights unbound once (their backward's traffic linear in the experts, not quadratic)
+_FORMAT = 8  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
+# experts' weights unbound once (their backward's traffic linear in the experts, not quadratic); 8: MLA's
+# down-projections and latent norms replicated under tensor parallelism (models.transformer_tp_plan)
 
 
 def _folder() -> Path | None:

@@ -333,6 +333,35 @@ def test_mla_up_projection_recomputation_reruns_the_latents_gather():
         assert (selective[0], selective[2]) == (plain[0], plain[2])
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_mla_down_projections_are_divided_only_on_the_sequence_shard(sp):
+    """MLA's down-projections (wq_a: h -> q_lora_rank; wkv_a: h -> kv_lora_rank + rope; DeepSeek-V2 Sec. 2.1) stay
+    replicated under tensor parallelism: the profile leaves their 2·s·h·1536 and 2·s·h·(512 + 64) forward FLOPs a
+    sample undivided. Megatron-Core's duplicated linears run on each rank's sequence shard under sequence parallelism
+    (Framework.mla_tp_input "latent"): each GEMM, forward and both backward ones, priced at 1/tp of its FLOPs; without
+    sequence parallelism, and in this executor and torchtitan (the hidden gathered first), whole."""
+    from paraplan.planner.compute import gemm_seconds
+
+    work = Workload.create("deepseek-v3", "dgx-h100", 64, framework="megatron-core")
+    layers = work.profile("bf16").layers
+    i = next(j for j, x in enumerate(layers) if x.kind == "transformer_layer")  # a dense MLA layer
+    ops = layers[i].fwd_ops
+    s, h = work.seq_length, 7168
+    marks = ops.gemm_moe or [0] * len(ops.gemm_flops)
+    replicated = [f for f, sharded, m in zip(ops.gemm_flops, ops.gemm_sharded, marks, strict=True)
+                  if not sharded and not m]
+    assert sorted(replicated) == sorted([2 * s * h * 1536, 2 * s * h * (512 + 64)])
+    lay = Layout(dp=32, tp=2, pp=1, micro_batch=1, global_batch=64, sequence_parallel=sp)
+    place = layout_placement(work.cluster, lay)
+    whole = dataclasses.replace(work, framework=dataclasses.replace(work.framework, mla_tp_input="mixed"))
+    mega, executor = (CostModel(w)._block_base(i, lay, place)[1] for w in (work, whole))
+    gap = sum(gemm_seconds(f, work.cluster.gpu, "bf16") - gemm_seconds(f / 2, work.cluster.gpu, "bf16")
+              for f in replicated) if sp else 0.0
+    assert gap >= 0
+    for part in ("fwd", "bwd_input", "bwd_weight"):
+        assert getattr(executor, part) - getattr(mega, part) == pytest.approx(gap, rel=1e-9, abs=1e-15)
+
+
 def test_gradients_netted_against_the_first_backward_say_so():
     """With one micro-batch the activation peak comes before any gradient exists: the breakdown shows only the
     gradients beyond the activations the first backward frees (memory.rank_memory) — a small or zero "grads" that

@@ -755,11 +755,14 @@ def test_tp_plan_covers_dense_layers_and_leaves_moe_blocks_replicated():
         if not isinstance(mod, torch.nn.Linear) or not fqn.startswith("layers."):
             continue
         style = tp_style(plan, fqn)
-        if ".moe." in fqn or fqn.endswith(("wq_a", "wkv_a")):
-            assert style is None, fqn  # replicated: MoE blocks and MLA's low-rank down-projections
+        if ".moe." in fqn:
+            assert style is None, fqn  # replicated: MoE blocks (each rank routes its own tokens)
+        elif fqn.endswith(("wq_a", "wkv_a")):
+            assert style == "replicated", fqn  # MLA's low-rank down-projections: whole on every rank
         else:
             assert style in ("colwise", "rowwise"), fqn
     assert tp_style(plan, "layers.1.moe") is None and tp_style(plan, "layers.0.mlp") == "region"
+    assert tp_style(plan, "layers.1.attn.kv_norm") == "replicated"  # the latents' norm, not a per-head one
     assert tp_style(plan, "layers.1.attn.wkv_b") == "colwise" and tp_style(plan, "layers.1.attn.wo") == "rowwise"
     mixtral = tp_plan(load_model_spec("mixtral-tiny"))
     assert tp_style(mixtral, "layers.0.attn.wq") == "colwise" and tp_style(mixtral, "layers.0.moe.router.gate") is None
