@@ -484,11 +484,17 @@ class CostModel:
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             recomputes_mlp(mode) or (mode == "full" and work.spec.family != "bert"))
         again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []
-        mlp_gemms = [f for f, x in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, strict=False) if x] \
-            if recomputes_mlp(mode) or early_stop else []
+        # the MLP's GEMMs as FLOPs computed: a rank view's routed experts at the mean rank's load (moe.routed_work),
+        # not the most loaded rank's its times carry
+        routed = moe.routed_work(fw) / moe.routed_load(fw) if moe_layer else 1.0
+        mlp_gemms = [f * (routed if m == 2 else 1.0) for f, x, m in zip(
+            layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_mlp, layer.fwd_ops.gemm_moe or [0] * len(
+                layer.fwd_ops.gemm_flops), strict=False) if x] if recomputes_mlp(mode) or early_stop else []
         recompute_time, rflops = 0.0, 0.0
-        if mode == "full":
-            recompute_time, rflops = times.fwd, layer.fwd_flops * b  # its collectives join tp_bwd below
+        if mode == "full":  # its collectives join tp_bwd below
+            # the tensor-parallel group's FLOPs: what each rank reruns (replicated GEMMs whole) times t
+            share = t * _tp_flops_share(work.profile(lay.dtype).layers[i].fwd_ops, t)
+            recompute_time, rflops = times.fwd, layer.fwd_flops * b * share
         if recomputes_core(mode):  # the attention core, and its prologue where it has one (MLA's up-projection)
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
             recompute_time = times.core_fwd

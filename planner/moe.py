@@ -141,6 +141,14 @@ def shared_expert_exchanges(one: float, gemms: tuple[float, float], sm_count: in
     return fwd, bwd
 
 
+def routed_work(fw) -> float:
+    """The mean rank's routed token copies over the balanced count: c padded to capacity (every expert computes its
+    whole capacity), else 1 — the imbalance (:func:`routed_load`) is the most loaded rank's, which the others wait
+    for, not work every rank does."""
+    c = fw.moe_capacity_factor
+    return c if c is not None and fw.moe_pad_to_capacity else 1.0
+
+
 def routed_load(fw) -> float:
     """The most loaded rank's routed token copies over the mean (see the module docstring): the imbalance when
     dropless; with a capacity factor c, at most c (the rest dropped); padded to capacity, c."""

@@ -19,6 +19,7 @@ import pytest
 from conftest import ROOT
 from paraplan.executor.dry_run import dry_run
 from paraplan.executor.job import Job
+from paraplan.planner.layout import recomputes_core
 
 _spec = importlib.util.spec_from_file_location("bench_dry_run", ROOT / "benchmarks" / "bench_dry_run.py")
 bench = importlib.util.module_from_spec(_spec)
@@ -54,11 +55,14 @@ def test_prediction_matches_the_trace(tmp_path, case):
         assert abs(peak_err) <= 0.10, (rank["rank"], rank["peak_memory_gib"], rank["predicted_memory_gib"])
         assert traffic_err <= 0.05, (rank["rank"], rank["comm_bytes"], rank["predicted_comm_bytes"])
         # the flash kernels' backward recomputes the scores, a matmul the model's FLOPs leave out (0.5-2.5% on this
-        # spread; the MoE plans' within that too, the MoE block's GEMMs divided over tp as each rank routes its own
-        # tokens; MLA's down-projections counted whole on every rank, as the executor runs them: the profile's tp plan
-        # marks them replicated). Known: an MoE plan's recomputation (mlp, selective of MLA) is counted 2-3.5% above
-        # what the trace reruns
-        high = 0.04 if getattr(job.spec, "num_experts", 0) and job.layout.recompute != "none" else 0.001
+        # spread; the MoE plans' within that too: the MoE block's GEMMs divided over tp as each rank routes its own
+        # tokens, its recomputed experts at the mean rank's load, MLA's down-projections whole on every rank as the
+        # executor runs them). Known: MLA's selective recomputation is counted 2-2.2% above the trace, exactly its
+        # probabilities x V matmul: MLA's value head differs from its query/key head, the trace runs its attention as
+        # separate matmuls, and the early-stopping checkpoint skips the last, whose output nothing saves (a fused
+        # kernel saves its output for its backward: on a GPU it reruns, as priced)
+        mla_selective = bool(getattr(job.spec, "kv_lora_rank", 0)) and recomputes_core(job.layout.recompute)
+        high = 0.03 if mla_selective else 0.001
         assert -0.03 <= rank["predicted_flops"] / rank["flops"] - 1 <= high, \
             (rank["rank"], rank["flops"], rank["predicted_flops"])
 

@@ -4,6 +4,7 @@ the CLI showing the all-to-all, and the executor's dry run agreeing with the pre
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -934,3 +935,45 @@ def test_simulate_says_when_the_all_to_all_overlap_it_was_given_hides_nothing():
                         (base.replace(schedule="1f1b", virtual_stages=1), False)):
         pred, _ = simulate(work, lay, event_sim=False)
         assert silent == (not any(n.startswith("--moe-a2a-overlap does not apply") for n in pred.notes))
+
+
+@pytest.mark.parametrize("mode", ["mlp", "full"])
+def test_recomputed_flops_are_the_work_done_not_the_busiest_ranks(mode):
+    """What recomputation adds to the hardware FLOPs (HFU, the dry run's count) is the work every rank reruns: the
+    experts at their balanced load, though their times carry the most loaded rank's imbalance (Framework.moe_imbalance
+    1.25 here, moe.rank_view), for the MLP sublayer (mlp) as for the whole layer (full). The times keep it: the MoE
+    block's rerun is dearer than its share of the FLOPs."""
+    work = Workload.create("mixtral-8x7b", "dgx-h100", 512, nodes=8)
+    assert moe.routed_load(work.framework) == 1.25 and moe.routed_work(work.framework) == 1.0
+    model = CostModel(work)
+    lay = Layout(dp=64, tp=1, pp=1, micro_batch=1, global_batch=512, ep=8, recompute=mode)
+    place = layout_placement(work.cluster, lay)
+    layers = work.profile("bf16").layers
+    i = next(j for j, x in enumerate(layers) if x.kind == "transformer_layer")
+    ops = layers[i].fwd_ops
+    mlp = sum(f for f, x in zip(ops.gemm_flops, ops.gemm_mlp, strict=True) if x)  # the profile's: balanced experts
+    cost = model.block_cost(i, lay, place, mode)
+    assert cost.recompute_flops == pytest.approx(mlp if mode == "mlp" else layers[i].fwd_flops, rel=1e-12)
+    even = dataclasses.replace(work, framework=dataclasses.replace(work.framework, moe_imbalance=1.0))
+    balanced = CostModel(even).block_cost(i, lay, place, mode)
+    assert balanced.recompute_flops == pytest.approx(cost.recompute_flops, rel=1e-12)
+    assert cost.recompute > balanced.recompute * 1.05  # the time: the busiest rank's experts
+
+
+def test_full_recomputation_counts_mla_down_projections_on_every_tensor_parallel_rank():
+    """Full recomputation reruns a layer's forward on each of the t tensor-parallel ranks as it ran: MLA's replicated
+    down-projections (2·s·h·(1536 + 512 + 64) FLOPs a sample, DeepSeek-V2 Sec. 2.1) whole on every rank. The group's
+    rerun FLOPs (what HFU counts): the layer's forward plus (t - 1) times the down-projections' share of it, less the
+    MLP's last GEMM, which the early-stopping checkpoint skips (Framework.recompute_early_stop)."""
+    work = Workload.create("deepseek-v3", "dgx-h100", 64)
+    lay = Layout(dp=32, tp=2, pp=1, micro_batch=1, global_batch=64, recompute="full")
+    layers = work.profile("bf16").layers
+    i = next(j for j, x in enumerate(layers) if x.kind == "transformer_layer")  # a dense MLA layer
+    gemms = sum(layers[i].fwd_ops.gemm_flops)
+    down = 2 * work.seq_length * 7168 * (1536 + 512 + 64)
+    cost = CostModel(work).block_cost(i, lay, layout_placement(work.cluster, lay), "full")
+    ops = layers[i].fwd_ops
+    skipped = [f for f, x in zip(ops.gemm_flops, ops.gemm_mlp, strict=True) if x][-1]
+    assert skipped == 2 * work.seq_length * 18432 * 7168  # w2: ffn 18432 -> hidden 7168
+    assert cost.recompute_flops == pytest.approx(layers[i].fwd_flops * (1 + (lay.tp - 1) * down / gemms) - skipped,
+                                                 rel=1e-12)
