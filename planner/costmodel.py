@@ -392,6 +392,14 @@ class _LayoutStages:
         return st
 
 
+def _replicated_on_shard(work, lay: Layout, layer) -> bool:
+    """Whether a block's replicated GEMMs run on each tensor-parallel rank's sequence shard: MLA's down-projections
+    in Megatron-Core under sequence parallelism (duplicated linears before the latents' gather: Framework.mla_tp_input
+    "latent"). This executor and torchtitan gather the hidden first and run them whole."""
+    return lay.sequence_parallel and work.framework.mla_tp_input == "latent" and getattr(work.spec, "mla", False) \
+        and layer.kind == "transformer_layer"
+
+
 def _tp_flops_share(ops, t: int) -> float:
     """The share of a block's FLOPs one of ``t`` tensor-parallel ranks computes, weighed as the pricing weighs its
     GEMMs: the sharded ones' 1/t, the replicated ones' whole (profiler/tp_view.py), and the whole MoE block's 1/t —
@@ -492,8 +500,10 @@ class CostModel:
                 layer.fwd_ops.gemm_flops), strict=False) if x] if recomputes_mlp(mode) or early_stop else []
         recompute_time, rflops = 0.0, 0.0
         if mode == "full":  # its collectives join tp_bwd below
-            # the tensor-parallel group's FLOPs: what each rank reruns (replicated GEMMs whole) times t
-            share = t * _tp_flops_share(work.profile(lay.dtype).layers[i].fwd_ops, t)
+            # the tensor-parallel group's FLOPs: what each rank reruns (replicated GEMMs whole, unless on its
+            # sequence shard) times t
+            share = 1.0 if _replicated_on_shard(work, lay, layer) else \
+                t * _tp_flops_share(work.profile(lay.dtype).layers[i].fwd_ops, t)
             recompute_time, rflops = times.fwd, layer.fwd_flops * b * share
         if recomputes_core(mode):  # the attention core, and its prologue where it has one (MLA's up-projection)
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
@@ -599,12 +609,8 @@ class CostModel:
                 work.tokens_per_sample // lay.cp, lay.dtype)
 
         softmax_fallback = falls_back(t)
-        # MLA's down-projections (replicated) on each rank's sequence shard: Megatron-Core's duplicated linears
-        # before the latents' gather; this executor and torchtitan gather the hidden first and run them whole
-        on_shard = sp and fw.mla_tp_input == "latent" and getattr(work.spec, "mla", False) \
-            and layer.kind == "transformer_layer"
         times = estimate_pass_times(layer, b, t, sp, gpu, lay.dtype, work.attention, fw.elementwise_traffic, causal,
-                                    fw.fp8_experts, softmax_fallback, on_shard)
+                                    fw.fp8_experts, softmax_fallback, _replicated_on_shard(work, lay, layer))
         measured = work.measurement(lay.micro_batch, lay.dtype) if lay.cp == 1 else None
         ref = None  # the share of a CPU's cores the times below were taken with (None: the cluster's figures')
         if measured is not None and i < len(measured["layers"]) and measured["layers"][i].get("fwd_ms") is not None:

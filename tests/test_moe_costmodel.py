@@ -960,19 +960,24 @@ def test_recomputed_flops_are_the_work_done_not_the_busiest_ranks(mode):
     assert cost.recompute > balanced.recompute * 1.05  # the time: the busiest rank's experts
 
 
-def test_full_recomputation_counts_mla_down_projections_on_every_tensor_parallel_rank():
-    """Full recomputation reruns a layer's forward on each of the t tensor-parallel ranks as it ran: MLA's replicated
-    down-projections (2·s·h·(1536 + 512 + 64) FLOPs a sample, DeepSeek-V2 Sec. 2.1) whole on every rank. The group's
-    rerun FLOPs (what HFU counts): the layer's forward plus (t - 1) times the down-projections' share of it, less the
-    MLP's last GEMM, which the early-stopping checkpoint skips (Framework.recompute_early_stop)."""
-    work = Workload.create("deepseek-v3", "dgx-h100", 64)
-    lay = Layout(dp=32, tp=2, pp=1, micro_batch=1, global_batch=64, recompute="full")
+@pytest.mark.parametrize("framework_name", ["paraplan", "megatron-core"])
+def test_full_recomputation_counts_mla_down_projections_where_they_run(framework_name):
+    """Full recomputation reruns a layer's forward on each of the t tensor-parallel ranks as it ran. This executor runs
+    MLA's replicated down-projections (2·s·h·(1536 + 512 + 64) FLOPs a sample, DeepSeek-V2 Sec. 2.1) whole on every
+    rank: the group's rerun FLOPs (what HFU counts) are the layer's forward plus (t - 1) times the down-projections'
+    share of it, less the MLP's last GEMM, which its early-stopping checkpoint skips (Framework.recompute_early_stop).
+    Megatron-Core runs them on each rank's sequence shard under sequence parallelism: the forward once, no skip."""
+    work = Workload.create("deepseek-v3", "dgx-h100", 64, framework=framework_name)
+    lay = Layout(dp=32, tp=2, pp=1, micro_batch=1, global_batch=64, recompute="full", sequence_parallel=True)
     layers = work.profile("bf16").layers
     i = next(j for j, x in enumerate(layers) if x.kind == "transformer_layer")  # a dense MLA layer
-    gemms = sum(layers[i].fwd_ops.gemm_flops)
+    ops = layers[i].fwd_ops
+    gemms = sum(ops.gemm_flops)
     down = 2 * work.seq_length * 7168 * (1536 + 512 + 64)
     cost = CostModel(work).block_cost(i, lay, layout_placement(work.cluster, lay), "full")
-    ops = layers[i].fwd_ops
+    if framework_name == "megatron-core":
+        assert cost.recompute_flops == pytest.approx(layers[i].fwd_flops, rel=1e-12)
+        return
     skipped = [f for f, x in zip(ops.gemm_flops, ops.gemm_mlp, strict=True) if x][-1]
     assert skipped == 2 * work.seq_length * 18432 * 7168  # w2: ffn 18432 -> hidden 7168
     assert cost.recompute_flops == pytest.approx(layers[i].fwd_flops * (1 + (lay.tp - 1) * down / gemms) - skipped,
