@@ -583,7 +583,8 @@ class CostModel:
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,
             params=moe.params_on_rank(layer, lay, sharded_ratio, fw), output_bytes=layer.output_bytes * b / split,
             tp_traffic=tp_traffic, root=layer.kind != "transformer_layer",
-            replicated=_replicated_params(layer) - layer.moe_params if t > 1 and layer.kind != "embedding" else 0.0,
+            replicated=_replicated_params(layer) - layer.moe_params - _whole_latent_params(work, lay, layer)
+            if t > 1 and layer.kind != "embedding" else 0.0,
             cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0,
             experts=moe.experts_on_rank(layer, lay, fw), moe_shared=moe.tp_summed_on_rank(layer, lay, fw),
             ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0), host=host)
@@ -1181,6 +1182,20 @@ def _replicated_params(layer) -> float:
     if not layer.params or not layer.param_bytes:
         return 0.0
     return (layer.param_bytes - layer.param_bytes_sharded) * layer.params / layer.param_bytes
+
+
+def _whole_latent_params(work, lay: Layout, layer) -> float:
+    """Of a block's replicated parameters, those every tensor-parallel rank trains on the whole sequence, so whose
+    gradients need no all-reduce over tp under sequence parallelism (dp_sync.sequence_parallel_weight_sync): MLA's
+    down-projections and latent norms (q_lora_rank·(h + 1) + (kv_lora_rank + rope)·h + kv_lora_rank, DeepSeek-V2
+    Sec. 2.1) where the hidden is gathered before them and the latents' gradients all-reduced (this executor,
+    torchtitan), not where they run on each rank's sequence shard (_replicated_on_shard: Megatron-Core)."""
+    spec = work.spec
+    if not getattr(spec, "mla", False) or layer.kind != "transformer_layer" or _replicated_on_shard(work, lay, layer):
+        return 0.0
+    q = spec.q_lora_rank or 0
+    return q * (spec.hidden_size + 1) + (spec.kv_lora_rank + spec.qk_rope_head_dim) * spec.hidden_size \
+        + spec.kv_lora_rank
 
 
 def _check_stages(stages: list[list[int]], n_blocks: int, lay: Layout) -> None:
