@@ -6,6 +6,7 @@ then the alternatives, then what was rejected and why.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -199,7 +200,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
         # scaling chart's re-plans finish; it is drawn last
         try:
             server.draw(files, result.notes, _chart_requests(result, out), meanwhile=beside_the_charts,
-                        later=lambda: _chart_requests(result, out, scaling_points(), only_scaling=True))
+                        later=lambda: _scaling_requests(result, out, scaling_points()))
         finally:
             server.close()
     else:
@@ -325,14 +326,11 @@ def fewer_gpus_faster(result: SearchResult, scaling: list[ScalingPoint]) -> str:
             f"search uses every GPU it is given; plan --gpus {top.gpus} plans on fewer)")
 
 
-def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint] | None = None,
-                    only_scaling: bool = False) -> list[chart_guard.ChartRequest]:
-    """The report's charts as chart_guard draws them (data only: they go to the drawing child through a pipe): the
-    scaling chart where ``scaling`` has points; ``only_scaling``: that one alone."""
-    request = lambda key, name, what, chart, *args, weight=1.0, **kwargs: chart_guard.ChartRequest(  # noqa: E731
-        key, os.path.join(out, name), what, chart, args, kwargs, weight)
-    if only_scaling:
-        return [_scaling_request(result, scaling, request)] if scaling else []
+def _chart_requests(result: SearchResult, out: str,
+                    scaling: list[ScalingPoint] | None = None) -> list[chart_guard.ChartRequest]:
+    """The report's charts as chart_guard draws them (data only: they go to the drawing child through a pipe), the
+    scaling chart where ``scaling`` has points (:func:`_scaling_requests`)."""
+    request = functools.partial(_request, out)
     preds = [c.prediction for c in result.ranked]
     labels = [c.layout.short() for c in result.ranked]
     title = f"{result.work.spec.name} on {result.gpus} x {result.work.cluster.gpu.name}"
@@ -351,8 +349,7 @@ def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint] 
             bars = len(sims[0].sim.timeline)
             requests.append(request("timeline", "timeline.png", "timeline", "gantt", sims[0],
                                     weight=1.5 if bars > 500 else 0.5))
-    if scaling:
-        requests.append(_scaling_request(result, scaling, request))
+    requests += _scaling_requests(result, out, scaling)
     priced = [c.prediction for c in result.candidates if c.prediction is not None]
     if priced:  # the points alone (thousands of predictions would be slow to send)
         top = {id(c.prediction) for c in result.ranked}
@@ -363,9 +360,19 @@ def _chart_requests(result: SearchResult, out: str, scaling: list[ScalingPoint] 
     return requests
 
 
-def _scaling_request(result: SearchResult, scaling: list[ScalingPoint], request) -> chart_guard.ChartRequest:
-    return request("scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
-                   [s.shown.prediction if s.shown else None for s in scaling],
-                   title=f"Throughput vs GPU count — {result.work.spec.name}",
-                   labels=[s.shown.layout.short() if s.shown else "" for s in scaling],
-                   stand_ins=[s.best is None and s.shown is not None for s in scaling])
+def _request(out: str, key: str, name: str, what: str, chart: str, *args, weight: float = 1.0,
+             **kwargs) -> chart_guard.ChartRequest:
+    """One chart of the report folder ``out``: file ``name``, drawn by charts.``chart``(*args, **kwargs)."""
+    return chart_guard.ChartRequest(key, os.path.join(out, name), what, chart, args, kwargs, weight)
+
+
+def _scaling_requests(result: SearchResult, out: str,
+                      scaling: list[ScalingPoint] | None) -> list[chart_guard.ChartRequest]:
+    """The scaling chart's request, where there are points (none: no chart)."""
+    if not scaling:
+        return []
+    return [_request(out, "scaling", "scaling.png", "scaling", "scaling", [s.gpus for s in scaling],
+                     [s.shown.prediction if s.shown else None for s in scaling],
+                     title=f"Throughput vs GPU count — {result.work.spec.name}",
+                     labels=[s.shown.layout.short() if s.shown else "" for s in scaling],
+                     stand_ins=[s.best is None and s.shown is not None for s in scaling])]
