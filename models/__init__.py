@@ -9,7 +9,7 @@ import importlib
 from .custom import CallableSpec, example_at_batch, load_callable_model
 from .errors import ModelSpecError
 from .loading import load_model_spec, parse_data_file
-from .param_count import count_active_parameters, count_parameters, mtp_params
+from .param_count import count_active_parameters, count_parameters, latent_down_params, mtp_params
 from .presets import PRESETS
 from .specs import (
     FAMILIES,
@@ -42,7 +42,8 @@ def __getattr__(name: str):
 __all__ = [
     "CallableSpec", "CustomModel", "FAMILIES", "MLPSpec", "MoE", "ModelSpec", "ModelSpecError", "PRESETS",
     "ResNetSpec", "StagedModel", "TransformerSpec", "VGGSpec", "balanced_routing", "block_names", "build_model",
-    "collect_aux_losses", "count_active_parameters", "count_parameters", "local_dispatch", "mtp_params",
+    "collect_aux_losses", "count_active_parameters", "count_parameters", "latent_down_params", "local_dispatch",
+    "mtp_params",
     "routes_balanced", "set_aux_loss_scale",
     "initialize", "parameter_generator", "tied_aliases",
     "example_at_batch", "load_callable_model", "load_model_spec", "loss_function", "parse_data_file", "reference_init",

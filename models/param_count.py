@@ -17,13 +17,9 @@ def attention_params(spec: TransformerSpec) -> int:
     h, a = spec.hidden_size, spec.num_attention_heads
     if spec.mla:
         qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-        if spec.q_lora_rank:
-            q = h * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * a * qk
-        else:
-            q = h * a * qk
-        kv = h * (spec.kv_lora_rank + spec.qk_rope_head_dim) + spec.kv_lora_rank
-        kv += spec.kv_lora_rank * a * (spec.qk_nope_head_dim + spec.v_head_dim)
-        return q + kv + a * spec.v_head_dim * h
+        q = spec.q_lora_rank * a * qk if spec.q_lora_rank else h * a * qk  # up-projection, or the direct one
+        kv = spec.kv_lora_rank * a * (spec.qk_nope_head_dim + spec.v_head_dim)
+        return latent_down_params(spec) + q + kv + a * spec.v_head_dim * h
     q_out, kv_out = a * spec.head_dim, spec.kv_heads * spec.head_dim
     n = h * q_out + 2 * h * kv_out + q_out * h
     if spec.family != "llama":
@@ -33,6 +29,16 @@ def attention_params(spec: TransformerSpec) -> int:
     if spec.qk_norm:
         n += 2 * spec.head_dim
     return n
+
+
+def latent_down_params(spec: TransformerSpec) -> int:
+    """Multi-head latent attention's down-projections and latent norms (wq_a and q_norm where q_lora_rank is set,
+    wkv_a and kv_norm): q_lora_rank·(h + 1) + (kv_lora_rank + rope)·h + kv_lora_rank; 0 without MLA."""
+    if not spec.mla:
+        return 0
+    q = spec.q_lora_rank or 0
+    return q * (spec.hidden_size + 1) + (spec.kv_lora_rank + spec.qk_rope_head_dim) * spec.hidden_size \
+        + spec.kv_lora_rank
 
 
 def mlp_params(spec: TransformerSpec, ffn: int) -> int:

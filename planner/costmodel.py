@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from paraplan.hardware_specs import FRAMEWORK_EVENTS
+from paraplan.models import latent_down_params
 from paraplan.profiler.tp_view import region_collectives
 
 from . import comm, context_parallel, fp8, moe
@@ -1187,15 +1188,13 @@ def _replicated_params(layer) -> float:
 def _whole_latent_params(work, lay: Layout, layer) -> float:
     """Of a block's replicated parameters, those every tensor-parallel rank trains on the whole sequence, so whose
     gradients need no all-reduce over tp under sequence parallelism (dp_sync.sequence_parallel_weight_sync): MLA's
-    down-projections and latent norms (q_lora_rank·(h + 1) + (kv_lora_rank + rope)·h + kv_lora_rank, DeepSeek-V2
-    Sec. 2.1) where the hidden is gathered before them and the latents' gradients all-reduced (this executor,
-    torchtitan), not where they run on each rank's sequence shard (_replicated_on_shard: Megatron-Core)."""
-    spec = work.spec
-    if not getattr(spec, "mla", False) or layer.kind != "transformer_layer" or _replicated_on_shard(work, lay, layer):
+    down-projections and latent norms (models.latent_down_params; DeepSeek-V2 Sec. 2.1) where the hidden is gathered
+    before them and the latents' gradients all-reduced (this executor, torchtitan), not where they run on each rank's
+    sequence shard (_replicated_on_shard: Megatron-Core)."""
+    if not getattr(work.spec, "mla", False) or layer.kind != "transformer_layer" or \
+            _replicated_on_shard(work, lay, layer):
         return 0.0
-    q = spec.q_lora_rank or 0
-    return q * (spec.hidden_size + 1) + (spec.kv_lora_rank + spec.qk_rope_head_dim) * spec.hidden_size \
-        + spec.kv_lora_rank
+    return float(latent_down_params(work.spec))
 
 
 def _check_stages(stages: list[list[int]], n_blocks: int, lay: Layout) -> None:
