@@ -516,6 +516,55 @@ def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(
     assert all(c.memory_checked for c in result.candidates if c.status in ("ok", "priced", "oom"))
 
 
+def test_model_states_alone_reject_a_layout_before_its_modes_are_priced(small, tmp_path):
+    """A GPU smaller than a layout's model states rejects it from the table without recomputation alone: every
+    mode's memory is then the states' bytes (search._bound_parts), never above the full first-pass bound of any
+    mode, with the same cheap time; one rank of ZeRO-0 holds exactly the whole model's weights, gradients and
+    optimizer states (memory.state_bytes) besides what the framework allows for (memory.untracked_bytes)."""
+    from paraplan.planner.memory import state_bytes, untracked_bytes
+    from paraplan.planner.search import time_bound
+
+    model = CostModel(small)
+    modes = modes_for(model)
+    gpu = small.cluster.gpu
+    checked = 0
+    for lay in enumerate_layouts(small, 8, "bf16"):
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        full, memory = lower_bound(model, lay, modes, forced_recomputation=False, data_parallel_wait=False)
+        fresh = CostModel(small)
+        cheap, alone = lower_bound(fresh, lay, modes, False, False, capacity=0.0)
+        assert len(set(alone.values())) == 1 and all(alone[u] <= memory[u] for u in modes), lay.short()
+        assert cheap == time_bound(model, lay), lay.short()
+        assert {mode for _, mode in fresh._tables} == {"none"}, lay.short()  # no mode's table priced
+        checked += 1
+    assert checked > 100
+    one = Layout(dp=1, tp=1, pp=1, micro_batch=1, global_batch=16)
+    per = state_bytes(small.framework, one)
+    layers = small.profile("bf16").layers
+    params = sum(layer.params for layer in layers) - layers[-1].tied_params  # the tied head's weight once
+    held = params * (per.weights + per.grads + per.optimizer)
+    _, alone = lower_bound(CostModel(small), one, modes, False, False, capacity=0.0)
+    assert alone["none"] == pytest.approx(held + untracked_bytes(gpu, held), rel=1e-12)
+    # On GPUs a little larger than the framework's allowance nothing fits; every layout is rejected so, saying it, and
+    # none of 8 GPUs holds less than an eighth of the fp32 master weights and Adam moments (12 B a parameter, which
+    # ZeRO-3 shards; the bound counts gradients only where they surely meet the activation peak, and ZeRO-3 keeps the
+    # 16-bit copy a unit at a time)
+    assert (per.weights, per.grads, per.optimizer) == (6, 4, 8)  # state_bytes' docstring: FSDP2 mixed precision
+    least = params * 12 / 8 + untracked_bytes(gpu, params * 12 / 8)
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text(TIGHT.replace("memory_GiB: 2", f"memory_GiB: {(untracked_bytes(gpu, 0.0) + held / 16) / 2**30}"))
+    result = search(Workload.create(small.spec, str(cluster), 16), 8)
+    assert result.best is None
+    rejected = [c for c in result.candidates if c.status not in ("invalid", "dominated")]
+    assert rejected and all(c.status == "oom" and "for its model states alone" in c.reason for c in rejected)
+    for c in rejected:
+        needs = float(c.reason.split("needs ")[1].split(" GiB")[0])
+        assert needs >= least / 2**30 - 0.05, c.layout.short()
+
+
 @pytest.mark.parametrize("schedule,v,expected", [
     # 8 stages on ranks 0,1,2,3,0,1,2,3: boundaries 0-1 1-2 2-3 3-0 0-1 1-2 2-3, each between neighbours (mod 4)
     ("interleaved-1f1b", 2, (3, 4, 4, 3)),
