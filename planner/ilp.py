@@ -535,14 +535,17 @@ def chunks_balanced(stages: list[list[int]], n_blocks: int, ends_ride_along: boo
 
 
 def _sizes_balanced(sizes: list[int], ends_ride_along: bool) -> bool:
-    """:func:`chunks_balanced` of the chunks' counted sizes (layers only, where the ends ride along)."""
-    last = len(sizes) - 1
-    low = min(sizes)
-    top = max(sizes)
-    if top > low + 1 + (ends_ride_along and last > 0):  # no floor puts every chunk within [floor - slack, floor + 1]
-        return False
-    return any(all(floor - (1 if ends_ride_along and k in (0, last) else 0) <= c <= floor + 1
-                   for k, c in enumerate(sizes)) for floor in range(low, low + 2))
+    """:func:`chunks_balanced` of the chunks' counted sizes (layers only, where the ends ride along): is there a floor
+    f with every chunk within [f - slack, f + 1], the slack 1 for the two end chunks where the ends ride along, else
+    0? Each chunk bounds f from both sides, so one exists when the largest bound from below, max(c) - 1, is at most
+    the smallest from above, min(c + slack): min and max in C, no scan per floor (the polish asks it of every move of
+    a deep interleaved split)."""
+    if ends_ride_along and len(sizes) > 1:
+        first, last = sizes[0], sizes[-1]
+        inner = sizes[1:-1]
+        top = max(first, last, *inner) if inner else max(first, last)
+        return top - 1 <= min(min(inner), first + 1, last + 1) if inner else top - 1 <= min(first, last) + 1
+    return max(sizes) - 1 <= min(sizes)
 
 
 def _neighbours(stages: list[list[int]], modes: list[str], allowed: tuple[str, ...], rank_of: list[int],

@@ -384,7 +384,8 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
     # model states over the whole model, per rank (memory.state_bytes): gradients only where they are sure to
     # meet the activation peak (CostModel.grads_at_activation_peak), the rest always; ranks alike counted once
     per = state_bytes(work.framework, lay)
-    per_e = moe.expert_states(work.framework, lay)  # sharded over edp (planner/moe.py)
+    # sharded over edp (planner/moe.py); a dense model's experts, none, take the other parameters' bytes
+    per_e = moe.expert_states(work.framework, lay) if getattr(work.spec, "is_moe", False) else per
     kinds = _rank_kinds(schedule, p, v, m)  # ((gradients at the peak, fewest micro-batches held), ranks)
     least = [f for (_, f), _ in kinds]
     counts = [c for _, c in kinds]
@@ -475,7 +476,7 @@ def _boundary_counts(schedule: str, p: int, v: int, place) -> tuple[tuple[int, i
 def _equalised_bytes(states: list[float], least: list[int], counts: list[int], acts: list[float]) -> list[float]:
     """Per activation size a_u: 1 / sum_k counts_k / (states_k + least_k·a_u), the bytes every rank holds when a
     relaxed split equalises the ranks (_bound_parts' memory bound)."""
-    if len(states) <= 4:  # the few kinds of rank of most layouts: plain Python is quicker than numpy's set-up
+    if len(states) * len(acts) <= 40:  # few kinds of rank, or one size: plain Python is quicker than numpy's set-up
         return [1.0 / sum(c / (st + f * a) for st, f, c in zip(states, least, counts, strict=True)) for a in acts]
     den = np.array(states)[None, :] + np.multiply.outer(acts, least)  # (U, K): a rank of kind k's bytes per model
     return (1.0 / (np.array(counts, dtype=float) / den).sum(axis=1)).tolist()
@@ -668,7 +669,8 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     work = model.work
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
     T, A, plain, experts, end_time, end_acts = _layer_class(model, lay, modes)
-    per, per_e = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
+    per = state_bytes(work.framework, lay)
+    per_e = moe.expert_states(work.framework, lay) if getattr(work.spec, "is_moe", False) else per
     held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
     grads = plain * per.grads + experts * per_e.grads
     schedule = lay.schedule if p > 1 else "1f1b"

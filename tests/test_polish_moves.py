@@ -28,6 +28,21 @@ def _split(rng: random.Random) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.parametrize("ends_ride_along", [True, False])
+def test_chunk_rule_on_sizes_is_its_definition(ends_ride_along):
+    """ilp._sizes_balanced answers the chunk rule's question — is there a floor f with every chunk within
+    [f - slack, f + 1], the two end chunks' slack 1 where the ends ride along? — asked here of every floor, for every
+    list of up to 6 chunk sizes from 0 to 4."""
+    import itertools
+
+    for length in range(1, 7):
+        for sizes in itertools.product(range(5), repeat=length):
+            slack = [1 if ends_ride_along and length > 1 and k in (0, length - 1) else 0 for k in range(length)]
+            some_floor = any(all(f - e <= c <= f + 1 for c, e in zip(sizes, slack, strict=True))
+                             for f in range(-2, 8))
+            assert ilp._sizes_balanced(list(sizes), ends_ride_along) == some_floor, sizes
+
+
+@pytest.mark.parametrize("ends_ride_along", [True, False])
 def test_balanced_moves_are_the_moves_that_keep_the_chunk_rule(ends_ride_along):
     """_neighbours(balanced=...) yields, in the same order, the neighbours chunks_balanced accepts, for the boundary
     moves and for the mode changes alike (none of those where the split itself breaks the rule)."""
