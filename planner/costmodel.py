@@ -447,6 +447,7 @@ class CostModel:
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
         self.cpu_share = CpuShare(work.cluster)  # a CPU cluster's ranks share this machine's cores (cpu_share.py)
+        self._experts_in: dict[str, bool] = {}  # per dtype: has the profile MoE blocks (_table_key)
 
     # ---- per block ----
     def block_cost(self, i: int, lay: Layout, place: Placement, recompute: str) -> BlockCost:
@@ -458,9 +459,12 @@ class CostModel:
         # expert parallelism touches MoE blocks alone: the others' costs are shared by every (ep, etp) of a layout
         # (DeepSeek-V3 on 1024 GPUs: the non-MoE blocks took 1.9 of its search's 4.3 s of block costs, now 0.1 s)
         experts = (lay.ep, lay.etp, moe.paired_share(work.framework, lay)) if moe.is_moe(layer) else (1, 1, 0.0)
+        # the job's size only where a group of consecutive ranks is placed within it (cp, ep, classifier shards):
+        # the scaling chart's re-plans at fewer GPUs, on one cost model, share the other blocks' costs
+        world = lay.num_gpus if lay.cp > 1 or moe.is_moe(layer) or (i == n - 1 and lay.head_parallel > 1) else 0
         key = (layer.signature, i == n - 1, i == 0, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, mode,
                place.tp, place.gpus_per_node_busy, lay.head_parallel if i == n - 1 else 1, self._fsdp_units(lay),
-               lay.pp > 1 and i == n - 1, lay.cp, lay.num_gpus, *experts)
+               lay.pp > 1 and i == n - 1, lay.cp, world, *experts)
         hit = self._blocks.get(key)
         if hit is not None:
             return hit
@@ -729,9 +733,13 @@ class CostModel:
 
     def _table_key(self, lay: Layout, place: Placement) -> tuple:
         """What a layout's block table depends on besides the recomputation mode (block_cost's key)."""
-        # the job's size too: its consecutive groups (cp, ep, classifier shards) are placed within its own ranks
+        # the job's size too where its consecutive groups (cp, ep, classifier shards) are placed within its own ranks
+        experts = self._experts_in.get(lay.dtype)
+        if experts is None:
+            experts = self._experts_in[lay.dtype] = any(moe.is_moe(x) for x in self.work.profile(lay.dtype).layers)
+        world = lay.num_gpus if lay.cp > 1 or lay.head_parallel > 1 or experts else 0
         return (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, place.tp, place.gpus_per_node_busy,
-                lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp, lay.num_gpus,
+                lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp, world,
                 moe.paired_share(self.work.framework, lay))
 
     def block_table(self, lay: Layout, place: Placement, mode: str, key: tuple | None = None) -> _BlockTable:

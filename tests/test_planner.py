@@ -565,6 +565,28 @@ def test_model_states_alone_reject_a_layout_before_its_modes_are_priced(small, t
         assert needs >= least / 2**30 - 0.05, c.layout.short()
 
 
+def test_searches_at_several_gpu_counts_on_one_cost_model_price_as_fresh_ones(small):
+    """The scaling chart re-plans fewer GPUs on one cost model (planner/scaling.py), whose block costs are shared
+    across counts where the job's size does not enter them (CostModel._table_key): every candidate — status, reason,
+    time and split — is what a fresh cost model gives at that count, context- and expert-parallel layouts (whose
+    groups are placed within the job) included."""
+    cases = [(small, (2, 4, 8)), (Workload.create("mixtral-tiny", "dgx-h100", 64), (4, 8, 16)),
+             (Workload.create("llama2-70b", "dgx-h100", 512), (32, 64))]
+    placed = set()
+    for work, counts in cases:
+        shared = CostModel(work)
+        for gpus in counts:
+            again = search(work, gpus, top_k=3, model=shared)
+            fresh = search(work, gpus, top_k=3, model=CostModel(work))
+            assert [(c.layout, c.status, c.reason, c.time_s, c.stages) for c in again.candidates] == \
+                [(c.layout, c.status, c.reason, c.time_s, c.stages) for c in fresh.candidates], (work.spec.name, gpus)
+            placed |= {"cp" if c.layout.cp > 1 else "ep" for c in again.candidates
+                       if c.prediction is not None and (c.layout.cp > 1 or c.layout.ep > 1)}
+        if work is small:  # a dense model's blocks without a placed group: one set of costs for every count
+            assert {key[14] for key in shared._blocks} == {0}
+    assert placed == {"cp", "ep"}
+
+
 @pytest.mark.parametrize("schedule,v,expected", [
     # 8 stages on ranks 0,1,2,3,0,1,2,3: boundaries 0-1 1-2 2-3 3-0 0-1 1-2 2-3, each between neighbours (mod 4)
     ("interleaved-1f1b", 2, (3, 4, 4, 3)),
