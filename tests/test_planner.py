@@ -485,6 +485,16 @@ def test_polishing_while_an_ilp_solves_leaves_the_search_as_it_was(small, monkey
     assert ahead.ilp_solves == alone.ilp_solves and ahead.notes == alone.notes
 
 
+def _valid_layouts(model: CostModel, gpus: int):
+    """Every bf16 layout the search enumerates for ``model``'s workload on ``gpus`` GPUs that the model accepts."""
+    for lay in enumerate_layouts(model.work, gpus, "bf16"):
+        try:
+            validate_layout(model, lay)
+        except InvalidLayout:
+            continue
+        yield lay
+
+
 def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(small):
     """The search orders layouts by a cheap time bound and computes the full first-pass bound (time and memory)
     lazily, so the cheap one must never exceed it (else the order, and what is pruned, would change); a layout
@@ -493,11 +503,7 @@ def test_time_bound_is_below_the_first_pass_bound_and_what_it_prunes_cannot_win(
 
     model = CostModel(small)
     modes = modes_for(model)
-    for lay in enumerate_layouts(small, 8, "bf16"):
-        try:
-            validate_layout(model, lay)
-        except InvalidLayout:
-            continue
+    for lay in _valid_layouts(model, 8):
         full, memory = lower_bound(model, lay, modes, forced_recomputation=False, data_parallel_wait=False)
         assert time_bound(model, lay) <= full, lay.short()
         # asked with a GPU its least memory exceeds (the search's first pass), the memory is the same, the time
@@ -528,11 +534,7 @@ def test_model_states_alone_reject_a_layout_before_its_modes_are_priced(small, t
     modes = modes_for(model)
     gpu = small.cluster.gpu
     checked = 0
-    for lay in enumerate_layouts(small, 8, "bf16"):
-        try:
-            validate_layout(model, lay)
-        except InvalidLayout:
-            continue
+    for lay in _valid_layouts(model, 8):
         full, memory = lower_bound(model, lay, modes, forced_recomputation=False, data_parallel_wait=False)
         fresh = CostModel(small)
         cheap, alone = lower_bound(fresh, lay, modes, False, False, capacity=0.0)
