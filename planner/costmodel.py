@@ -562,7 +562,7 @@ class CostModel:
         def saved(u: str) -> float:
             """Bytes the block keeps per micro-batch until its backward, in recomputation mode ``u``."""
             kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input, prologue,
-                                          softmax_fallback)
+                                          softmax_fallback, whole_latents=not _replicated_on_shard(work, lay, layer))
             if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
                 kept = fused_layer_bytes(work.spec, tokens, t, sp, u, moe_layer,  # Transformer Engine's modules
                                          moe.padded_copies(fw))

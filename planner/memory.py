@@ -70,7 +70,7 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_o
 
 def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, recompute: str, attention: str,
                            gathered_inputs: bool = False, prologue: bool = True,
-                           softmax_fallback: bool = False) -> float:
+                           softmax_fallback: bool = False, whole_latents: bool = False) -> float:
     """Bytes one rank keeps for one micro-batch of ``b`` samples through this block until its backward.
 
     ``gathered_inputs``: under sequence parallelism the column-parallel linears keep the input they were
@@ -79,7 +79,10 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
     recomputation reruns the attention's prologue (models.in_attention_prologue; not under this executor's
     context parallelism, whose K/V gather comes between it and the core). ``softmax_fallback``: the unfused
     attention's softmax runs PyTorch's fp32 path (compute.softmax_falls_back), whose softmax keeps its fp32 output
-    (2 bytes per 16-bit score more than the fused kernel's 16-bit one)."""
+    (2 bytes per 16-bit score more than the fused kernel's 16-bit one). ``whole_latents``: under sequence
+    parallelism what the modules the tensor-parallel plan leaves whole produced (MLA's latents:
+    LayerProfile.activation_bytes_whole) stays whole, as where those modules run on the gathered sequence (this
+    executor, torchtitan); Megatron-Core runs them on each rank's shard (costmodel._replicated_on_shard)."""
     if recompute == "full":
         return layer.input_bytes * b / (tp if sp else 1)
     extra = 0.0
@@ -91,19 +94,21 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
     if recomputes_mlp(recompute):  # what "none" (or "selective") keeps, less what the MLP sublayer produced and saved
         rest = "selective" if recompute == "selective+mlp" else "none"  # the attention's part: disjoint from the MLP's
         kept = layer_activation_bytes(layer, b, tp, sp, rest, attention, prologue=prologue,
-                                      softmax_fallback=softmax_fallback)
+                                      softmax_fallback=softmax_fallback, whole_latents=whole_latents)
         dropped, dropped_sharded = layer.mlp_dropped_bytes, layer.mlp_dropped_bytes_sharded
         return kept - b * (dropped_sharded / tp + (dropped - dropped_sharded) / (tp if sp else 1)) + extra
     if recompute == "selective" or attention == "flash":
         total, sharded = layer.activation_bytes_selective, layer.activation_bytes_selective_sharded
+        whole = layer.activation_bytes_selective_whole
         if recompute == "none":  # a flash kernel keeps its output (and a small log-sum-exp) for backward
             total += layer.fwd_ops.core_output_bytes
             sharded += layer.fwd_ops.core_output_bytes
         elif prologue:  # selective reruns the attention's prologue too (MLA's up-projection): what it made goes
             total -= layer.prologue_dropped_bytes
             sharded -= layer.prologue_dropped_bytes_sharded
+            whole -= layer.prologue_dropped_bytes_whole
     else:
-        total, sharded = layer.activation_bytes, layer.activation_bytes_sharded
+        total, sharded, whole = layer.activation_bytes, layer.activation_bytes_sharded, layer.activation_bytes_whole
     if attention == "unfused" and layer.kind == "transformer_layer":
         hidden_masks = layer.input_bytes / _elem(layer) * 2  # 2 masks x s·b·h elements x 1 byte
         replicated_extra = hidden_masks
@@ -112,7 +117,8 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
             (2.5 if softmax_fallback else 1.5) * layer.fwd_ops.core_scores_bytes
         total, sharded = total + replicated_extra + sharded_extra, sharded + sharded_extra
     replicated = total - sharded
-    return b * (sharded / tp + (replicated / tp if sp else replicated)) + extra
+    whole = whole if sp and whole_latents else 0.0  # of replicated: kept whole under SP
+    return b * (sharded / tp + ((replicated - whole) / tp + whole if sp else replicated)) + extra
 
 
 def _elem(layer: LayerProfile) -> int:

@@ -21,9 +21,10 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 8  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
+_FORMAT = 9  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
 # experts' weights unbound once (their backward's traffic linear in the experts, not quadratic); 8: MLA's
-# down-projections and latent norms replicated under tensor parallelism (models.transformer_tp_plan)
+# down-projections and latent norms replicated under tensor parallelism (models.transformer_tp_plan); 9: the
+# activations those replicated modules produce (LayerProfile.activation_bytes_whole)
 
 
 def _folder() -> Path | None:

@@ -213,7 +213,10 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
         moe_params=sum(p.numel() for m in _moes(block) for p in m.parameters()),
         mlp_dropped_bytes=trace.saved_bytes_mlp, mlp_dropped_bytes_sharded=trace.saved_bytes_mlp_sharded,
         prologue_dropped_bytes=trace.saved_bytes_prologue,
-        prologue_dropped_bytes_sharded=trace.saved_bytes_prologue_sharded)
+        prologue_dropped_bytes_sharded=trace.saved_bytes_prologue_sharded,
+        activation_bytes_whole=trace.saved_bytes_whole,
+        activation_bytes_selective_whole=trace.saved_bytes_selective_whole,
+        prologue_dropped_bytes_whole=trace.saved_bytes_prologue_whole)
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,

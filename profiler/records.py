@@ -108,6 +108,11 @@ class LayerProfile:
     # prologue (what that produced, less the inputs it then keeps); 0 without one.
     prologue_dropped_bytes: int = 0
     prologue_dropped_bytes_sharded: int = 0
+    # Of activation_bytes, activation_bytes_selective and prologue_dropped_bytes, what modules the tensor-parallel
+    # plan leaves whole produced (MLA's latents: replicated, never sequence-split by this executor); 0 without such
+    activation_bytes_whole: int = 0
+    activation_bytes_selective_whole: int = 0
+    prologue_dropped_bytes_whole: int = 0
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

@@ -45,13 +45,15 @@ class _OpRecorder(TorchDispatchMode):
     """Records each kernel's FLOPs (torch's formulas) or bytes moved, and who produced each tensor."""
 
     def __init__(self, sharded_now: Callable[[], bool], moe_now: Callable[[], int] = lambda: 0,
-                 mlp_now: Callable[[], bool] = lambda: False):
+                 mlp_now: Callable[[], bool] = lambda: False, replicated_now: Callable[[], bool] = lambda: False):
         super().__init__()
         self.sharded_now = sharded_now
         self.moe_now = moe_now  # 0 outside an MoE block, 1 inside it, 2 inside its routed experts
         self.mlp_now = mlp_now  # inside the layer's MLP sublayer (dense MLP or MoE block)
+        self.replicated_now = replicated_now  # inside a module the tensor-parallel plan leaves whole ("replicated")
         self.moe_of: dict[int, int] = {}  # storage -> where it was produced (moe_now's values)
         self.in_mlp: set[int] = set()  # storages produced inside the MLP sublayer
+        self.in_replicated: set[int] = set()  # storages produced inside a "replicated" module (MLA's latents)
         self.mix = OpMix()
         self.producer: dict[int, tuple[bool, bool]] = {}  # storage -> (sharded, produced in attention core)
         self.core_inputs: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, sharded) fed into the core
@@ -67,6 +69,7 @@ class _OpRecorder(TorchDispatchMode):
         if getattr(func, "is_view", False) or func.overloadpacket in (torch.ops.aten.detach,):
             return out
         sharded, core, moe, mlp = self.sharded_now(), in_attention_core(), self.moe_now(), self.mlp_now()
+        whole = self.replicated_now()
         prologue = in_attention_prologue()
         outs, ins = _tensors(out), _tensors(args)
         packet = func.overloadpacket
@@ -116,6 +119,8 @@ class _OpRecorder(TorchDispatchMode):
             self.moe_of[_storage_key(t)] = moe
             if mlp:
                 self.in_mlp.add(_storage_key(t))
+            if whole:
+                self.in_replicated.add(_storage_key(t))
             self.keep_alive.append(t)
         return out
 
@@ -140,6 +145,11 @@ class BlockTrace:
     # what selective recomputation drops besides, where it repeats the attention's prologue (0 without one)
     saved_bytes_prologue: int = 0
     saved_bytes_prologue_sharded: int = 0
+    # of saved_bytes, saved_bytes_selective and saved_bytes_prologue: what modules the tensor-parallel plan leaves
+    # whole produced (MLA's latents, from its down-projections and latent norms; 0 without such modules)
+    saved_bytes_whole: int = 0
+    saved_bytes_selective_whole: int = 0
+    saved_bytes_prologue_whole: int = 0
 
 
 class _ModuleStack:
@@ -206,6 +216,10 @@ class _ModuleStack:
                 return style in SHARDED_STYLES
         return False
 
+    def replicated(self) -> bool:
+        """Inside a module the tensor-parallel plan leaves whole on every rank (style "replicated")?"""
+        return next((style == "replicated" for style in reversed(self.stack) if style is not None), False)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -220,7 +234,7 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     """
     params = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
     stack = _ModuleStack(block, block_fqn, style_of)
-    recorder = _OpRecorder(stack.sharded, stack.moe_now, stack.mlp_now)
+    recorder = _OpRecorder(stack.sharded, stack.moe_now, stack.mlp_now, stack.replicated)
     saved: dict[int, tuple[int, bool, bool]] = {}  # storage -> (bytes, sharded, produced in attention core)
     saved_in_moe: set[int] = set()  # storages an MoE block saved (it sees its own tokens: see planner/moe.py)
 
@@ -269,6 +283,15 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     kept_prologue = [(b, s) for key, (b, s, core) in saved.items() if not core and key not in prologue]
     kept_prologue += [(b, s) for key, (b, s) in {**recorder.core_inputs, **recorder.prologue_inputs}.items()
                       if key not in saved and key not in params and key not in prologue]
+    # the same sums over what modules left whole produced (MLA's latents): under sequence parallelism this executor
+    # runs them on the gathered sequence, so they stay whole where the rest of the replicated part is split
+    whole = recorder.in_replicated
+    kept_whole = sum(b for key, (b, _, core) in saved.items() if not core and key in whole) + sum(
+        b for key, (b, _) in recorder.core_inputs.items() if key not in saved and key not in params and key in whole)
+    kept_prologue_whole = sum(b for key, (b, _, core) in saved.items()
+                              if not core and key not in prologue and key in whole) + sum(
+        b for key, (b, _) in {**recorder.core_inputs, **recorder.prologue_inputs}.items()
+        if key not in saved and key not in params and key not in prologue and key in whole)
     return BlockTrace(
         outputs=outputs, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_ops=fwd_mix, bwd_ops=recorder.mix,
         saved_bytes=sum(b for b, _, _ in saved.values()),
@@ -278,4 +301,6 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe),
         saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s),
         saved_bytes_prologue=sum(b for b, _ in kept) - sum(b for b, _ in kept_prologue),
-        saved_bytes_prologue_sharded=sum(b for b, s in kept if s) - sum(b for b, s in kept_prologue if s))
+        saved_bytes_prologue_sharded=sum(b for b, s in kept if s) - sum(b for b, s in kept_prologue if s),
+        saved_bytes_whole=sum(b for key, (b, _, _) in saved.items() if key in whole),
+        saved_bytes_selective_whole=kept_whole, saved_bytes_prologue_whole=kept_whole - kept_prologue_whole)

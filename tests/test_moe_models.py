@@ -745,6 +745,30 @@ def test_profile_json_has_active_parameters():
     assert out["num_active_parameters"] == count_active_parameters(spec) < out["num_parameters"]
 
 
+def test_mla_latents_are_counted_apart_as_what_the_replicated_modules_make():
+    """What MLA's down-projections and latent norms (left whole by the tensor-parallel plan) make and the layer saves
+    is counted apart (LayerProfile.activation_bytes_whole): under sequence parallelism this executor runs them on the
+    gathered sequence, so their outputs stay whole. With selective recomputation, which reruns the latent norms and
+    up-projections (the prologue), what is kept of them is exactly the prologue's inputs, the compressed query and the
+    compressed key-value with the shared rotary key: tokens x (q_lora_rank + kv_lora_rank + qk_rope_head_dim), fp32
+    on the CPU; without it, at least those and the two normalised latents the up-projections read besides. Dense
+    attention has none."""
+    spec = load_model_spec("deepseek-tiny")
+    prof = profile_model(spec, micro_batch=1, dtype="fp32", device="meta")
+    tokens, elem = spec.seq_length, 4
+    prologue_inputs = tokens * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_head_dim) * elem
+    for layer in prof.layers:
+        if layer.kind != "transformer_layer":
+            assert layer.activation_bytes_whole == layer.activation_bytes_selective_whole == 0, layer.name
+            continue
+        kept = layer.activation_bytes_selective_whole - layer.prologue_dropped_bytes_whole
+        assert kept == prologue_inputs, layer.name
+        assert layer.activation_bytes_whole >= prologue_inputs + tokens * (spec.q_lora_rank + spec.kv_lora_rank) * elem
+        assert layer.activation_bytes_whole <= layer.activation_bytes - layer.activation_bytes_sharded
+    dense = profile_model(load_model_spec("llama-tiny"), micro_batch=1, dtype="fp32", device="meta")
+    assert all(layer.activation_bytes_whole == 0 for layer in dense.layers)
+
+
 # ---- tensor-parallel plan ----
 
 def test_tp_plan_covers_dense_layers_and_leaves_moe_blocks_replicated():
