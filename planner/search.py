@@ -397,7 +397,8 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
 
     if capacity is not None:  # the model states alone (no activations, no working set) over the GPU: every mode
         base = _state_class(model, lay, place)  # is out of memory, known without pricing the modes' block tables
-        alone = _equalised_bytes(states_of(base.params, base.experts), least, counts, [0.0])[0]
+        held_alone = states_of(base.params, base.experts)
+        alone = _equalised_bytes(held_alone, least, counts, [0.0])[0] if min(held_alone) > 0 else 0.0
         alone += untracked_bytes(gpu, alone)
         if alone > capacity:
             return _BoundParts(total=base.total, fullest=base.table.fullest_rank(p), bwd_weight=base.bwd_weight,
