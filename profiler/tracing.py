@@ -274,33 +274,33 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     # Recomputing the MLP sublayer (Megatron-Core's recompute_modules mlp / moe) drops what it produced and
     # saved; its input, produced before it, stays as the checkpoint's input.
     mlp_dropped = [saved[key][:2] for key in saved if key in recorder.in_mlp]
-    kept = [(b, s) for b, s, core in saved.values() if not core]
-    kept += [(b, s) for key, (b, s) in recorder.core_inputs.items() if key not in saved and key not in params]
+    # kept tensors as (storage, bytes, sharded)
+    kept = [(key, b, s) for key, (b, s, core) in saved.items() if not core]
+    kept += [(key, b, s) for key, (b, s) in recorder.core_inputs.items() if key not in saved and key not in params]
     # Where the attention has a prologue (MLA's up-projection, Qwen3's query/key norms: models.in_attention_prologue)
     # it repeats that too (executor/checkpointing.py): what it produced is dropped (the core's queries, keys and
     # values among it), what it reads is kept.
     prologue = recorder.in_prologue
-    kept_prologue = [(b, s) for key, (b, s, core) in saved.items() if not core and key not in prologue]
-    kept_prologue += [(b, s) for key, (b, s) in {**recorder.core_inputs, **recorder.prologue_inputs}.items()
+    kept_prologue = [(key, b, s) for key, (b, s, core) in saved.items() if not core and key not in prologue]
+    kept_prologue += [(key, b, s) for key, (b, s) in {**recorder.core_inputs, **recorder.prologue_inputs}.items()
                       if key not in saved and key not in params and key not in prologue]
-    # the same sums over what modules left whole produced (MLA's latents): under sequence parallelism this executor
-    # runs them on the gathered sequence, so they stay whole where the rest of the replicated part is split
+    # of each sum, what modules left whole produced (MLA's latents): under sequence parallelism this executor runs
+    # them on the gathered sequence, so they stay whole where the rest of the replicated part is split
     whole = recorder.in_replicated
-    kept_whole = sum(b for key, (b, _, core) in saved.items() if not core and key in whole) + sum(
-        b for key, (b, _) in recorder.core_inputs.items() if key not in saved and key not in params and key in whole)
-    kept_prologue_whole = sum(b for key, (b, _, core) in saved.items()
-                              if not core and key not in prologue and key in whole) + sum(
-        b for key, (b, _) in {**recorder.core_inputs, **recorder.prologue_inputs}.items()
-        if key not in saved and key not in params and key not in prologue and key in whole)
+
+    def sums(items) -> tuple[int, int, int]:  # all, sharded, whole
+        return (sum(b for _, b, _ in items), sum(b for _, b, s in items if s),
+                sum(b for key, b, _ in items if key in whole))
+
+    (kept_all, kept_sharded, kept_whole), (left_all, left_sharded, left_whole) = sums(kept), sums(kept_prologue)
     return BlockTrace(
         outputs=outputs, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_ops=fwd_mix, bwd_ops=recorder.mix,
         saved_bytes=sum(b for b, _, _ in saved.values()),
         saved_bytes_sharded=sum(b for b, s, _ in saved.values() if s),
-        saved_bytes_selective=sum(b for b, _ in kept), saved_bytes_selective_sharded=sum(b for b, s in kept if s),
+        saved_bytes_selective=kept_all, saved_bytes_selective_sharded=kept_sharded,
         input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io,
         saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe),
         saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s),
-        saved_bytes_prologue=sum(b for b, _ in kept) - sum(b for b, _ in kept_prologue),
-        saved_bytes_prologue_sharded=sum(b for b, s in kept if s) - sum(b for b, s in kept_prologue if s),
+        saved_bytes_prologue=kept_all - left_all, saved_bytes_prologue_sharded=kept_sharded - left_sharded,
         saved_bytes_whole=sum(b for key, (b, _, _) in saved.items() if key in whole),
-        saved_bytes_selective_whole=kept_whole, saved_bytes_prologue_whole=kept_whole - kept_prologue_whole)
+        saved_bytes_selective_whole=kept_whole, saved_bytes_prologue_whole=kept_whole - left_whole)
