@@ -447,7 +447,7 @@ class CostModel:
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
         self.cpu_share = CpuShare(work.cluster)  # a CPU cluster's ranks share this machine's cores (cpu_share.py)
-        self._experts_in: dict[str, bool] = {}  # per dtype: has the profile MoE blocks (_table_key)
+        self._experts_in: dict[str, bool] = {}  # per dtype: has the profile MoE blocks (has_experts)
 
     # ---- per block ----
     def block_cost(self, i: int, lay: Layout, place: Placement, recompute: str) -> BlockCost:
@@ -731,13 +731,17 @@ class CostModel:
                                                and len({x.signature for x in layers[1:-1]}) == 1)
         return got
 
+    def has_experts(self, dtype: str) -> bool:
+        """Does the model's profile in ``dtype`` hold MoE blocks (moe.is_moe: what block_cost prices per ep)?"""
+        got = self._experts_in.get(dtype)
+        if got is None:
+            got = self._experts_in[dtype] = any(moe.is_moe(x) for x in self.work.profile(dtype).layers)
+        return got
+
     def _table_key(self, lay: Layout, place: Placement) -> tuple:
         """What a layout's block table depends on besides the recomputation mode (block_cost's key)."""
         # the job's size too where its consecutive groups (cp, ep, classifier shards) are placed within its own ranks
-        experts = self._experts_in.get(lay.dtype)
-        if experts is None:
-            experts = self._experts_in[lay.dtype] = any(moe.is_moe(x) for x in self.work.profile(lay.dtype).layers)
-        world = lay.num_gpus if lay.cp > 1 or lay.head_parallel > 1 or experts else 0
+        world = lay.num_gpus if lay.cp > 1 or lay.head_parallel > 1 or self.has_experts(lay.dtype) else 0
         return (lay.micro_batch, lay.tp, lay.sequence_parallel, lay.dtype, place.tp, place.gpus_per_node_busy,
                 lay.head_parallel, self._fsdp_units(lay), lay.pp > 1, lay.cp, lay.ep, lay.etp, world,
                 moe.paired_share(self.work.framework, lay))

@@ -384,8 +384,8 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
     # model states over the whole model, per rank (memory.state_bytes): gradients only where they are sure to
     # meet the activation peak (CostModel.grads_at_activation_peak), the rest always; ranks alike counted once
     per = state_bytes(work.framework, lay)
-    # sharded over edp (planner/moe.py); a dense model's experts, none, take the other parameters' bytes
-    per_e = moe.expert_states(work.framework, lay) if getattr(work.spec, "is_moe", False) else per
+    # sharded over edp (planner/moe.py); a model without MoE blocks has no experts: the other parameters' bytes
+    per_e = moe.expert_states(work.framework, lay) if model.has_experts(lay.dtype) else per
     kinds = _rank_kinds(schedule, p, v, m)  # ((gradients at the peak, fewest micro-batches held), ranks)
     least = [f for (_, f), _ in kinds]
     counts = [c for _, c in kinds]
@@ -671,7 +671,7 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
     T, A, plain, experts, end_time, end_acts = _layer_class(model, lay, modes)
     per = state_bytes(work.framework, lay)
-    per_e = moe.expert_states(work.framework, lay) if getattr(work.spec, "is_moe", False) else per
+    per_e = moe.expert_states(work.framework, lay) if model.has_experts(lay.dtype) else per
     held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
     grads = plain * per.grads + experts * per_e.grads
     schedule = lay.schedule if p > 1 else "1f1b"
