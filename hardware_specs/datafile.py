@@ -13,6 +13,9 @@ from typing import Any
 import yaml
 
 MAX_DATA_FILE_BYTES = 16 << 20  # specs and plans are kilobytes; anything this big is the wrong file
+# yaml.safe_load's loader, in libyaml's C form where PyYAML was built with it: the same safe constructor (plain data
+# only) on a parser about 8 times quicker (a `plan` reads its cluster's files several times)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def read_data_file(path: str, what: str, error: type[Exception]) -> Any:
@@ -38,7 +41,7 @@ def read_data_file(path: str, what: str, error: type[Exception]) -> Any:
     try:
         if path.endswith(".json"):
             return json.loads(text)
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=SAFE_LOADER)  # noqa: S506 - a safe loader (SafeLoader or its C twin)
     except json.JSONDecodeError as e:
         raise error(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
     except yaml.constructor.ConstructorError as e:

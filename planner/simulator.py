@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .schedules import rank_order_arrays, rank_orders, stage_rank
+from .schedules import rank_order_arrays, rank_orders
 
 if TYPE_CHECKING:  # the task graph is built only to check the direct walk against it (tests)
     import networkx as nx
@@ -78,77 +78,113 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
     """
     split = schedule == "zb-v"
     walks = _walk_orders(schedule, pp, v, m)
+    n = pp * v
     # Finish times in one flat list: forwards at stage·m + micro-batch, backwards after them, one slot for the
-    # weight gradients (nothing waits on one but its own rank's next task); -1: not run yet. The planner runs this
-    # for thousands of layouts, so no per-task tuples or dicts on the hot path.
-    done = [-1.0] * (2 * pp * v * m + 1)
-    durations = (t_f, t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)], t_w)  # non-zb: B is whole
-    starts: dict[tuple[str, int, int], float] = {}  # only for the timeline
-    finish: dict[tuple[str, int, int], float] = {}
-    # Activation memory, kept as the ranks run: a rank runs its tasks one after another, so the events
-    # (a forward's start allocates, the freeing task's end releases) come in time order, and at one instant a
-    # release (a task that ends) comes before an allocation (the next task that starts then): the forward
-    # reuses what the backward released, so the two never count at once.
-    frees = 2 if split else 1  # W, else B
-    memory = act_bytes is not None
-    level, peak = [0.0] * pp, [0.0] * pp
+    # weight gradients (nothing waits on one but its own rank's next task), and last a 0.0 that the tasks waiting
+    # for nothing read (index -1); -1: not run yet. The planner runs this for thousands of layouts, so no per-task
+    # tuples or dicts on the hot path: a rank's tasks are three lists (each one's duration's index in ``durations``,
+    # the slot it waits for, its own slot).
+    done = [-1.0] * (2 * n * m + 2)
+    done[-1] = 0.0
+    durations = [*t_f, *(t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)]), *t_w]  # non-zb: B whole
+    begins: list[list[float]] | None = [[0.0] * len(w[0]) for w in walks] if keep_timeline else None
     ptr, clock = [0] * pp, [0.0] * pp
-    orders = rank_orders(schedule, pp, v, m) if keep_timeline else None
-    remaining = sum(len(w) for w in walks)
+    remaining = sum(len(w[0]) for w in walks)
     while remaining:
         progressed = False
         for r in range(pp):
-            walk, k, now = walks[r], ptr[r], clock[r]
-            held, top = level[r], peak[r]
-            while k < len(walk):
-                kind, s, after, slot = walk[k]
-                ready = done[after] if after >= 0 else 0.0
-                if ready < 0:
-                    break
-                begin = now if now > ready else ready
-                now = begin + durations[kind][s]
-                done[slot] = now
-                if memory:
-                    if kind == 0:
-                        held += act_bytes[s]
-                        if held > top:
-                            top = held
-                    elif kind == frees:
-                        held -= act_bytes[s]
-                if keep_timeline:
-                    starts[orders[r][k]], finish[orders[r][k]] = begin, now
-                k += 1
-            if k > ptr[r]:
-                remaining -= k - ptr[r]
-                ptr[r], clock[r], level[r], peak[r] = k, now, held, top
+            (which, waits, slots), k, now = walks[r], ptr[r], clock[r]
+            first, end = k, len(which)
+            if begins is None:
+                while k < end:
+                    ready = done[waits[k]]
+                    if ready < 0:
+                        break
+                    if ready > now:
+                        now = ready
+                    now += durations[which[k]]
+                    done[slots[k]] = now
+                    k += 1
+            else:  # the same walk, keeping each task's start for the timeline
+                starts = begins[r]
+                while k < end:
+                    ready = done[waits[k]]
+                    if ready < 0:
+                        break
+                    if ready > now:
+                        now = ready
+                    starts[k] = now
+                    now += durations[which[k]]
+                    done[slots[k]] = now
+                    k += 1
+            if k > first:
+                remaining -= k - first
+                ptr[r], clock[r] = k, now
                 progressed = True
         assert progressed, f"schedule {schedule} deadlocks (p={pp}, v={v}, m={m})"
     result = SimResult(makespan=max(clock), rank_finish=list(clock))
-    if keep_timeline:
-        result.timeline = sorted((TimelineEntry(stage_rank(schedule, op[1], pp), op[0], op[1], op[2], starts[op],
-                                                finish[op]) for op in starts), key=lambda e: (e.rank, e.start))
-    if memory:
-        result.peak_activation_bytes = peak
+    if begins is not None:
+        orders = rank_orders(schedule, pp, v, m)
+        result.timeline = [TimelineEntry(r, op[0], op[1], op[2], start, start + durations[d])
+                           for r in range(pp) for op, start, d in zip(orders[r], begins[r], walks[r][0], strict=True)]
+    if act_bytes is not None:
+        result.peak_activation_bytes = _peak_activations(schedule, pp, v, m, act_bytes)
     return result
 
 
+def _peak_activations(schedule: str, pp: int, v: int, m: int, act_bytes: list[float]) -> list[float]:
+    """Per rank, the peak of the activation bytes it keeps as it runs its tasks: a forward's start allocates its
+    stage's ``act_bytes``, the task that frees them (W in zero-bubble schedules, else B) releases them at its end.
+    A rank runs its tasks one after another, so its level is the running sum over its own order, whatever the
+    tasks' times (a release at the instant of an allocation comes first: the forward reuses what the backward
+    released); summed one task after another, as a walk would."""
+    import numpy as np
+
+    signs, stages = _memory_orders(schedule, pp, v, m)  # each (pp, ops)
+    if not stages.size:
+        return [0.0] * pp
+    level = np.cumsum(signs * np.asarray(act_bytes, dtype=float)[stages], axis=1)  # sequential: x + -a is x - a
+    return np.maximum(level.max(axis=1), 0.0).tolist()
+
+
+@lru_cache(maxsize=8)
+def _order_arrays(schedule: str, pp: int, v: int, m: int) -> list[tuple[Any, Any, Any]]:
+    """schedules.rank_order_arrays, for the walk's and the memory's forms of one shape. Shared: read-only."""
+    return rank_order_arrays(schedule, pp, v, m)
+
+
 @lru_cache(maxsize=64)
-def _walk_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
-    """rank_orders as simulate_pipeline walks them: per task (kind: 0 F, 1 B, 2 W; its stage; the slot of the task
-    it waits for, -1 for none; its own slot) in simulate_pipeline's flat list of finish times. Shared: read-only."""
+def _memory_orders(schedule: str, pp: int, v: int, m: int) -> tuple[Any, Any]:
+    """(sign, stage) of every rank's tasks in its order, each (pp, ops): +1 for a forward (it allocates its stage's
+    activations), -1 for the task that frees them (W in zero-bubble schedules, else B), 0 for the others. Every rank
+    runs as many tasks (v·m of each kind). Shared: read-only."""
+    import numpy as np
+
+    frees = 2 if schedule == "zb-v" else 1
+    orders = _order_arrays(schedule, pp, v, m)
+    kinds = np.array([kind for kind, _, _ in orders])
+    signs = np.where(kinds == 0, 1.0, np.where(kinds == frees, -1.0, 0.0))
+    return signs, np.array([stage for _, stage, _ in orders])
+
+
+@lru_cache(maxsize=64)
+def _walk_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[list[int], list[int], list[int]], ...]:
+    """rank_orders as simulate_pipeline walks them: per rank, of its tasks in order, (their durations' indices:
+    stage for F, pp·v + stage for B, 2·pp·v + stage for W; the slots of the tasks they wait for, -1 for none; their
+    own slots) in simulate_pipeline's flat list of finish times. Shared: read-only."""
     import numpy as np
 
     n = pp * v * m
     last = pp * v - 1
     out = []
-    for kind, s, i in rank_order_arrays(schedule, pp, v, m):  # each (ops,)
+    for kind, s, i in _order_arrays(schedule, pp, v, m):  # each (ops,)
         own = s * m + i  # a forward's slot; a backward's is n after
         fwd, bwd = kind == 0, kind == 1
         # F after the stage before's F; B after the next stage's B (the last stage's after its own F); W after its B
         after = np.where(fwd, np.where(s > 0, own - m, -1),
                          np.where(bwd, np.where(s < last, n + own + m, own), n + own))
         slot = np.where(fwd, own, np.where(bwd, n + own, 2 * n))  # every W in one slot: nothing waits on one
-        out.append(tuple(zip(kind.tolist(), s.tolist(), after.tolist(), slot.tolist(), strict=True)))
+        out.append(((kind * (last + 1) + s).tolist(), after.tolist(), slot.tolist()))
     return tuple(out)
 
 

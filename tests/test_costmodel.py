@@ -77,6 +77,34 @@ def test_simulator_equals_networkx_longest_path_on_uneven_stages():
         assert fast == pytest.approx(graph_makespan(build_graph(schedule, p, v, m, tf, tb, tw)))
 
 
+def test_simulated_timeline_is_the_task_graphs_earliest_schedule():
+    """Each timeline bar is one task of the graph (build_graph), on its stage's rank, starting when its last
+    predecessor (its data dependency, its rank's task before) ends and lasting its duration: the chart draws what
+    the makespan is made of. The ranks' bars come in their schedule's order, one after another."""
+    import networkx as nx
+
+    from paraplan.planner.schedules import stage_rank
+
+    rng = random.Random(3)
+    for schedule, p, v, m in [("1f1b", 4, 1, 7), ("gpipe", 3, 1, 5), ("interleaved-1f1b", 4, 2, 8), ("zb-v", 3, 2, 7)]:
+        n = p * v
+        tf, tb, tw = ([rng.uniform(0.2, 2) for _ in range(n)] for _ in range(3))
+        g = build_graph(schedule, p, v, m, tf, tb, tw)
+        finish = {}
+        for node in nx.topological_sort(g):
+            finish[node] = max((finish[q] for q in g.predecessors(node)), default=0.0) + g.nodes[node]["duration"]
+        bars = simulate_pipeline(schedule, p, v, m, tf, tb, tw, keep_timeline=True).timeline
+        assert len(bars) == g.number_of_nodes()
+        for bar in bars:
+            task = (bar.kind, bar.stage, bar.micro_batch)
+            assert bar.rank == stage_rank(schedule, bar.stage, p)
+            assert bar.end == pytest.approx(finish[task])
+            assert bar.end - bar.start == pytest.approx(g.nodes[task]["duration"])
+        for r in range(p):
+            mine = [b for b in bars if b.rank == r]
+            assert all(a.end <= b.start + 1e-12 for a, b in zip(mine, mine[1:], strict=False))
+
+
 def test_in_flight_micro_batches():
     """1F1B: stage r holds min(p - r, m) micro-batches (Narayanan et al. 2021); GPipe holds all m;
     interleaved rank 0 holds (v-1)·p + 2(p-1) + 1 chunk-micro-batches (torch's warm-up), i.e.
