@@ -628,18 +628,19 @@ def _rank_arrays(schedule: str, p: int, v: int, m: int) -> tuple[np.ndarray, np.
 def _layer_class(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple:
     """What whole_stage_bound needs of a layout's block tables, shared by every layout with the same ones
     (CostModel._table_key): per mode a layer's time T and activation bytes A (U,), its parameters without and with
-    experts, and the embedding's and the head's least time and activation bytes over the modes (2,) each."""
+    experts, the embedding's and the head's least time and activation bytes over the modes (2,) each, and the modes'
+    frontier (_Frontier)."""
     place = layout_placement(model.work.cluster, lay)
     key = ("whole layers", model._table_key(lay, place), modes)
     got = model.bound_classes.get(key)
     if got is None:
         tables = [model.block_table(lay, place, u, key[1]).costs for u in modes]  # per mode: every block's costs
         layer = [c[1] for c in tables]
+        T, A = np.array([_busy_seconds(c) for c in layer]), np.array([c.act_bytes for c in layer])
         got = model.bound_classes[key] = (
-            np.array([_busy_seconds(c) for c in layer]), np.array([c.act_bytes for c in layer]),
-            layer[0].params - layer[0].experts, layer[0].experts,
+            T, A, layer[0].params - layer[0].experts, layer[0].experts,
             np.array([min(_busy_seconds(c[j]) for c in tables) for j in (0, -1)]),
-            np.array([min(c[j].act_bytes for c in tables) for j in (0, -1)]))
+            np.array([min(c[j].act_bytes for c in tables) for j in (0, -1)]), _Frontier.of(T, A))
     return got
 
 
@@ -669,7 +670,7 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
         return 0.0
     work = model.work
     p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
-    T, A, plain, experts, end_time, end_acts = _layer_class(model, lay, modes)
+    T, A, plain, experts, end_time, end_acts, frontier = _layer_class(model, lay, modes)
     per = state_bytes(work.framework, lay)
     per_e = moe.expert_states(work.framework, lay) if model.has_experts(lay.dtype) else per
     held = plain * (per.weights + per.optimizer) + experts * (per_e.weights + per_e.optimizer)
@@ -686,12 +687,11 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     L = len(work.profile(lay.dtype).layers) - 2
     if p > 1 and v > 1:  # each chunk's layers at its own micro-batches in flight
         held_at_peak, base, spare = _chunk_shape(schedule, p, v, m, L)
-        least = base.sum(axis=1)  # (R,): the chunk rule's least layers per rank
         # only the counts the chunk rule allows a rank (each holds at least its least: below, that time)
-        lo, hi = int(least.min()), min(L, int((base + spare).sum(axis=1).max()))
+        least, lo, hi = _chunk_span(schedule, p, v, m, L)
         times = np.full((p, L + 1), np.inf)
         times[:, lo:hi + 1] = _chunk_hold_times(np.arange(lo, hi + 1), T, A, states, held_at_peak, base, spare, room,
-                                                shape_key=(schedule, p, v, m, L))
+                                                shape_key=(schedule, p, v, m, L), frontier=frontier)
         times[:, :lo] = times[:, lo:lo + 1]
     else:  # one stage per rank; a single rank (pp 1) holds every layer
         least = np.array([L]) if p == 1 else np.zeros(len(states), dtype=int)
@@ -727,6 +727,15 @@ def _chunk_shape(schedule: str, p: int, v: int, m: int, L: int) -> tuple[np.ndar
     return held_a, base_a, np.maximum(top - base_a, 0)
 
 
+@lru_cache(maxsize=4096)
+def _chunk_span(schedule: str, p: int, v: int, m: int, L: int) -> tuple[np.ndarray, int, int]:
+    """Of _chunk_shape's pipeline: each rank's least layers by the chunk rule (R,), and the fewest and the most
+    layers the rule lets any rank hold. Shared: read-only."""
+    _, base, spare = _chunk_shape(schedule, p, v, m, L)
+    least = base.sum(axis=1)
+    return least, int(least.min()), min(L, int((base + spare).sum(axis=1).max()))
+
+
 def _frontier(T: np.ndarray, A: np.ndarray) -> list[int]:
     """The modes on the lower convex hull of (activation bytes, time) from the fastest: those a least-time mix
     within a memory budget uses (any other is beaten by a mix of two of them). Along it the bytes fall and the
@@ -743,9 +752,28 @@ def _frontier(T: np.ndarray, A: np.ndarray) -> list[int]:
     return hull
 
 
+@dataclass(frozen=True)
+class _Frontier:
+    """The modes' frontier (_frontier) of a layer's times T and bytes A, as _chunk_hold_times steps down it:
+    computed once per layer class (_layer_class)."""
+
+    hull: list[int]
+    t0: float  # the fastest mode's time
+    a0: float  # and bytes
+    dT: np.ndarray  # (K,): time each step down the frontier adds per layer
+    dA: np.ndarray  # (K,): bytes per micro-batch it saves per layer
+    slope: np.ndarray  # (K,): dT / dA, seconds per byte saved
+
+    @classmethod
+    def of(cls, T: np.ndarray, A: np.ndarray) -> _Frontier:
+        hull = _frontier(T, A)
+        dT, dA = np.diff(T[hull]), -np.diff(A[hull])
+        return cls(hull, T[hull[0]], A[hull[0]], dT, dA, dT / dA)
+
+
 def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: np.ndarray, held: np.ndarray,
-                      base: np.ndarray, spare: np.ndarray, room: np.ndarray, shape_key: tuple | None = None
-                      ) -> np.ndarray:
+                      base: np.ndarray, spare: np.ndarray, room: np.ndarray, shape_key: tuple | None = None,
+                      frontier: _Frontier | None = None) -> np.ndarray:
     """(N,) -> (R, N): each rank's least time per micro-batch to hold ``counts[n]`` layers over its v chunks within
     its memory ``room`` (R,) (whole_stage_bound, v > 1). A layer costs T_u seconds in mode u and, in chunk c of rank
     r, states[r] + held[r, c]·A_u bytes; by the chunk rule chunk c holds at least base[r, c] layers and at most
@@ -756,31 +784,34 @@ def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: 
     cheapest time per byte saved first (a step's rate in chunk c is its frontier slope over held[r, c]), until the
     rank fits; inf where even the smallest modes do not. Never falling as the count grows.
     ``shape_key``: what ``counts``, ``held``, ``base`` and ``spare`` are made from (whole_stage_bound's), so that
-    their share of the work (_ChunkFill) is done once for every layout of that pipeline."""
+    their share of the work (_ChunkFill) is done once for every layout of that pipeline; ``frontier``: T and A's
+    (_Frontier.of(T, A)), where the caller has it."""
     fill = _chunk_fill(shape_key, counts, held, base, spare) if shape_key is not None \
         else _ChunkFill.of(counts, held, base, spare)
     R, V = held.shape
     N = len(counts)
-    hull = _frontier(T, A)
-    t0, a0 = T[hull[0]], A[hull[0]]
+    front = frontier or _Frontier.of(T, A)
+    t0, a0 = front.t0, front.a0
     n = fill.n
     over = n * states[:, None] + fill.held_layers * a0 - room[:, None]  # (R, N): bytes to save
     over[fill.beyond] = np.inf  # more than the chunk rule lets the rank hold
     fastest = n * t0
-    K = len(hull) - 1
+    K = len(front.hull) - 1
     if K == 0 or not (over > 0).any():  # one mode, or the fastest fits everywhere
         return np.where(over <= 0, fastest, np.inf)
-    dT = np.diff(T[hull])  # (K,): time each step down the frontier adds per layer
-    dA = -np.diff(A[hull])  # (K,): bytes per micro-batch it saves per layer
+    dT, dA = front.dT, front.dA  # (K,) each
     rows = np.arange(R)[:, None]
     if K == 1:  # one step per chunk: its order (by held alone) and the layers it takes are the pipeline's (_ChunkFill)
         chunk, layers = fill.order, fill.layers
-        with np.errstate(divide="ignore"):
-            rate = (dT / dA)[0] / fill.held_sorted  # (R, S = V): seconds per byte saved, cheapest first
+        if fill.held_all:
+            rate = front.slope[0] / fill.held_sorted  # (R, S = V): seconds per byte saved, cheapest first
+        else:
+            with np.errstate(divide="ignore"):  # a chunk holding none: its steps save nothing (inf seconds a byte)
+                rate = front.slope[0] / fill.held_sorted
         step_saves, step_adds = fill.held_sorted * dA[0], dT[0]
     else:
         with np.errstate(divide="ignore"):
-            rate = ((dT / dA)[None, None, :] / held[:, :, None]).reshape(R, V * K)  # (R, S): seconds per byte saved
+            rate = (front.slope[None, None, :] / held[:, :, None]).reshape(R, V * K)  # (R, S): seconds per byte saved
         order = np.argsort(rate, axis=1, kind="stable")  # (R, S): the steps, cheapest first
         rate = rate[rows, order]
         chunk, step = np.divmod(order, K)  # (R, S)
@@ -810,6 +841,7 @@ class _ChunkFill:
     order: np.ndarray  # (R, V): the chunks by held[r, c], most first (a one-step frontier's cheapest steps first)
     held_sorted: np.ndarray  # (R, V): held in that order
     layers: np.ndarray  # (R, N, V): k in that order
+    held_all: bool  # every chunk holds a micro-batch at its rank's peak (no division by zero in its rates)
 
     @classmethod
     def of(cls, counts: np.ndarray, held: np.ndarray, base: np.ndarray, spare: np.ndarray) -> _ChunkFill:
@@ -826,7 +858,8 @@ class _ChunkFill:
             order = np.argsort(1.0 / held, axis=1, kind="stable")  # as a one-step rate, slope / held, orders them
         return cls(n=n, k=k, held_layers=(k * held[:, None, :]).sum(axis=2),
                    beyond=extra > spare.sum(axis=1)[:, None], order=order, held_sorted=held[rows, order],
-                   layers=k[rows[:, :, None], np.arange(N)[None, :, None], order[:, None, :]])
+                   layers=k[rows[:, :, None], np.arange(N)[None, :, None], order[:, None, :]],
+                   held_all=bool(held.all()))
 
 
 _CHUNK_FILLS: dict[tuple, _ChunkFill] = {}
