@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 LOAD_FIELDS = ("params", "fwd", "bwd", "window", "makespan", "replicated", "experts", "moe_shared")
 
@@ -61,11 +62,16 @@ class Affine:
 
     def at(self, load: RankLoad):
         out = self.const
-        for name in LOAD_FIELDS:
-            coef = getattr(self, name)
-            if coef:
-                out = out + coef * getattr(load, name)
+        for name, coef in self._terms:
+            out = out + coef * getattr(load, name)
         return out
+
+    @cached_property
+    def _terms(self) -> tuple[tuple[str, float], ...]:
+        """The load's fields with a coefficient, in LOAD_FIELDS order (what :meth:`at` adds, in that order): the
+        cost model evaluates thousands of these a search. Kept in the instance (not a field: no part of its
+        equality, hash or repr)."""
+        return tuple((name, getattr(self, name)) for name in LOAD_FIELDS if getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,12 @@ class Sync:
     extra: Affine = field(default_factory=Affine)
 
     def nbytes(self, load: RankLoad):
-        return self.bytes_affine().at(load)
+        return self._bytes.at(load)
+
+    @cached_property
+    def _bytes(self) -> Affine:
+        """:meth:`bytes_affine`, built once (every evaluation of the sync asks for it)."""
+        return self.bytes_affine()
 
     def bytes_affine(self) -> Affine:
         return Affine(const=self.const_bytes, params=self.per_param, replicated=self.per_replicated,
