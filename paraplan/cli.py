@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="proof mode: solve every layout's ILP that its lower bound does not rule out (slower; the "
                         "default skips layouts whose balanced split is over 5%% behind the top plans)")
     p.add_argument("--solver", choices=("cbc", "highs"), default=None,
-                   help="the ILP solver tried first (the other takes over when it fails; default: CBC for models "
-                        "of identical layers, HiGHS for the others: planner/ilp.py's SOLVER_ORDER)")
+                   help="the ILP solver tried first (the other takes over when it fails; default: HiGHS: "
+                        "planner/ilp.py's SOLVER_ORDER)")
     p.add_argument("--recompute-modes", metavar="M,M", type=_recompute_modes, default=None,
                    help="recomputation modes the search may give stages, of none, norm+act, selective, mlp, "
                         "selective+mlp, full (default: none,selective,full, and mlp and selective+mlp too for "

@@ -1178,7 +1178,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
              "polished by local search"] if failed else []
     limited = sum(c.solver.startswith("time limit") for c in candidates)
     if limited:
-        notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s of CPU each): those "
+        notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s each): those "
                      "layouts' splits are the best found, not proven the best")
     if unfit:
         notes.append(f"{unfit} layout{'s' if unfit > 1 else ''} whose quick splits fit in no allowed "

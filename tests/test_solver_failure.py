@@ -26,7 +26,8 @@ def test_failed_solvers_fall_back_to_the_balanced_split(broken_solvers):
     model = CostModel(work)
     lay = Layout(dp=2, tp=1, pp=4, micro_batch=1, global_batch=64)
     part = ilp.best_partition(model, lay)
-    assert part.ilp_status.startswith("solver failed (cbc: Pulp: Error while trying to execute cbc (injected)")
+    assert part.ilp_status.startswith("solver failed (highs: Pulp: Error while trying to execute highs (injected); "
+                                      "cbc: Pulp: Error while trying to execute cbc (injected)")
     assert part.prediction.fits
     # the fallback is the balanced split or better (polished), priced exactly
     from paraplan.planner.costmodel import default_stages
@@ -67,9 +68,9 @@ def test_cbc_failing_falls_back_to_highs(monkeypatch):
 
 
 def test_each_formulation_tries_its_own_solver_first(monkeypatch):
-    """Models of identical layers get a few integer counts per stage, where CBC goes first; others a binary per
-    block, stage and mode, where CBC's root LP can outrun its time limit by minutes, so HiGHS goes first
-    (ilp.BLOCK_SOLVER_ORDER); plan --solver puts its choice first in both."""
+    """Models of identical layers get a few integer counts per stage, others a binary per block, stage and mode,
+    where CBC's root LP can outrun its time limit by minutes; HiGHS goes first in both (ilp.SOLVER_ORDER,
+    ilp.BLOCK_SOLVER_ORDER); plan --solver puts its choice first in both."""
     from paraplan.models import spec_from_mapping
 
     real = ilp._run_solver
@@ -90,7 +91,24 @@ def test_each_formulation_tries_its_own_solver_first(monkeypatch):
     model = CostModel(work)
     assert not model.repeated_blocks(Layout(dp=4, tp=1, pp=2, micro_batch=1, global_batch=16))
     ilp.best_partition(model, Layout(dp=4, tp=1, pp=2, micro_batch=1, global_batch=16))
-    assert first == ["cbc", "highs"]
+    assert first == ["highs", "highs"]
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_no_split_above_the_cutoff_comes_back(monkeypatch, solver):
+    """Told a cutoff (the search's time to beat) that no split beats, either solver's ILP answers nothing: CBC
+    proves it at its root; HiGHS, given the cutoff as its objective bound, stopped on a split above it (this
+    layout's: 49.5 s, reported optimal, against its best 35.4 s), which must not come back as the layout's answer."""
+    monkeypatch.setattr(ilp, "SOLVER_ORDER", (solver,))
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    model = CostModel(work)
+    lay = Layout(dp=4, tp=2, pp=4, micro_batch=1, global_batch=512, zero=2, sequence_parallel=True, cp=2)
+    best = ilp.best_partition(model, lay, local_search=False)
+    assert best is not None and best.ilp_status == "optimal"
+    for below in (0.9, 0.99):
+        assert ilp.best_partition(model, lay, cutoff_s=below * best.prediction.iteration_time_s) is None
+    again = ilp.best_partition(model, lay, local_search=False, cutoff_s=1.01 * best.prediction.iteration_time_s)
+    assert again.prediction.iteration_time_s == pytest.approx(best.prediction.iteration_time_s, rel=1e-9)
 
 
 def test_highs_prints_nothing_beside_the_json(tmp_path):
