@@ -259,40 +259,37 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[i
 def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
     frees = "W" if schedule == "zb-v" else "B"
     out = []
-    for order in rank_orders(schedule, pp, v, m):
-        held: dict[int, int] = defaultdict(int)
-        tops: set[tuple[tuple[int, int], ...]] = set()
+    for r, order in enumerate(rank_orders(schedule, pp, v, m)):
+        stages = sorted(rank_stages(schedule, r, pp, v))
+        col = {s: i for i, s in enumerate(stages)}
+        held = [0] * len(stages)  # micro-batches held per stage of the rank, in stage order
+        tops: set[tuple[int, ...]] = set()
         rising = False  # a forward since the last free: a moment that may be a peak ends at the next free
         for kind, stage, _ in order:
             if kind == "F":
-                held[stage] += 1
+                held[col[stage]] += 1
                 rising = True
             elif kind == frees:
                 if rising:
-                    tops.add(tuple(sorted((s, k) for s, k in held.items() if k)))
+                    tops.add(tuple(held))
                 rising = False
-                held[stage] -= 1
+                held[col[stage]] -= 1
         if rising:
-            tops.add(tuple(sorted((s, k) for s, k in held.items() if k)))
-        out.append(_not_dominated(tops))
+            tops.add(tuple(held))
+        out.append(_not_dominated(stages, tops))
     return tuple(out)
 
 
-def _not_dominated(tops: set[tuple[tuple[int, int], ...]]) -> tuple[dict[int, int], ...]:
-    """The holdings (distinct, zero counts left out) that no other holds at least as much of, stage by stage; most
-    micro-batches first."""
+def _not_dominated(stages: list[int], tops: set[tuple[int, ...]]) -> tuple[dict[int, int], ...]:
+    """Of the holdings ``tops`` (micro-batches per stage of ``stages``, in that order), those that no other holds
+    at least as much of, stage by stage, as {stage: micro-batches} without zero counts; most micro-batches first."""
     import numpy as np
 
-    listed = sorted(tops)
-    stages = sorted({s for t in listed for s, _ in t})
-    col = {s: j for j, s in enumerate(stages)}
-    held = np.zeros((len(listed), len(stages)))  # (N, K): each moment's micro-batches per stage
-    for i, t in enumerate(listed):
-        for s, k in t:
-            held[i, col[s]] = k
+    held = np.array(sorted(tops), dtype=float).reshape(len(tops), len(stages))  # (N, K): each distinct moment's
     covers = (held[:, None, :] >= held[None, :, :]).all(axis=2)  # (N, N): [b, a] = b holds at least a's
     np.fill_diagonal(covers, False)  # distinct holdings: covering another means holding more somewhere
-    peaks = [dict(listed[i]) for i in np.flatnonzero(~covers.any(axis=0))]
+    peaks = [{s: k for s, k in zip(stages, held[i].astype(int).tolist(), strict=True) if k}
+             for i in np.flatnonzero(~covers.any(axis=0))]
     peaks.sort(key=lambda d: (-sum(d.values()), sorted(d.items())))
     return tuple(peaks)
 

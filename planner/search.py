@@ -535,7 +535,7 @@ def recomputation_bound(times: dict[str, float], acts: dict[str, float], states:
     a = np.array([acts[u] for u in times])  # (U,)
     den = states + np.outer(np.array(least, dtype=float), a)  # (P, U): rank r's bytes per model in mode u
     # crossings of mode pieces within a rank: (mu - t_i)/d_i = (mu - t_j)/d_j
-    i, j = np.triu_indices(len(t), 1)
+    i, j = _mode_pairs(len(t))
     with np.errstate(divide="ignore", invalid="ignore"):
         cross = (t[j] * den[:, i] - t[i] * den[:, j]) / (den[:, i] - den[:, j])  # (P, pairs)
     mu = np.concatenate([t, cross[np.isfinite(cross)]])
@@ -544,6 +544,13 @@ def recomputation_bound(times: dict[str, float], acts: dict[str, float], states:
     weight = np.ones(len(least)) if counts is None else np.array(counts, dtype=float)  # (P,) ranks per kind
     dual = mu - room * (pieces.max(axis=2) * weight[None, :]).sum(axis=1)  # (M,)
     return float(dual.max())
+
+
+@lru_cache(maxsize=16)
+def _mode_pairs(modes: int) -> tuple[np.ndarray, np.ndarray]:
+    """np.triu_indices(modes, 1): every pair of modes once (i < j), for recomputation_bound's crossings (made once:
+    a third of that bound's time in a fresh process). Shared: read-only."""
+    return np.triu_indices(modes, 1)
 
 
 @lru_cache(maxsize=4096)
