@@ -759,7 +759,7 @@ def _frontier(T: np.ndarray, A: np.ndarray) -> list[int]:
     return hull
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Frontier:
     """The modes' frontier (_frontier) of a layer's times T and bytes A, as _chunk_hold_times steps down it:
     computed once per layer class (_layer_class)."""
@@ -797,7 +797,7 @@ def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: 
         else _ChunkFill.of(counts, held, base, spare)
     R, V = held.shape
     N = len(counts)
-    front = frontier or _Frontier.of(T, A)
+    front = frontier if frontier is not None else _Frontier.of(T, A)
     t0, a0 = front.t0, front.a0
     n = fill.n
     over = n * states[:, None] + fill.held_layers * a0 - room[:, None]  # (R, N): bytes to save
