@@ -1,4 +1,4 @@
-"""Stage boundaries and per-stage recomputation for one layout, by integer linear programming (PuLP + CBC).
+"""Stage boundaries and per-stage recomputation for one layout, by integer linear programming (PuLP: HiGHS, or CBC).
 
 Formulation (data first, then variables, objective, constraints; all constraints named with their
 index). For a layout with S = pp x v stages on pp ranks and m micro-batches per replica:
@@ -74,8 +74,9 @@ from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_ho
 MODES_TRANSFORMER = ("none", "selective", "full")
 MODES_MOE = ("none", "selective", "mlp", "selective+mlp", "full")
 MODES_OTHER = ("none",)  # recomputation is modelled and executed for transformer layers only
-# The solver's CPU time per layout. Beyond it the solver returns its best split so far (CBC is warm-started
-# from the quick price's split, so never worse than that); the exact pricing and local search then take over,
+# The solver's time per layout (HiGHS: wall-clock; CBC: CPU). Beyond it the solver returns its best split so far
+# (CBC is warm-started from the quick price's split; best_partition keeps that split where it is faster than the
+# answer, whichever solver gave it); the exact pricing and local search then take over,
 # and the plan records that optimality was not proven. 0.2 s (was 0.3): the demo's and the 1T GPT's searches
 # 0.5 s and 0.4 s faster, the same best plans (the demo's third 0.6% slower). `plan --exhaustive` gives each
 # ILP longer, to prove more of them.

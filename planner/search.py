@@ -14,7 +14,8 @@
    in the default (heuristic) mode, interleaved and V layouts of transformer layers, whose chunk rule leaves
    little to choose: their quick split, polished on the exact model (ilp.polished_quick_split); one that enters
    the k best quick prices is polished at once, so that its polished price is the one later layouts must beat.
-   The ILPs solve beside the polishing (CBC in its own process).
+   The ILPs solve beside the polishing (HiGHS in worker threads, letting go of the GIL while it solves; CBC, the
+   fallback, in its own process).
 Every layout the search considered is returned with its status for the report.
 """
 
@@ -1118,15 +1119,15 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     solves = 0
     pending = [alive[idx] for _, idx in quick]
     qtime = {id(alive[idx]): q for q, idx in quick}
-    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # CBC runs in its own process: overlap with Python
+    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))  # the solvers run outside the GIL: overlap with Python
     time_limit = SOLVER_TIME_LIMIT_S if refine_slack is not None else EXHAUSTIVE_TIME_LIMIT_S  # per ILP
     done = unsolved = unfit = 0
     started: list[tuple[Candidate, Any]] = []  # ILPs under way, oldest first
     ahead: dict[int, Any] = {}  # polished while waiting for an ILP, before their turn (_polish_ahead)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending or started:
-            # The next layouts worth an ILP under the current k-th best time, up to ``workers`` solving at once (CBC
-            # runs in its own process); the polish-only layouts are polished here while they solve.
+            # The next layouts worth an ILP under the current k-th best time, up to ``workers`` solving at once (outside
+            # the GIL); the polish-only layouts are polished here while they solve.
             threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
             while pending and len(started) < workers:
                 cand = pending.pop(0)
@@ -1149,8 +1150,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                     unsolved += 1
                     threshold = -best_times[0] if len(best_times) >= top_k else float("inf")
                     continue
-                # Heuristic mode: CBC is told the time to beat (with a margin for what the exact model and the
-                # polish may gain over the ILP's linear pieces), so it proves a layout hopeless at its root.
+                # Heuristic mode: the solver is told the time to beat (with a margin for what the exact model and the
+                # polish may gain over the ILP's linear pieces), so it proves a layout hopeless early.
                 cutoff = threshold * (1 + CUTOFF_MARGIN) if refine_slack is not None and threshold < float("inf") \
                     else None
                 hopeless = threshold * (1 + refine_slack) if refine_slack is not None else None
@@ -1201,7 +1202,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
 
 def _polish_ahead(model: CostModel, fut, pending: list[Candidate], ahead: dict[int, Any], threshold: float,
                   refine_slack: float, qtime: dict[int, float], allowed_modes: tuple[str, ...] | None) -> None:
-    """While the ILP ``fut`` solves (in its own process), polish the next polish-only layouts of ``pending`` that
+    """While the ILP ``fut`` solves (outside the GIL), polish the next polish-only layouts of ``pending`` that
     may still be polished at their turn, into ``ahead`` (by id): their turn takes the polish from there. Only their
     turn decides, with the k-th best time then, whether they are polished, priced or pruned, so the search's
     outcome is the same as without; what this saves is the wait (the demo's first ILPs: ~0.05 s)."""

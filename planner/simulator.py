@@ -87,43 +87,31 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
     done = [-1.0] * (2 * n * m + 2)
     done[-1] = 0.0
     durations = [*t_f, *(t_b if split else [b + w for b, w in zip(t_b, t_w, strict=True)]), *t_w]  # non-zb: B whole
-    begins: list[list[float]] | None = [[0.0] * len(w[0]) for w in walks] if keep_timeline else None
+    begins = [[0.0] * len(w[0]) for w in walks]  # each task's start, per rank
     ptr, clock = [0] * pp, [0.0] * pp
     remaining = sum(len(w[0]) for w in walks)
     while remaining:
         progressed = False
         for r in range(pp):
             (which, waits, slots), k, now = walks[r], ptr[r], clock[r]
-            first, end = k, len(which)
-            if begins is None:
-                while k < end:
-                    ready = done[waits[k]]
-                    if ready < 0:
-                        break
-                    if ready > now:
-                        now = ready
-                    now += durations[which[k]]
-                    done[slots[k]] = now
-                    k += 1
-            else:  # the same walk, keeping each task's start for the timeline
-                starts = begins[r]
-                while k < end:
-                    ready = done[waits[k]]
-                    if ready < 0:
-                        break
-                    if ready > now:
-                        now = ready
-                    starts[k] = now
-                    now += durations[which[k]]
-                    done[slots[k]] = now
-                    k += 1
+            first, end, starts = k, len(which), begins[r]
+            while k < end:
+                ready = done[waits[k]]
+                if ready < 0:
+                    break
+                if ready > now:
+                    now = ready
+                starts[k] = now  # for the timeline
+                now += durations[which[k]]
+                done[slots[k]] = now
+                k += 1
             if k > first:
                 remaining -= k - first
                 ptr[r], clock[r] = k, now
                 progressed = True
         assert progressed, f"schedule {schedule} deadlocks (p={pp}, v={v}, m={m})"
     result = SimResult(makespan=max(clock), rank_finish=list(clock))
-    if begins is not None:
+    if keep_timeline:
         orders = rank_orders(schedule, pp, v, m)
         result.timeline = [TimelineEntry(r, op[0], op[1], op[2], start, start + durations[d])
                            for r in range(pp) for op, start, d in zip(orders[r], begins[r], walks[r][0], strict=True)]
