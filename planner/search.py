@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -694,9 +695,8 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     room = room - end_flights @ end_acts  # (R,): what the rank's layers may use
     L = len(work.profile(lay.dtype).layers) - 2
     if p > 1 and v > 1:  # each chunk's layers at its own micro-batches in flight
-        held_at_peak, base, spare = _chunk_shape(schedule, p, v, m, L)
         # only the counts the chunk rule allows a rank (each holds at least its least: below, that time)
-        least, lo, hi = _chunk_span(schedule, p, v, m, L)
+        held_at_peak, base, spare, least, lo, hi = _chunk_shape(schedule, p, v, m, L)
         times = np.full((p, L + 1), np.inf)
         times[:, lo:hi + 1] = _chunk_hold_times(np.arange(lo, hi + 1), T, A, states, held_at_peak, base, spare, room,
                                                 shape_key=(schedule, p, v, m, L), frontier=frontier)
@@ -718,12 +718,14 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
 
 
 @lru_cache(maxsize=4096)
-def _chunk_shape(schedule: str, p: int, v: int, m: int, L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _chunk_shape(schedule: str, p: int, v: int, m: int, L: int) -> tuple:
     """Per pipeline rank, its chunks ordered by the micro-batches they hold at the rank's peak (in_flight's moment),
     fewest first: those counts (R, v), and by the chunk rule with L layers over S stages each chunk's least layers
     (some low has inner chunks of low or low + 1, end chunks one fewer at least, so S·(low + 1) >= L: low >=
     ceil(L/S) - 1) and how many more it may take (S·low - 2 <= L: at most floor((L + 2)/S) + 1 in all), (R, v)
-    each. Shared: read-only."""
+    each; then each rank's least layers (R,), and the fewest and the most layers the rule lets any rank hold:
+    (held, base, spare, least, lo, hi).
+    Shared: read-only."""
     S = p * v
     low, top = -(-L // S) - 1, (L + 2) // S + 1
     held, base = [], []
@@ -732,16 +734,9 @@ def _chunk_shape(schedule: str, p: int, v: int, m: int, L: int) -> tuple[np.ndar
         held.append([h for h, _ in chunks])
         base.append([b for _, b in chunks])
     held_a, base_a = np.array(held, dtype=float), np.array(base)
-    return held_a, base_a, np.maximum(top - base_a, 0)
-
-
-@lru_cache(maxsize=4096)
-def _chunk_span(schedule: str, p: int, v: int, m: int, L: int) -> tuple[np.ndarray, int, int]:
-    """Of _chunk_shape's pipeline: each rank's least layers by the chunk rule (R,), and the fewest and the most
-    layers the rule lets any rank hold. Shared: read-only."""
-    _, base, spare = _chunk_shape(schedule, p, v, m, L)
-    least = base.sum(axis=1)
-    return least, int(least.min()), min(L, int((base + spare).sum(axis=1).max()))
+    spare = np.maximum(top - base_a, 0)
+    least = base_a.sum(axis=1)
+    return held_a, base_a, spare, least, int(least.min()), min(L, int((base_a + spare).sum(axis=1).max()))
 
 
 def _frontier(T: np.ndarray, A: np.ndarray) -> list[int]:
@@ -811,11 +806,9 @@ def _chunk_hold_times(counts: np.ndarray, T: np.ndarray, A: np.ndarray, states: 
     rows = np.arange(R)[:, None]
     if K == 1:  # one step per chunk: its order (by held alone) and the layers it takes are the pipeline's (_ChunkFill)
         chunk, layers = fill.order, fill.layers
-        if fill.held_all:
+        # a chunk holding none saves nothing (inf seconds a byte); np.errstate only then (its set-up is not free)
+        with nullcontext() if fill.held_all else np.errstate(divide="ignore"):
             rate = front.slope[0] / fill.held_sorted  # (R, S = V): seconds per byte saved, cheapest first
-        else:
-            with np.errstate(divide="ignore"):  # a chunk holding none: its steps save nothing (inf seconds a byte)
-                rate = front.slope[0] / fill.held_sorted
         step_saves, step_adds = fill.held_sorted * dA[0], dT[0]
     else:
         with np.errstate(divide="ignore"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .schedules import rank_order_arrays, rank_orders
 
@@ -77,7 +77,7 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
     networkx graph, which :func:`build_graph` builds for inspection; the two give the same times (tests).
     """
     split = schedule == "zb-v"
-    walks = _walk_orders(schedule, pp, v, m)
+    walks = _walk_orders(schedule, pp, v, m).tasks
     n = pp * v
     # Finish times in one flat list: forwards at stage·m + micro-batch, backwards after them, one slot for the
     # weight gradients (nothing waits on one but its own rank's next task), and last a 0.0 that the tasks waiting
@@ -128,52 +128,46 @@ def _peak_activations(schedule: str, pp: int, v: int, m: int, act_bytes: list[fl
     released); summed one task after another, as a walk would."""
     import numpy as np
 
-    signs, stages = _memory_orders(schedule, pp, v, m)  # each (pp, ops)
-    if not stages.size:
+    walk = _walk_orders(schedule, pp, v, m)
+    if not walk.stages.size:
         return [0.0] * pp
-    level = np.cumsum(signs * np.asarray(act_bytes, dtype=float)[stages], axis=1)  # sequential: x + -a is x - a
+    level = np.cumsum(walk.signs * np.asarray(act_bytes, dtype=float)[walk.stages], axis=1)  # x + -a is x - a
     return np.maximum(level.max(axis=1), 0.0).tolist()
 
 
-@lru_cache(maxsize=8)
-def _order_arrays(schedule: str, pp: int, v: int, m: int) -> list[tuple[Any, Any, Any]]:
-    """schedules.rank_order_arrays, for the walk's and the memory's forms of one shape. Shared: read-only."""
-    return rank_order_arrays(schedule, pp, v, m)
+class _Walk(NamedTuple):
+    """A schedule shape's rank orders in the forms the simulation reads (_walk_orders). Shared: read-only."""
+
+    tasks: tuple[tuple[list[int], list[int], list[int]], ...]  # per rank: durations' indices, waits, own slots
+    signs: Any  # (pp, ops): +1 a forward (it allocates its stage's activations), -1 the task that frees them, else 0
+    stages: Any  # (pp, ops): each task's stage
 
 
 @lru_cache(maxsize=64)
-def _memory_orders(schedule: str, pp: int, v: int, m: int) -> tuple[Any, Any]:
-    """(sign, stage) of every rank's tasks in its order, each (pp, ops): +1 for a forward (it allocates its stage's
-    activations), -1 for the task that frees them (W in zero-bubble schedules, else B), 0 for the others. Every rank
-    runs as many tasks (v·m of each kind). Shared: read-only."""
-    import numpy as np
-
-    frees = 2 if schedule == "zb-v" else 1
-    orders = _order_arrays(schedule, pp, v, m)
-    kinds = np.array([kind for kind, _, _ in orders])
-    signs = np.where(kinds == 0, 1.0, np.where(kinds == frees, -1.0, 0.0))
-    return signs, np.array([stage for _, stage, _ in orders])
-
-
-@lru_cache(maxsize=64)
-def _walk_orders(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[list[int], list[int], list[int]], ...]:
+def _walk_orders(schedule: str, pp: int, v: int, m: int) -> _Walk:
     """rank_orders as simulate_pipeline walks them: per rank, of its tasks in order, (their durations' indices:
     stage for F, pp·v + stage for B, 2·pp·v + stage for W; the slots of the tasks they wait for, -1 for none; their
-    own slots) in simulate_pipeline's flat list of finish times. Shared: read-only."""
+    own slots) in simulate_pipeline's flat list of finish times; and for the activation peak each task's sign (the
+    freeing task is W in zero-bubble schedules, else B) and stage, every rank running as many tasks (v·m of each
+    kind)."""
     import numpy as np
 
     n = pp * v * m
     last = pp * v - 1
-    out = []
-    for kind, s, i in _order_arrays(schedule, pp, v, m):  # each (ops,)
+    orders = rank_order_arrays(schedule, pp, v, m)
+    tasks = []
+    for kind, s, i in orders:  # each (ops,)
         own = s * m + i  # a forward's slot; a backward's is n after
         fwd, bwd = kind == 0, kind == 1
         # F after the stage before's F; B after the next stage's B (the last stage's after its own F); W after its B
         after = np.where(fwd, np.where(s > 0, own - m, -1),
                          np.where(bwd, np.where(s < last, n + own + m, own), n + own))
         slot = np.where(fwd, own, np.where(bwd, n + own, 2 * n))  # every W in one slot: nothing waits on one
-        out.append(((kind * (last + 1) + s).tolist(), after.tolist(), slot.tolist()))
-    return tuple(out)
+        tasks.append(((kind * (last + 1) + s).tolist(), after.tolist(), slot.tolist()))
+    kinds = np.array([kind for kind, _, _ in orders])
+    frees = 2 if schedule == "zb-v" else 1
+    return _Walk(tuple(tasks), np.where(kinds == 0, 1.0, np.where(kinds == frees, -1.0, 0.0)),
+                 np.array([stage for _, stage, _ in orders]))
 
 
 def graph_makespan(g: nx.DiGraph) -> float:

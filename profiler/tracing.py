@@ -292,15 +292,15 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         return (sum(b for _, b, _ in items), sum(b for _, b, s in items if s),
                 sum(b for key, b, _ in items if key in whole))
 
+    saved_all, saved_sharded, saved_whole = sums([(key, b, s) for key, (b, s, _) in saved.items()])
     (kept_all, kept_sharded, kept_whole), (left_all, left_sharded, left_whole) = sums(kept), sums(kept_prologue)
     return BlockTrace(
         outputs=outputs, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_ops=fwd_mix, bwd_ops=recorder.mix,
-        saved_bytes=sum(b for b, _, _ in saved.values()),
-        saved_bytes_sharded=sum(b for b, s, _ in saved.values() if s),
+        saved_bytes=saved_all, saved_bytes_sharded=saved_sharded,
         saved_bytes_selective=kept_all, saved_bytes_selective_sharded=kept_sharded,
         input_bytes=_nbytes(_tensors(inputs)), output_bytes=_nbytes(_tensors(outputs)), region_io=stack.region_io,
         saved_bytes_moe=sum(saved[key][0] for key in saved_in_moe),
         saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s),
         saved_bytes_prologue=kept_all - left_all, saved_bytes_prologue_sharded=kept_sharded - left_sharded,
-        saved_bytes_whole=sum(b for key, (b, _, _) in saved.items() if key in whole),
+        saved_bytes_whole=saved_whole,
         saved_bytes_selective_whole=kept_whole, saved_bytes_prologue_whole=kept_whole - left_whole)
