@@ -2,8 +2,8 @@
 
 Megatron-LM's layout (Shoeybi et al. 2019): Q/K/V and the first MLP linears column-parallel (whole
 heads per rank), the attention output and second MLP linear row-parallel (one all-reduce each in
-forward), the token embedding sharded over the vocabulary (RowwiseParallel on nn.Embedding: a
-masked lookup and an all-reduce) and the output projection column-parallel over the vocabulary,
+forward), the token embedding sharded over the vocabulary (VocabParallelEmbedding: a masked lookup
+in this rank's rows and an all-reduce) and the output projection column-parallel over the vocabulary,
 its logits left sharded over the vocabulary: the cross-entropy runs vocab-parallel (torch's
 ``loss_parallel``: each rank reduces its slice's max and sum of exponentials over the group, so the
 (b, s, V) logits are never gathered; Megatron's vocab-parallel cross-entropy).
@@ -18,12 +18,15 @@ tensors between modules, so the model code, residual adds and pipeline sends see
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -51,7 +54,7 @@ def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
     if style == "rowwise":
         return RowwiseParallel(output_layouts=SEQ if sp else Replicate())
     if style == "vocab_embedding":  # lookup of the local vocabulary slice, then an all-reduce
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return VocabParallelEmbedding()
     if style == "vocab_head":  # logits stay sharded over the vocabulary: the loss runs under loss_parallel
         return ColwiseParallel(input_layouts=SEQ if sp else Replicate(), output_layouts=Shard(-1),
                                use_local_output=False)
@@ -66,6 +69,54 @@ def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
         # give each of Q, K and V its own all-reduce).
         return PrepareModuleInput(input_layouts=(SEQ if sp else Replicate(),), desired_input_layouts=(Replicate(),))
     raise ExecutionError(f"tensor-parallel style {style!r} is not supported by the executor yet")
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """An ``nn.Embedding`` sharded over the vocabulary (its weight a Shard(0) DTensor), looked up as Megatron-LM's
+    VocabParallelEmbedding does: each rank looks up the token ids in its own rows (those outside give zeros) and one
+    all-reduce sums the ranks' partial lookups; in backward the gradient of the (b, s, h) output reaches each rank
+    whole and the lookup's backward writes this rank's (V/t, h) rows alone.
+
+    Torch's RowwiseParallel on an embedding ran the backward through DTensor, which computed the weight's gradient
+    over the whole vocabulary, (V, h) on every rank, and kept it as a replicated gradient: under ZeRO 0/1 it stayed
+    there, t times the shard, until the optimizer step (the dry run of llama-tiny at dp2 tp2 traced 262,144 B of
+    gradients more than its sharded weight's; llama2-70b's embedding at tp8: 0.9 GiB of fp32 gradient instead of
+    0.1), and under ZeRO 2/3 it was a (V, h) buffer during every embedding backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise ExecutionError(f"vocabulary-parallel embedding: expected a plain nn.Embedding, got {module!r}")
+        if not isinstance(module.weight, DTensor):  # a weight tied to the head may be sharded (Shard(0)) already
+            module.register_parameter("weight", nn.Parameter(
+                distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=module.weight.requires_grad))
+        module.forward = functools.partial(_vocab_parallel_lookup, module)
+        return module
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """(b, s) token ids, the same on every tensor-parallel rank -> (b, s, h) embeddings, the same on every rank.
+    ``module.weight`` is read at each call: FSDP2 swaps in its gathered copy (still sharded over the vocabulary)."""
+    weight = module.weight  # (V, h) DTensor, Shard(0) over the tensor-parallel mesh
+    mesh = weight.device_mesh
+    local = weight.to_local()  # (V/t, h): this rank's rows (torch.chunk's split: the last rank may hold fewer)
+    start = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
+    outside = (ids < start) | (ids >= start + local.shape[0])  # (b, s)
+    rows = F.embedding((ids - start).masked_fill(outside, 0), local)  # (b, s, h)
+    return _SumOverRanks.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), mesh)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the all-reduce (sum) of the ranks' partial lookups. Backward: the output's gradient as it comes,
+    identical on every rank (Megatron's reduce_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+        return funcol.wait_tensor(funcol.all_reduce(partial, "sum", mesh))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def tp_module_plan(module: nn.Module, spec: ModelSpec, sequence_parallel: bool) -> dict[str, ParallelStyle]:

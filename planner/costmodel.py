@@ -43,7 +43,6 @@ from .memory import (
     FRAGMENTATION,
     GiB,
     ddp_buckets,
-    embedding_grad_bytes,
     layer_activation_bytes,
     loss_bytes,
     rank_memory,
@@ -581,8 +580,6 @@ class CostModel:
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working
-        elif layer.kind == "embedding":
-            working += embedding_grad_bytes(work.spec, t, lay.dtype, fw)
         cost = BlockCost(
             fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,

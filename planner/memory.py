@@ -301,11 +301,3 @@ def loss_bytes(tokens: float, vocab: int, tp: int, framework, pipelined: bool) -
     shard = tokens * vocab / tp
     return (2 * shard if pipelined else 0.0), (8 * shard if tp == 1 else 12 * shard)
 
-
-def embedding_grad_bytes(spec, tp: int, dtype: str, framework) -> float:
-    """Live while a vocabulary-parallel embedding's backward runs under this executor: DTensor computes the
-    weight gradient over the whole vocabulary (V·h in the compute dtype) before keeping its shard (traced:
-    ``embedding_dense_backward`` returns (V, h) on every tensor-parallel rank)."""
-    if framework.states != "executor" or tp == 1 or not spec.is_transformer:
-        return 0.0
-    return spec.vocab_size * spec.hidden_size * (4 if dtype == "fp32" else 2)

@@ -182,6 +182,31 @@ def test_fp32_replicated_weights_are_held_twice(tmp_path, monkeypatch, model, fl
         assert predicted == pytest.approx(traced, rel=0.02), rank["rank"]
 
 
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_the_embedding_gradient_is_sharded_like_its_weight(tmp_path, monkeypatch, zero):
+    """Tensor parallelism with ZeRO 0/1 accumulates the gradients whole on each rank: the vocabulary-sharded
+    embedding's is its (V/t, h) shard, as the cost model counts it (executor/tensor_parallel.VocabParallelEmbedding).
+    Through torch's RowwiseParallel the embedding's gradient came out replicated, (V, h) on every rank: llama-tiny's
+    1024 x 128 fp32 embedding at tp2 held 262,144 B of gradient more than the prediction (2,265,600 against
+    2,003,456 B at the peak). Gradients at the peak: every weight's shard on the rank, 4 B each (fp32)."""
+    monkeypatch.setenv("PARAPLAN_MEASUREMENTS", str(tmp_path / "meas"))
+    monkeypatch.setenv("PARAPLAN_NO_CALIBRATE", "1")
+    path = str(tmp_path / "plan.json")
+    p = subprocess.run([*CLI, "simulate", "--model", "llama-tiny", "--cluster", "local", "--global-batch", "8",
+                        "--dp", "2", "--tp", "2", "--pp", "1", "--micro-batch", "2", "--zero", zero, "--write-plan",
+                        path, "--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    job = Job.load(path)
+    s = job.spec  # llama-tiny: 4 layers, h 128, 4 heads of 32 (2 key/value heads), FFN 352, vocabulary 1024
+    h, layers, t = s.hidden_size, s.num_layers, 2
+    head_dim = h // s.num_attention_heads
+    layer = (2 * h * h + 2 * h * s.kv_heads * head_dim + 3 * h * s.ffn_size) // t + 2 * h  # sharded + two norms
+    shard = layers * layer + 2 * s.vocab_size * h // t + h  # + embedding and head shards, final norm
+    rank = dry_run(job, "cpu").to_dict()["ranks"][0]
+    assert rank["memory_gib"]["grads"] * 2**30 == 4 * shard == 2_003_456
+    assert rank["predicted_memory_breakdown_gib"]["grads"] * 2**30 == pytest.approx(4 * shard, rel=1e-9)
+
+
 @pytest.mark.parametrize("sp", ["", "--sequence-parallel"])
 def test_mla_tensor_parallel_traffic_by_kind(tmp_path, monkeypatch, sp):
     """MLA under tensor parallelism on this executor: its replicated down-projections take the gathered hidden
