@@ -11,9 +11,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-# Off a terminal rich would wrap tables at 80 columns; reports and logs read better wider.
-stdout = Console(width=None if sys.stdout.isatty() else 160)
-stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# Off a terminal rich would wrap tables at 80 columns; reports and logs read better wider. Off a terminal there are
+# no colours either, so the highlighter (numbers, paths, ...: 0.5 ms a line) has nothing to show: off.
+stdout = Console(width=None if sys.stdout.isatty() else 160, highlight=sys.stdout.isatty())
+stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 160, highlight=sys.stderr.isatty())
 
 
 def output_path_problem(path: str, flag: str, folder: bool) -> str | None:
