@@ -17,6 +17,7 @@ CASES = {
         Case("gpt-dp2", "gpt-tiny", dp=2),
         Case("llama-dp2", "llama-tiny", dp=2, micro_batch=2),
         Case("gpt-tp2", "gpt-tiny", tp=2, micro_batch=4),
+        Case("gpt-tp2-odd-vocab", "gpt-odd-vocab", tp=2, micro_batch=4),
         Case("llama-tp2", "llama-tiny", tp=2, micro_batch=4),
         Case("gpt-pp2-gpipe", "gpt-tiny", pp=2, schedule="gpipe", micro_batch=2),
         Case("llama-pp2-gpipe", "llama-tiny", pp=2, schedule="gpipe", micro_batch=2),
