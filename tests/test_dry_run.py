@@ -36,6 +36,18 @@ def _plan(tmp_path, model: str, batch: int, flags: str) -> str:
     return path
 
 
+def _local_plan(tmp_path, monkeypatch, model: str, flags: str, name: str = "plan.json") -> str:
+    """``paraplan simulate --write-plan`` of ``model`` on this machine's cluster ("local"), global batch 8, uncalibrated
+    and with no measurements of its own (the CPU dry runs of the tiny models below)."""
+    monkeypatch.setenv("PARAPLAN_MEASUREMENTS", str(tmp_path / "meas"))
+    monkeypatch.setenv("PARAPLAN_NO_CALIBRATE", "1")
+    path = str(tmp_path / name)
+    p = subprocess.run([*CLI, "simulate", "--model", model, "--cluster", "local", "--global-batch", "8", *flags.split(),
+                        "--write-plan", path, "--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return path
+
+
 # The default suite traces one plan of each kind (ZeRO-3 with full recomputation, TP with SP and selective
 # recomputation, ZB-V under ZeRO-2, context parallelism with TP, TP with SP and MLP recomputation, DeepSeek-style
 # MoE under ZeRO-3 and under selective+mlp recomputation); the rest of the spread is marked slow (CI runs it).
@@ -171,12 +183,7 @@ def test_fp32_replicated_weights_are_held_twice(tmp_path, monkeypatch, model, fl
     """fp32 ZeRO 0/1 under FSDP2's replicate (data parallelism beside tensor, pipeline or expert parallelism)
     all-gathers the weights into buffers of their own: the trace holds two fp32 copies, and so does the prediction
     (memory.state_bytes; it held one, 0.00187 GiB against 0.00373 traced on llama-tiny dp2 tp2)."""
-    monkeypatch.setenv("PARAPLAN_MEASUREMENTS", str(tmp_path / "meas"))
-    monkeypatch.setenv("PARAPLAN_NO_CALIBRATE", "1")
-    path = str(tmp_path / "plan.json")
-    p = subprocess.run([*CLI, "simulate", "--model", model, "--cluster", "local", "--global-batch", "8",
-                        *flags.split(), "--write-plan", path, "--json"], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    path = _local_plan(tmp_path, monkeypatch, model, flags)
     for rank in dry_run(Job.load(path), "cpu").to_dict()["ranks"]:
         traced, predicted = rank["memory_gib"]["params"], rank["predicted_memory_breakdown_gib"]["params"]
         assert predicted == pytest.approx(traced, rel=0.02), rank["rank"]
@@ -189,14 +196,8 @@ def test_the_embedding_gradient_is_sharded_like_its_weight(tmp_path, monkeypatch
     Through torch's RowwiseParallel the embedding's gradient came out replicated, (V, h) on every rank: llama-tiny's
     1024 x 128 fp32 embedding at tp2 held 262,144 B of gradient more than the prediction (2,265,600 against
     2,003,456 B at the peak). Gradients at the peak: every weight's shard on the rank, 4 B each (fp32)."""
-    monkeypatch.setenv("PARAPLAN_MEASUREMENTS", str(tmp_path / "meas"))
-    monkeypatch.setenv("PARAPLAN_NO_CALIBRATE", "1")
-    path = str(tmp_path / "plan.json")
-    p = subprocess.run([*CLI, "simulate", "--model", "llama-tiny", "--cluster", "local", "--global-batch", "8",
-                        "--dp", "2", "--tp", "2", "--pp", "1", "--micro-batch", "2", "--zero", zero, "--write-plan",
-                        path, "--json"], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    job = Job.load(path)
+    job = Job.load(_local_plan(tmp_path, monkeypatch, "llama-tiny",
+                               f"--dp 2 --tp 2 --pp 1 --micro-batch 2 --zero {zero}"))
     s = job.spec  # llama-tiny: 4 layers, h 128, 4 heads of 32 (2 key/value heads), FFN 352, vocabulary 1024
     h, layers, t = s.hidden_size, s.num_layers, 2
     head_dim = h // s.num_attention_heads
@@ -215,13 +216,7 @@ def test_mla_tensor_parallel_traffic_by_kind(tmp_path, monkeypatch, sp):
     plan's reduce-scatter was predicted +50% and its all-reduce -18%; then its all-reduce +8.6%, the down-projections'
     and latent norms' gradients synced as sequence parallelism's replicated weights though every rank computes them
     from the whole sequence (costmodel._whole_latent_params). Each kind now equals the trace."""
-    monkeypatch.setenv("PARAPLAN_MEASUREMENTS", str(tmp_path / "meas"))
-    monkeypatch.setenv("PARAPLAN_NO_CALIBRATE", "1")
-    path = str(tmp_path / "plan.json")
-    p = subprocess.run([*CLI, "simulate", "--model", "deepseek-tiny", "--cluster", "local", "--global-batch", "8",
-                        "--dp", "2", "--tp", "2", "--pp", "1", "--micro-batch", "2", *sp.split(), "--write-plan", path,
-                        "--json"], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    path = _local_plan(tmp_path, monkeypatch, "deepseek-tiny", f"--dp 2 --tp 2 --pp 1 --micro-batch 2 {sp}")
     rank = dry_run(Job.load(path), "cpu").to_dict()["ranks"][0]
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         assert rank["predicted_comm_bytes"][kind] == pytest.approx(rank["comm_bytes"][kind], rel=1e-9), kind
@@ -232,15 +227,10 @@ def test_sequence_parallelism_saves_the_activations_the_trace_saves_with_mla(tmp
     cost model says. This executor runs MLA's replicated down-projections and latent norms on the gathered sequence,
     so their outputs stay whole on every rank (memory.layer_activation_bytes' whole_latents); priced as split over
     the sequence like the rest, the saving was predicted 51% too large (1,393,152 against 921,088 bytes)."""
-    monkeypatch.setenv("PARAPLAN_MEASUREMENTS", str(tmp_path / "meas"))
-    monkeypatch.setenv("PARAPLAN_NO_CALIBRATE", "1")
     acts = {}
     for sp in ("", "--sequence-parallel"):
-        path = str(tmp_path / f"plan{sp}.json")
-        p = subprocess.run([*CLI, "simulate", "--model", "deepseek-tiny", "--cluster", "local", "--global-batch", "8",
-                            "--dp", "2", "--tp", "2", "--pp", "1", "--micro-batch", "2", *sp.split(), "--write-plan",
-                            path, "--json"], capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
+        path = _local_plan(tmp_path, monkeypatch, "deepseek-tiny", f"--dp 2 --tp 2 --pp 1 --micro-batch 2 {sp}",
+                           f"plan{sp}.json")
         rank = dry_run(Job.load(path), "cpu").to_dict()["ranks"][0]
         acts[sp] = (rank["predicted_memory_breakdown_gib"]["activations"], rank["memory_gib"]["activations"])
     predicted, traced = (acts[""][i] - acts["--sequence-parallel"][i] for i in (0, 1))

@@ -27,10 +27,8 @@ HIDDEN = 16
 @pytest.mark.parametrize("vocab", [1024, 1021])  # even shards, and torch.chunk's uneven ones (511 and 510 rows)
 def test_lookup_and_gradient_equal_the_whole_embedding(tmp_path, vocab):
     mp.spawn(_rank, args=(vocab, free_port("127.0.0.1"), str(tmp_path)), nprocs=2, join=True)
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(vocab, HIDDEN, generator=gen).requires_grad_()  # (V, h)
-    ids = torch.randint(0, vocab, (4, 64), generator=gen)  # (b, s): every part of the vocabulary
-    upstream = torch.randn(4, 64, HIDDEN, generator=gen)  # (b, s, h)
+    weight, ids, upstream = _draws(vocab)
+    weight.requires_grad_()
     out = F.embedding(ids, weight)
     (out * upstream).sum().backward()
     rows = -(-vocab // 2)
@@ -43,15 +41,20 @@ def test_lookup_and_gradient_equal_the_whole_embedding(tmp_path, vocab):
         assert torch.allclose(got["grad"], weight.grad[lo:hi], atol=1e-6), rank
 
 
+def _draws(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same on every rank and in the test: the whole weight (V, h), token ids (b, s) over the whole vocabulary and
+    the output's gradient (b, s, h)."""
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(vocab, HIDDEN, generator=gen), torch.randint(0, vocab, (4, 64), generator=gen),
+            torch.randn(4, 64, HIDDEN, generator=gen))
+
+
 def _rank(rank: int, vocab: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
-        gen = torch.Generator().manual_seed(0)
-        whole = torch.randn(vocab, HIDDEN, generator=gen)  # (V, h): the same draws as the test's
-        ids = torch.randint(0, vocab, (4, 64), generator=gen)
-        upstream = torch.randn(4, 64, HIDDEN, generator=gen)
+        whole, ids, upstream = _draws(vocab)
         module = nn.Embedding(vocab, HIDDEN)
         with torch.no_grad():
             module.weight.copy_(whole)
