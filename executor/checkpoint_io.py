@@ -17,8 +17,9 @@ What is saved, keyed by whole-model parameter names (FQNs, chunks.py), so a chec
   and tensor-parallel parameters as DTensors, which DCP saves as shards of the full tensor);
 - ``optim.<fqn>.{step,exp_avg,exp_avg_sq}``: the AdamW state of each parameter, shaped and sharded
   like the parameter. The executor's optimizer spans all the chunks of a rank and, under ZeRO-1
-  (optim.py), only the owner of a parameter holds its state, so the state is gathered per
-  parameter here rather than with ``get_optimizer_state_dict`` (one module, one optimizer);
+  (optim.py), the data-parallel ranks hold pieces of a parameter's state, so the state is gathered
+  whole per parameter here (on one rank, one parameter at a time) rather than with
+  ``get_optimizer_state_dict`` (one module, one optimizer); a load hands each rank its pieces;
 - ``rng.<device>.rank<R>``: each rank's torch RNG state (nothing in a step draws from it today:
   data and initial weights are keyed by seed, step and name; it is kept for models that will).
 
@@ -169,29 +170,30 @@ def _chunk_fqns(rm) -> list[tuple[list[str], torch.nn.Parameter]]:
     return list(seen.values())
 
 
-def _adam_states(rm) -> tuple[dict, list[torch.nn.Parameter]]:
-    """(the torch optimizer holding this rank's states, the parameters whose state this rank keeps)."""
+def _optimizer_states(rm, create: bool) -> tuple[dict[int, dict], list[torch.nn.Parameter]]:
+    """(id(parameter) -> its AdamW state, the parameters whose state this rank saves or loads). Plain AdamW:
+    the optimizer's own state dicts, so a load fills them in place. ZeRO-1, whose ranks hold pieces of the
+    states: whole states gathered for a save (collective), none before a load (:func:`load` hands the
+    loaded whole states back to the optimizer)."""
     opt = rm.optimizer
     if isinstance(opt, ShardedOptimizer):
-        if opt.inner is None:
-            return None, []
-        return opt.inner, [p for p, o in zip(opt.params, opt.owner, strict=True) if o == opt.rank]
+        return ({} if create else opt.whole_states()), opt.saved_params()
     if not isinstance(opt, torch.optim.Optimizer):
         raise ExecutionError("checkpoints are written for AdamW (and ZeRO-1's sharded AdamW) only")
-    return opt, [p for group in opt.param_groups for p in group["params"]]
+    kept = [p for group in opt.param_groups for p in group["params"]]
+    return {id(p): opt.state[p] for p in kept}, kept  # opt.state: a defaultdict, the dicts AdamW reads
 
 
-def _optimizer_entries(rm, create: bool) -> dict[str, torch.Tensor]:
-    """``optim.<fqn>.<key>`` -> this rank's AdamW state tensors (the optimizer's own tensors, so a
-    load fills them in place). ``create`` makes zero states first (before a load: AdamW creates its
-    state lazily at the first step)."""
-    opt, kept = _adam_states(rm)
+def _optimizer_entries(rm, states: dict[int, dict], kept: list[torch.nn.Parameter],
+                       create: bool) -> dict[str, torch.Tensor]:
+    """``optim.<fqn>.<key>`` -> the state tensors of the ``kept`` parameters. ``create`` makes zero states
+    first (before a load: AdamW creates its state lazily at the first step)."""
     kept_ids = {id(p) for p in kept}
     out = {}
     for names, p in _chunk_fqns(rm):
         if id(p) not in kept_ids:
             continue
-        state = opt.state[p]
+        state = states.setdefault(id(p), {})
         if create and not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as AdamW creates it (not capturable)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -228,7 +230,8 @@ def save(rm, root: str, state: TrainerState) -> str:
         os.makedirs(partial)
     dist.barrier()
     entries = {k: v for chunk in _model_entries(rm) for k, v in chunk.items()}
-    entries.update({**_optimizer_entries(rm, create=False), **_rng_entries(rm)})
+    entries.update({**_optimizer_entries(rm, *_optimizer_states(rm, create=False), create=False),
+                    **_rng_entries(rm)})
     dcp.save(entries, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))  # returns once all wrote
     if rm.rank == 0:
         with open(os.path.join(partial, STATE_FILE), "w") as f:
@@ -273,13 +276,16 @@ def load(rm, folder: str) -> TrainerState:
     saved = set(reader.read_metadata().state_dict_metadata)
     chunks = _model_entries(rm)
     entries = {k: v for chunk in chunks for k, v in chunk.items()}
-    entries.update(_optimizer_entries(rm, create=True))
+    states, kept = _optimizer_states(rm, create=True)
+    entries.update(_optimizer_entries(rm, states, kept, create=True))
     lacking = [k for k in entries if k not in saved]
     if lacking:
         raise ExecutionError(f"checkpoint {folder} lacks {lacking[0]}")
     rng = {k: v for k, v in _rng_entries(rm).items() if k in saved}  # restored where the rank existed
     entries.update(rng)
     dcp.load(entries, storage_reader=reader)  # in place: parameters, optimizer states, rng tensors
+    if isinstance(rm.optimizer, ShardedOptimizer):
+        rm.optimizer.load_whole_states(states)  # each rank keeps its pieces
     for module, chunk in zip(rm.trained, chunks, strict=True):
         set_model_state_dict(module, {k.removeprefix("model."): entries[k] for k in chunk})
     if f"rng.cpu.rank{rm.rank}" in rng:

@@ -5,13 +5,16 @@ the tests replay the same updates in one process and compare losses.
 
 :class:`ShardedOptimizer` is ZeRO-1 (Rajbhandari et al. 2020): gradients stay replicated (DDP
 all-reduces them), but each data-parallel rank keeps the AdamW moments of, and updates, only its own
-share of the parameters; each owner then broadcasts its updated parameters to the others. It works
-on local shards, so it composes with tensor-parallel (DTensor) parameters.
+share of the parameters, an even cut of them laid end to end (a tensor may be split, as in Megatron's
+distributed optimizer: whole tensors would leave a rank with a large embedding far over its share);
+each owner then broadcasts its updated share to the others. It works on local shards, so it composes
+with tensor-parallel (DTensor) parameters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,8 @@ def adamw(params: Iterable[nn.Parameter]) -> torch.optim.AdamW:
 
 
 def partition(params: list[nn.Parameter], parts: int) -> list[int]:
-    """Owner (0 .. parts-1) of each parameter: greedy by size, largest first, so shares are balanced."""
+    """Owner (0 .. parts-1) of each parameter, whole: greedy by size, largest first, so shares are balanced
+    as whole tensors allow. ZeRO-1's checkpoints: the rank that saves and loads a parameter's state."""
     owner = [0] * len(params)
     load = [0] * parts
     for i in sorted(range(len(params)), key=lambda i: (-local(params[i]).numel(), i)):
@@ -45,13 +49,42 @@ def partition(params: list[nn.Parameter], parts: int) -> list[int]:
     return owner
 
 
-class ShardedOptimizer:
-    """ZeRO-1 over the data-parallel group ``group``: AdamW states for this rank's share only.
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``start:stop`` of parameter ``index``'s local tensor, flattened: one rank's part of it."""
 
-    Expert-parallel experts (``expert_params``) are replicated over another group, the expert-data-parallel
-    ``expert_group``: they are shared out over it instead. ``owner[i]`` is the rank in ``group`` owning
-    ``params[i]``; for an expert parameter it is this rank's own when this rank owns it, else -1 (so
-    ``owner[i] == rank`` says which states this rank keeps, for either kind)."""
+    index: int
+    start: int
+    stop: int
+
+
+def flat_shares(sizes: list[int], parts: int) -> list[list[Piece]]:
+    """Each part's pieces of the parameters laid end to end (``sizes``: their local element counts): part r
+    owns elements ``r*s .. (r+1)*s`` of the concatenation, ``s = ceil(total / parts)``, so every share is
+    even whatever the tensors' sizes (Megatron's distributed optimizer; the cost model's moments / dp)."""
+    share = -(-sum(sizes) // parts)
+    pieces: list[list[Piece]] = [[] for _ in range(parts)]
+    offset = 0
+    for index, size in enumerate(sizes):
+        at = 0
+        while at < size:
+            r = (offset + at) // share
+            stop = min(size, (r + 1) * share - offset)
+            pieces[r].append(Piece(index, at, stop))
+            at = stop
+        offset += size
+    return pieces
+
+
+class ShardedOptimizer:
+    """ZeRO-1 over the data-parallel group ``group``: AdamW states for this rank's even share only.
+
+    The parameters' local tensors are laid end to end and cut into ``dp`` equal shares (:func:`flat_shares`),
+    so a tensor may be split over ranks. Each rank's AdamW works on views of its pieces (no copy of the
+    weights): it reads the pieces of the gradients and updates the pieces in place, then each owner
+    broadcasts its share. Expert-parallel experts (``expert_params``) are replicated over another group, the
+    expert-data-parallel ``expert_group``: they are shared out over it instead. Checkpoints keep one whole
+    state per parameter (:meth:`whole_states`, :meth:`load_whole_states`)."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup,
                  expert_params: Iterable[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None):
@@ -60,40 +93,128 @@ class ShardedOptimizer:
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
         self.params = dense + experts
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self._sections = [(dense, group, partition(dense, dist.get_world_size(group)))]
-        self.owner = list(self._sections[0][2])
-        if experts:
-            owners = partition(experts, dist.get_world_size(expert_group))
-            self._sections.append((experts, expert_group, owners))
-            mine = dist.get_rank(expert_group)
-            self.owner += [self.rank if o == mine else -1 for o in owners]
-        kept = [p for p, o in zip(self.params, self.owner, strict=True) if o == self.rank]
-        self.inner = adamw(kept) if kept else None
+        self._sections = [_Section(dense, group)] + ([_Section(experts, expert_group)] if experts else [])
+        self.views = [v for s in self._sections for v in s.views]
+        self.inner = adamw(self.views) if self.views else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
+        for v in self.views:
+            v.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
+        for section in self._sections:
+            section.point_grads()
         if self.inner is not None:
             self.inner.step()
-        for params, group, owners in self._sections:
-            if dist.get_world_size(group) == 1:
-                continue
-            for r in range(dist.get_world_size(group)):  # one broadcast per owner: its params, flattened
-                owned = [local(p) for p, o in zip(params, owners, strict=True) if o == r]
-                if not owned:
-                    continue
-                flat = torch.cat([t.reshape(-1) for t in owned])  # (sum of numels,)
-                dist.broadcast(flat, group=group, group_src=r)
-                offset = 0
-                for t in owned:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        for section in self._sections:
+            section.share_updates()
 
+    def whole_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Collective: id(parameter) -> its whole AdamW state (shaped like it, a DTensor for a DTensor
+        parameter), for the parameters this rank saves in a checkpoint; each parameter is saved by one
+        rank of its group, the greedy :func:`partition`'s owner, so the states are whole in the file."""
+        return {k: v for s in self._sections for k, v in s.gather(self.inner).items()}
+
+    def saved_params(self) -> list[nn.Parameter]:
+        """The parameters whose whole state this rank saves and loads."""
+        return [p for s in self._sections for p, o in zip(s.params, s.saver, strict=True) if o == s.rank]
+
+    def load_whole_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Collective: each saver sends the whole states it loaded; every rank keeps its pieces."""
+        for section in self._sections:
+            section.scatter(states, self.inner)
+
+
+class _Section:
+    """The parameters one group shares out: their pieces on this rank, as parameters AdamW can update."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup):
+        self.params, self.group = params, group
+        self.rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.shares = flat_shares([local(p).numel() for p in params], size)
+        self.saver = partition(params, size)
+        self.views = [nn.Parameter(self._flat(piece.index)[piece.start:piece.stop]) for piece in self.shares[self.rank]]
+
+    def _flat(self, index: int) -> torch.Tensor:
+        t = local(self.params[index]).detach()
+        assert t.is_contiguous(), "ZeRO-1 pieces are views of contiguous parameters"
+        return t.view(-1)  # (numel,)
+
+    def point_grads(self) -> None:
+        """Each view's gradient: the same elements of its parameter's gradient (none when it has none)."""
+        for piece, view in zip(self.shares[self.rank], self.views, strict=True):
+            grad = self.params[piece.index].grad
+            view.grad = None if grad is None else local(grad).reshape(-1)[piece.start:piece.stop]
+
+    def share_updates(self) -> None:
+        """One broadcast per owner: its updated pieces, flattened, copied into the same elements here."""
+        if len(self.shares) == 1:
+            return
+        for r, pieces in enumerate(self.shares):
+            if not pieces:
+                continue
+            if r == self.rank:
+                flat = torch.cat([self._flat(pc.index)[pc.start:pc.stop] for pc in pieces])  # (share,)
+            else:
+                flat = torch.empty(sum(pc.stop - pc.start for pc in pieces), dtype=self.params[pieces[0].index].dtype,
+                                   device=local(self.params[pieces[0].index]).device)
+            dist.broadcast(flat, group=self.group, group_src=r)
+            if r != self.rank:
+                offset = 0
+                for pc in pieces:
+                    n = pc.stop - pc.start
+                    self._flat(pc.index)[pc.start:pc.stop].copy_(flat[offset:offset + n])
+                    offset += n
+
+    def _mine(self, index: int) -> list[tuple[Piece, nn.Parameter]]:
+        return [(pc, v) for pc, v in zip(self.shares[self.rank], self.views, strict=True) if pc.index == index]
+
+    def gather(self, inner) -> dict[int, dict[str, torch.Tensor]]:
+        out = {}
+        for index, p in enumerate(self.params):
+            flat = torch.zeros(2, local(p).numel(), dtype=p.dtype, device=local(p).device)  # (moments, numel)
+            steps = torch.zeros(2, dtype=torch.float64)  # (sum of the pieces' steps, pieces)
+            for pc, v in self._mine(index):
+                state = inner.state.get(v, {})
+                if state:
+                    flat[0, pc.start:pc.stop] = state["exp_avg"]
+                    flat[1, pc.start:pc.stop] = state["exp_avg_sq"]
+                    steps += torch.tensor([float(state["step"]), 1.0], dtype=torch.float64)
+            dist.all_reduce(steps, group=self.group)
+            if steps[1] == 0:  # no piece has a state yet (never stepped)
+                continue
+            dist.reduce(flat, group=self.group, group_dst=self.saver[index])
+            if self.saver[index] == self.rank:
+                out[id(p)] = {"step": torch.tensor(float(steps[0] / steps[1]), dtype=torch.float32),
+                              "exp_avg": _like(p, flat[0]), "exp_avg_sq": _like(p, flat[1])}
+        return out
+
+    def scatter(self, states: dict[int, dict[str, torch.Tensor]], inner) -> None:
+        for index, p in enumerate(self.params):
+            flat = torch.empty(2, local(p).numel(), dtype=p.dtype, device=local(p).device)  # (moments, numel)
+            step = torch.zeros(1, dtype=torch.float64)
+            if self.saver[index] == self.rank:
+                whole = states[id(p)]
+                flat[0] = local(whole["exp_avg"]).reshape(-1)
+                flat[1] = local(whole["exp_avg_sq"]).reshape(-1)
+                step[0] = float(whole["step"])
+            dist.broadcast(flat, group=self.group, group_src=self.saver[index])
+            dist.broadcast(step, group=self.group, group_src=self.saver[index])
+            for pc, v in self._mine(index):
+                inner.state[v] = {"step": torch.tensor(float(step[0]), dtype=torch.float32),
+                                  "exp_avg": flat[0, pc.start:pc.stop].clone(),
+                                  "exp_avg_sq": flat[1, pc.start:pc.stop].clone()}
+
+
+def _like(p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (numel,) shaped like ``p``'s local tensor; a DTensor placed like ``p`` when it is one."""
+    t = flat.view_as(local(p))
+    if isinstance(p, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return t
 
 
 def optimizer_state_bytes(optimizer) -> int:

@@ -57,11 +57,13 @@ def test_checkpoints_are_complete_step_folders(reference):
 
 
 @pytest.mark.parametrize("case", [Case("tp2", "gpt-tiny", tp=2, micro_batch=2),
-                                  Case("pp2", "gpt-tiny", pp=2, micro_batch=2)], ids=lambda c: c.name)
+                                  Case("pp2", "gpt-tiny", pp=2, micro_batch=2),
+                                  Case("dp2-zero1", "gpt-tiny", dp=2, zero=1, micro_batch=2)],  # whole states cut up
+                         ids=lambda c: c.name)
 def test_a_dp2_checkpoint_resumes_under_another_plan(reference, case, tmp_path):
     ck, ref = reference
     run = _launch(case, str(tmp_path), TrainingOptions(resume=os.path.join(ck, "step-3")))
-    assert run["resumed_from_step"] == 3 and run["steps"] == STEPS and run["plan"]["dp"] == 1
+    assert run["resumed_from_step"] == 3 and run["steps"] == STEPS and run["plan"]["dp"] == case.dp
     assert run["losses"][:3] == ref["losses"][:3]  # carried in the checkpoint
     # the summary's step time is this plan's: the steps after the resume, without its first (not the dp2 steps)
     assert run["step_time_s"][:3] == ref["step_time_s"][:3]
@@ -69,6 +71,38 @@ def test_a_dp2_checkpoint_resumes_under_another_plan(reference, case, tmp_path):
     for k in range(3, STEPS):
         got, want = run["losses"][k], ref["losses"][k]
         assert abs(got - want) <= 1e-4 * abs(want), f"{case.name} step {k + 1}: {got} vs uninterrupted {want}"
+
+
+def _saved_tensors(folder: str, tmp_path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint folder, whole, read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = str(tmp_path / f"{os.path.basename(folder)}-{len(os.listdir(tmp_path))}.pt")
+    dcp_to_torch_save(folder, path)
+    return torch.load(path, weights_only=True)
+
+
+def test_a_zero1_checkpoint_saves_whole_states(reference, tmp_path):
+    """ZeRO-1 cuts tensors over the data-parallel ranks (even shares: one of layers.1's MLP weights is split
+    between the two ranks here); its checkpoint holds each parameter's AdamW state whole, as a dp2 run
+    without ZeRO saves it, and another plan (tp2) trains on from it as from the uninterrupted run."""
+    ck_ref, ref = reference
+    ck = str(tmp_path / "ck")
+    run = _launch(Case("dp2-zero1", "gpt-tiny", dp=2, zero=1, micro_batch=2), str(tmp_path / "zero1"),
+                  TrainingOptions(checkpoint_dir=ck, checkpoint_every=EVERY))
+    assert_losses_match(REF, run)
+    want = _saved_tensors(os.path.join(ck_ref, "step-3"), tmp_path)
+    got = _saved_tensors(os.path.join(ck, "step-3"), tmp_path)
+    states = sorted(k for k in want if k.startswith("optim."))
+    assert states and sorted(k for k in got if k.startswith("optim.")) == states
+    for key in states:
+        assert got[key].shape == want[key].shape, key
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-9, msg=key)
+    resumed = _launch(Case("tp2", "gpt-tiny", tp=2, micro_batch=2), str(tmp_path / "tp2"),
+                      TrainingOptions(resume=os.path.join(ck, "step-3")))
+    for k in range(3, STEPS):
+        got_loss, want_loss = resumed["losses"][k], ref["losses"][k]
+        assert abs(got_loss - want_loss) <= 1e-4 * abs(want_loss), f"step {k + 1}: {got_loss} vs {want_loss}"
 
 
 def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint(reference, tmp_path):
