@@ -23,6 +23,7 @@ micro-batch, as torch does.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -42,7 +43,99 @@ SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}
 
 
-class ShardedGradStage(PipelineStage):
+@contextmanager
+def _no_recv_buffers():
+    """While torch's stage sets up its receive descriptors: record each tensor's metadata, allocate nothing."""
+    from torch.distributed.pipelining import stage as torch_stage
+
+    make = torch_stage._make_tensor_from_meta  # torch 2.13's name; an upgrade that renames it fails here
+    torch_stage._make_tensor_from_meta = lambda meta, device: None
+    try:
+        yield
+    finally:
+        torch_stage._make_tensor_from_meta = make
+
+
+class JustInTimeStage(PipelineStage):
+    """A stage that allocates each receive buffer when its receive is posted and lets it go once the
+    micro-batch's computation has taken it.
+
+    torch's PipelineStage (2.13) allocates at set-up one activation buffer (every stage but the first) and one
+    gradient buffer (every stage but the last) per micro-batch, and keeps them all for the whole run
+    (pytorch/pytorch#136380): 2·M boundaries per middle stage, 8 GiB for the README's llama2-70b plan (M = 256
+    micro-batches, boundaries of 16 MiB: 1 x 4096/(cp2·tp2) tokens x 8192 x 2 B), which would not have fitted its
+    80 GiB; the cost model does not price them and the dry run, tracing a few micro-batches, did not see them.
+    Here a buffer lives from its receive until the forward (the stage input, then kept by autograd while the
+    micro-batch is in flight, as the cost model counts it) or backward that consumes it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss, until its backward is done
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        with _no_recv_buffers():
+            super()._setup_forward_recv_info(num_microbatches, has_backward)
+
+    def _create_grad_recv_info(self, act_send_info: dict):
+        with _no_recv_buffers():
+            return super()._create_grad_recv_info(act_send_info)
+
+    def _allocate(self, infos) -> None:
+        from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+        for info in infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+    @staticmethod
+    def _release(infos) -> None:
+        for info in infos:
+            if not info.is_root_arg:
+                info.buffer = None
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        self._allocate(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if self.has_backward and not self.is_last:
+            self._allocate(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        self._allocate(self.grad_recv_info[mb_index])  # torch zeroes the buffer of a gradient that is None
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._release(self.args_recv_info.get(fwd_chunk_id, ()))
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
+        self._release(self.grad_recv_info.get(bwd_chunk_id, ()))
+        if loss is not None:
+            self._losses[bwd_chunk_id] = loss
+            if full_backward:
+                self._let_go_of_graph(bwd_chunk_id)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self._let_go_of_graph(bwd_chunk_id)
+        return out
+
+    def _let_go_of_graph(self, bwd_chunk_id: int) -> None:
+        """The last stage: the schedule keeps each micro-batch's loss until the step ends, and through the loss's
+        autograd graph the stage input, a leaf requiring its gradient (the graph's AccumulateGrad node holds it):
+        one boundary per micro-batch. Once the backward is done the loss is only a number: detach it."""
+        loss = self._losses.pop(bwd_chunk_id, None)
+        if loss is not None and not loss._is_view():
+            loss.detach_()
+
+
+class ShardedGradStage(JustInTimeStage):
     """A stage whose FSDP2 module reduce-scatters gradients after every micro-batch's full backward
     (ZeRO 2 keeps its gathered weights until the step's last backward; ZeRO 3 reshards after each)."""
 
@@ -117,7 +210,7 @@ def build_schedule(modules: list[tuple[int, nn.Module]], job: Job, pp_mesh: Devi
             stages.append(ShardedGradStage(module, index, job.num_stages, device, reshard_after_backward=lay.zero == 3,
                                            **kwargs))
         else:
-            stages.append(PipelineStage(module, index, job.num_stages, device, **kwargs))
+            stages.append(JustInTimeStage(module, index, job.num_stages, device, **kwargs))
     m = lay.num_micro_batches
     if lay.schedule in SINGLE:
         assert len(stages) == 1, f"{lay.schedule} runs one stage per rank"

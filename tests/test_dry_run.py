@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from paraplan.executor.dry_run import dry_run
+from paraplan.executor.dry_run import dry_run, trace_rank
 from paraplan.executor.job import Job
 from paraplan.models import build_model
 from paraplan.planner.layout import recomputes_core
@@ -207,6 +207,30 @@ def test_the_embedding_gradient_is_sharded_like_its_weight(tmp_path, monkeypatch
     rank = dry_run(job, "cpu").to_dict()["ranks"][0]
     assert rank["memory_gib"]["grads"] * 2**30 == 4 * shard == 2_003_456
     assert rank["predicted_memory_breakdown_gib"]["grads"] * 2**30 == pytest.approx(4 * shard, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule,counts", [("1f1b", (4, 8)), ("interleaved-1f1b", (6, 10))])
+def test_pipeline_memory_does_not_grow_with_the_micro_batches(tmp_path, monkeypatch, schedule, counts):
+    """A pipeline rank's peak depends on the micro-batches in flight, not on how many the step runs (the dry run
+    traces the fewest that reach the plan's in-flight peak, executor/dry_run.traced_micro_batches). Two things
+    made it grow by a boundary per micro-batch: torch's PipelineStage allocated a receive buffer per micro-batch
+    and direction for the whole run (pytorch/pytorch#136380; 8 GiB on the README's llama2-70b plan's middle
+    stages), and on the last stage each micro-batch's loss, kept by the schedule until the step ends, held the
+    stage input through its autograd graph. executor/pipeline.JustInTimeStage mends both. Traced here with two
+    counts past the in-flight peak (llama-tiny, pp2, 2 ranks; torch's interleaved schedule holds one micro-batch
+    less at 4 than at 6 or more): the peaks differ by less than one boundary (what grows is the batch's token ids,
+    129 x 8 B per micro-batch, and a transient of the data reader's)."""
+    from paraplan.executor.dry_run import _compute_dtype
+    from paraplan.executor.pipeline import stage_io
+
+    flags = "--dp 1 --tp 1 --pp 2 --micro-batch 1 --schedule " + schedule
+    job = Job.load(_local_plan(tmp_path, monkeypatch, "llama-tiny",
+                               flags + (" --virtual-stages 2" if schedule == "interleaved-1f1b" else "")))
+    boundary, _ = stage_io(job, 1, _compute_dtype(job, "cpu"))
+    boundary_bytes = boundary.numel() * boundary.element_size()  # (1, 128, 128) fp32 on this machine
+    for rank in (0, 1):
+        peaks = [trace_rank(job, rank, "cpu", (2, traced)).tensor_peak_bytes for traced in counts]
+        assert abs(peaks[1] - peaks[0]) < boundary_bytes, (rank, peaks, boundary_bytes)
 
 
 def test_zero1_shares_the_optimizer_states_evenly(tmp_path, monkeypatch):
