@@ -22,6 +22,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+# ZeRO-1 checkpoints move a parameter's state between ranks in runs of this many elements (64 MiB per fp32
+# moment): a rank that does not save the parameter holds no more of it than that
+CHECKPOINT_CHUNK = 1 << 24
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -172,41 +175,63 @@ class _Section:
     def _mine(self, index: int) -> list[tuple[Piece, nn.Parameter]]:
         return [(pc, v) for pc, v in zip(self.shares[self.rank], self.views, strict=True) if pc.index == index]
 
+    def _chunks(self, p: nn.Parameter):
+        """``p``'s flattened elements in runs of at most CHECKPOINT_CHUNK, so that no rank holds a whole
+        tensor's state but the one saving it."""
+        n = local(p).numel()
+        return [(a, min(n, a + CHECKPOINT_CHUNK)) for a in range(0, n, CHECKPOINT_CHUNK)]
+
+    def _overlaps(self, index: int, a: int, b: int):
+        """(piece, its view, start and stop within ``a:b``) of this rank's pieces of parameter ``index`` there."""
+        for pc, v in self._mine(index):
+            lo, hi = max(pc.start, a), min(pc.stop, b)
+            if lo < hi:
+                yield v, lo - pc.start, hi - pc.start, lo - a, hi - a
+
     def gather(self, inner) -> dict[int, dict[str, torch.Tensor]]:
         out = {}
         for index, p in enumerate(self.params):
-            flat = torch.zeros(2, local(p).numel(), dtype=p.dtype, device=local(p).device)  # (moments, numel)
-            steps = torch.zeros(2, dtype=torch.float64)  # (sum of the pieces' steps, pieces)
-            for pc, v in self._mine(index):
-                state = inner.state.get(v, {})
-                if state:
-                    flat[0, pc.start:pc.stop] = state["exp_avg"]
-                    flat[1, pc.start:pc.stop] = state["exp_avg_sq"]
-                    steps += torch.tensor([float(state["step"]), 1.0], dtype=torch.float64)
+            steps = torch.zeros(2, dtype=torch.float64)  # (sum of the pieces' steps, pieces with a state)
+            for _, v in self._mine(index):
+                if inner.state.get(v):
+                    steps += torch.tensor([float(inner.state[v]["step"]), 1.0], dtype=torch.float64)
             dist.all_reduce(steps, group=self.group)
             if steps[1] == 0:  # no piece has a state yet (never stepped)
                 continue
-            dist.reduce(flat, group=self.group, group_dst=self.saver[index])
-            if self.saver[index] == self.rank:
+            saver = self.saver[index] == self.rank
+            whole = torch.empty(2, local(p).numel(), dtype=p.dtype, device=local(p).device) if saver else None
+            for a, b in self._chunks(p):
+                buf = torch.zeros(2, b - a, dtype=p.dtype, device=local(p).device)  # (moments, chunk)
+                for v, s0, s1, c0, c1 in self._overlaps(index, a, b):
+                    state = inner.state.get(v)
+                    if state:
+                        buf[0, c0:c1] = state["exp_avg"][s0:s1]
+                        buf[1, c0:c1] = state["exp_avg_sq"][s0:s1]
+                dist.reduce(buf, group=self.group, group_dst=self.saver[index])
+                if saver:
+                    whole[:, a:b] = buf
+            if saver:
                 out[id(p)] = {"step": torch.tensor(float(steps[0] / steps[1]), dtype=torch.float32),
-                              "exp_avg": _like(p, flat[0]), "exp_avg_sq": _like(p, flat[1])}
+                              "exp_avg": _like(p, whole[0]), "exp_avg_sq": _like(p, whole[1])}
         return out
 
     def scatter(self, states: dict[int, dict[str, torch.Tensor]], inner) -> None:
         for index, p in enumerate(self.params):
-            flat = torch.empty(2, local(p).numel(), dtype=p.dtype, device=local(p).device)  # (moments, numel)
-            step = torch.zeros(1, dtype=torch.float64)
-            if self.saver[index] == self.rank:
-                whole = states[id(p)]
-                flat[0] = local(whole["exp_avg"]).reshape(-1)
-                flat[1] = local(whole["exp_avg_sq"]).reshape(-1)
-                step[0] = float(whole["step"])
-            dist.broadcast(flat, group=self.group, group_src=self.saver[index])
-            dist.broadcast(step, group=self.group, group_src=self.saver[index])
-            for pc, v in self._mine(index):
+            saver = self.saver[index]
+            step = torch.tensor([float(states[id(p)]["step"]) if saver == self.rank else 0.0], dtype=torch.float64)
+            dist.broadcast(step, group=self.group, group_src=saver)
+            for _, v in self._mine(index):
                 inner.state[v] = {"step": torch.tensor(float(step[0]), dtype=torch.float32),
-                                  "exp_avg": flat[0, pc.start:pc.stop].clone(),
-                                  "exp_avg_sq": flat[1, pc.start:pc.stop].clone()}
+                                  "exp_avg": torch.empty_like(v), "exp_avg_sq": torch.empty_like(v)}
+            for a, b in self._chunks(p):
+                if saver == self.rank:
+                    buf = torch.stack([local(states[id(p)][k]).reshape(-1)[a:b] for k in ("exp_avg", "exp_avg_sq")])
+                else:
+                    buf = torch.empty(2, b - a, dtype=p.dtype, device=local(p).device)  # (moments, chunk)
+                dist.broadcast(buf, group=self.group, group_src=saver)
+                for v, s0, s1, c0, c1 in self._overlaps(index, a, b):
+                    inner.state[v]["exp_avg"][s0:s1] = buf[0, c0:c1]
+                    inner.state[v]["exp_avg_sq"][s0:s1] = buf[1, c0:c1]
 
 
 def _like(p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:

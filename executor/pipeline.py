@@ -103,7 +103,8 @@ class JustInTimeStage(PipelineStage):
         return super().get_bwd_recv_ops(bwd_chunk_id)
 
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
-        self._allocate(self.grad_recv_info[mb_index])  # torch zeroes the buffer of a gradient that is None
+        infos = self.grad_recv_info[mb_index]  # torch zeroes the buffer of a gradient that is None: one is needed
+        self._allocate([info for info, g in zip(infos, next_stage_bwd_outputs, strict=False) if g is None])
         super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
