@@ -5,6 +5,7 @@ crosses several runs and a run crosses the ranks' boundary)."""
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -22,7 +23,7 @@ STEPS = 2
 
 
 def test_even_shares_cover_every_element_once():
-    sizes = [37 * 5, 11, 64 * 3, 7]
+    sizes = [math.prod(shape) for shape in SHAPES]
     shares = optim.flat_shares(sizes, 2)
     assert [sum(p.stop - p.start for p in share) for share in shares] == [198, 197]
     covered = sorted((p.index, i) for share in shares for p in share for i in range(p.start, p.stop))
@@ -77,9 +78,9 @@ def _rank(rank: int, port: int, folder: str) -> None:
         states = opt.whole_states()
         fresh = optim.ShardedOptimizer(params, dist.group.WORLD)
         fresh.load_whole_states(states)
+        keys = ("exp_avg", "exp_avg_sq", "step")
         reloaded_equal = all(torch.equal(fresh.inner.state[b][k], opt.inner.state[a][k])
-                             for a, b in zip(opt.views, fresh.views, strict=True) for k in ("exp_avg", "exp_avg_sq",
-                                                                                           "step"))
+                             for a, b in zip(opt.views, fresh.views, strict=True) for k in keys)
         index = {id(p): i for i, p in enumerate(params)}
         torch.save({"params": [p.detach().clone() for p in params],
                     "states": {index[k]: {n: t.clone() for n, t in s.items()} for k, s in states.items()},
