@@ -56,6 +56,13 @@ def _no_recv_buffers():
         torch_stage._make_tensor_from_meta = make
 
 
+# torch 2.13's PipelineStage methods JustInTimeStage overrides: were one renamed, torch would allocate every
+# buffer again without a word, so an upgrade that renames one stops here instead
+_RECV_HOOKS = ("_setup_forward_recv_info", "_create_grad_recv_info", "get_fwd_recv_ops", "get_bwd_recv_ops",
+               "set_local_bwd_input", "forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+assert all(hasattr(PipelineStage, name) for name in _RECV_HOOKS), "torch's PipelineStage changed: see JustInTimeStage"
+
+
 class JustInTimeStage(PipelineStage):
     """A stage that allocates each receive buffer when its receive is posted and lets it go once the
     micro-batch's computation has taken it.
