@@ -140,6 +140,9 @@ class _Section:
         self.shares = flat_shares([local(p).numel() for p in params], size)
         self.saver = partition(params, size)
         self.views = [nn.Parameter(self._flat(piece.index)[piece.start:piece.stop]) for piece in self.shares[self.rank]]
+        self._mine: dict[int, list[tuple[Piece, nn.Parameter]]] = {}  # parameter index -> this rank's pieces of it
+        for piece, view in zip(self.shares[self.rank], self.views, strict=True):
+            self._mine.setdefault(piece.index, []).append((piece, view))
 
     def _flat(self, index: int) -> torch.Tensor:
         t = local(self.params[index]).detach()
@@ -172,9 +175,6 @@ class _Section:
                     self._flat(pc.index)[pc.start:pc.stop].copy_(flat[offset:offset + n])
                     offset += n
 
-    def _mine(self, index: int) -> list[tuple[Piece, nn.Parameter]]:
-        return [(pc, v) for pc, v in zip(self.shares[self.rank], self.views, strict=True) if pc.index == index]
-
     def _chunks(self, p: nn.Parameter):
         """``p``'s flattened elements in runs of at most CHECKPOINT_CHUNK, so that no rank holds a whole
         tensor's state but the one saving it."""
@@ -182,8 +182,9 @@ class _Section:
         return [(a, min(n, a + CHECKPOINT_CHUNK)) for a in range(0, n, CHECKPOINT_CHUNK)]
 
     def _overlaps(self, index: int, a: int, b: int):
-        """(piece, its view, start and stop within ``a:b``) of this rank's pieces of parameter ``index`` there."""
-        for pc, v in self._mine(index):
+        """(view, start and stop in the view, start and stop in ``a:b``) of each of this rank's pieces of parameter
+        ``index`` that elements ``a:b`` of the parameter overlap."""
+        for pc, v in self._mine.get(index, ()):
             lo, hi = max(pc.start, a), min(pc.stop, b)
             if lo < hi:
                 yield v, lo - pc.start, hi - pc.start, lo - a, hi - a
@@ -192,7 +193,7 @@ class _Section:
         out = {}
         for index, p in enumerate(self.params):
             steps = torch.zeros(2, dtype=torch.float64)  # (sum of the pieces' steps, pieces with a state)
-            for _, v in self._mine(index):
+            for _, v in self._mine.get(index, ()):
                 if inner.state.get(v):
                     steps += torch.tensor([float(inner.state[v]["step"]), 1.0], dtype=torch.float64)
             dist.all_reduce(steps, group=self.group)
@@ -220,7 +221,7 @@ class _Section:
             saver = self.saver[index]
             step = torch.tensor([float(states[id(p)]["step"]) if saver == self.rank else 0.0], dtype=torch.float64)
             dist.broadcast(step, group=self.group, group_src=saver)
-            for _, v in self._mine(index):
+            for _, v in self._mine.get(index, ()):
                 inner.state[v] = {"step": torch.tensor(float(step[0]), dtype=torch.float32),
                                   "exp_avg": torch.empty_like(v), "exp_avg_sq": torch.empty_like(v)}
             for a, b in self._chunks(p):
