@@ -46,6 +46,7 @@ from .memory import (
     layer_activation_bytes,
     loss_bytes,
     rank_memory,
+    staged_unit_params,
     state_bytes,
 )
 from .placement import Placement, consecutive_group, layout_placement
@@ -84,6 +85,13 @@ class BlockCost:
     ep_time: float = 0.0
     a2a_bytes: float = 0.0
     host: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (calibrated per event; 0 on GPUs)
+
+    @property
+    def reduce_unit(self) -> float:
+        """Parameters of the largest FSDP unit of this block that reduces its gradients alone: the layer's own, or its
+        expert-parallel experts', a unit of their own over edp (executor/data_parallel.py); both are gathered at
+        once, so ZeRO-3's gathered unit stays ``params``."""
+        return max(self.params - self.experts, self.experts)
 
 
 # BlockCost fields summed over a stage (prefix sums per block table), in this order
@@ -211,6 +219,7 @@ class StageCost:
     a2a_bytes: float = 0.0  # all-to-all bytes per micro-batch
     host_time: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (its blocks' and the stage's own)
     largest_unit: float = 0.0  # parameters of its largest non-root block on a rank (an FSDP unit)
+    largest_reduce_unit: float = 0.0  # of its non-root blocks, the largest BlockCost.reduce_unit
 
     @property
     def t_f(self) -> float:
@@ -365,6 +374,7 @@ class _LayoutStages:
         st.tp_traffic = (ar, ag, rs)
         st.act_working = max(table.working[lo:hi])
         st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
+        st.largest_reduce_unit = max((c.reduce_unit for c in table.costs[lo:hi] if not c.root), default=0.0)
         tied = self.last_layer.tied_params
         if tied and lo == 0 and hi == self.n_blocks:  # one copy of a tied weight on this rank
             shared = tied * (table.costs[-1].params / self.last_layer.params)
@@ -893,9 +903,11 @@ class CostModel:
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
+        staged = staged_unit_params(states[0], max(costs[s].largest_reduce_unit for s in stages),
+                                    [costs[s].root_params for s in stages])
         return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, activations,
                            self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
-                           root_params=sum(costs[s].root_params for s in stages))
+                           root_params=sum(costs[s].root_params for s in stages), staged_params=staged)
 
     def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
                             holding, states: tuple, cap_gib: float) -> Callable[[], bool]:

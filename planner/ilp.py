@@ -262,6 +262,9 @@ class StageILP:
         X, M = ({s: 0 for s in range(S)} for _ in range(2))  # expert-parallel experts, MoE weights summed over tp
         work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
         big_params = pulp.LpVariable("largest_layer_params", lowBound=0)  # the largest transformer-layer unit
+        # the largest unit reducing alone (BlockCost.reduce_unit): the layer's without its experts, or the experts'
+        split_units = any(c.experts for c in self.cost.values())
+        big_reduce = pulp.LpVariable("largest_reduce_unit", lowBound=0) if split_units else big_params
         Root = {s: 0 for s in range(S)}  # parameters of each stage's root unit (memory.StateBytes)
         if self.repeated:
             L = self.n - 2
@@ -318,6 +321,8 @@ class StageILP:
             if S == 1 and tied:  # one copy of a tied embedding/head weight (the cost model's rule)
                 P[0] -= tied * self.cost[(self.n - 1, "none")].params / self.prof.layers[-1].params
             prob += big_params >= self.cost[(1, self.modes[0])].params, "largest_block_layer"
+            if split_units:
+                prob += big_reduce >= self.cost[(1, self.modes[0])].reduce_unit, "largest_reduce_unit_layer"
             assign = ("counts", cnt)
         else:
             window = self._block_windows()  # the stages each block can be in (all but with chunks, v > 1)
@@ -351,6 +356,8 @@ class StageILP:
                         prob += work_vars[s] >= c.act_working * xv, f"working_{i}_{s}_{u}"
                         if not c.root:
                             prob += big_params >= c.params * xv, f"largest_block_{i}_{s}_{u}"
+                            if split_units:
+                                prob += big_reduce >= c.reduce_unit * xv, f"largest_reduce_unit_{i}_{s}_{u}"
             for k, sums in zip("FBWfbAPRXMr", (F, B, W, Fc, Bc, A, P, R, X, M, Root), strict=True):
                 for st in range(S):
                     sums[st] = pulp.LpAffineExpression(terms[k][st])
@@ -445,7 +452,15 @@ class StageILP:
                 arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
                 prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
                 grads = arriving
-            units = (states.unit_weights + states.unit_grads) * big_params \
+            staged = big_reduce  # the reduce buffers' units (memory.staged_unit_params): per chunk where held
+            if states.staging_held and states.unit_grads:
+                staged = 0
+                for s in ranks[r]:
+                    unit_s = pulp.LpVariable(f"staged_unit_stage_{s}", lowBound=0)
+                    prob += unit_s >= big_reduce, f"staged_unit_stage_{s}_layers"
+                    prob += unit_s >= Root[s], f"staged_unit_stage_{s}_root"
+                    staged += unit_s
+            units = states.unit_weights * big_params + states.unit_grads * staged \
                 + states.root_weights * pulp.lpSum(Root[s] for s in ranks[r])
             tensors = (states.weights + states.optimizer) * load.params + units + grads \
                 + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working

@@ -141,8 +141,9 @@ class StateBytes:
     grads: float
     optimizer: float
     unit_weights: float = 0.0
-    unit_grads: float = 0.0  # per parameter of the largest layer unit: its gradient being reduced (staging)
+    unit_grads: float = 0.0  # per parameter of the staged unit, per chunk on the rank: its gradient being reduced
     root_weights: float = 0.0  # per parameter of the root unit (embedding, head): kept gathered all step (ZeRO 3)
+    staging_held: bool = False  # each pipeline chunk keeps its last reduce buffer (staged_unit_params)
 
     @property
     def per_param(self) -> float:
@@ -238,10 +239,15 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     # FSDP2 reduces a unit's gradient through a flat fp32 buffer of the whole unit (traced: 4 B per parameter
     # of the unit); it meets the activation peak where units reduce during a backward — every micro-batch
     # (ZeRO 2/3 outside ZB-V) or the last one without a pipeline — not after a pipeline's last backward.
+    # Each FSDP root (one per pipeline chunk) keeps its last reduce-scatter's buffer until its next backward where the
+    # backward is not the step's last (FSDPCommContext.reduce_scatter_states, cleared by the root's final callback on
+    # the last backward only): the pipeline stages mark the others so (executor/pipeline.ShardedGradStage), the
+    # trainer without a pipeline does not. rank_memory then counts one per chunk (staged_unit_params).
     # DDP's buckets are views of the gradients.
     during_backward = (sharded and not unsharded_sums) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
-    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root)
+    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root,
+                      staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1)
 
 
 def sums_unsharded(framework, pp: int, schedule: str) -> bool:
@@ -253,11 +259,15 @@ def sums_unsharded(framework, pp: int, schedule: str) -> bool:
 
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
                 grads_arrive_after: float | None = None, experts: float = 0.0,
-                expert_states: StateBytes | None = None, root_params: float = 0.0) -> dict[str, float]:
+                expert_states: StateBytes | None = None, root_params: float = 0.0,
+                staged_params: float | None = None) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
     what no tensor shows — the framework allowance and the allocator's fragmentation (``other``).
+
+    ``staged_params``: the parameters whose gradients sit in reduce-scatter buffers at the peak (states.unit_grads
+    bytes each): :func:`staged_unit_params`; None: one largest layer unit.
 
     ``grads_arrive_after``: when the activation peak comes before the rank's first backward has produced
     gradients (one micro-batch, or the pipeline's warm-up peak), the bytes of activations that first backward
@@ -272,11 +282,30 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
         grads = max(0.0, grads - grads_arrive_after)
     out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
            + root_params * states.root_weights,
-           "grads": grads + unit_params * states.unit_grads,
+           "grads": grads + (unit_params if staged_params is None else staged_params) * states.unit_grads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}
     out["other"] = untracked_bytes(gpu, sum(out.values()))
     return out
+
+
+def staged_unit_params(states: StateBytes, largest_layer_unit: float, root_units: list[float]) -> float:
+    """Parameters whose fp32 gradients FSDP2 holds in reduce buffers at a rank's peak (states.unit_grads bytes each).
+
+    Where pipelined units reduce every micro-batch (ZeRO 2/3 outside ZB-V: ``states.staging_held``), each pipeline
+    chunk on the rank keeps the buffer of the last unit it reduced — its root unit (embedding, norm and head: the
+    last to reduce) or its first layer — until its next backward, and the chunk in its backward holds the one it is
+    reducing, up to its largest unit: priced per chunk (``root_units``: each chunk's root unit) as the larger of its
+    root unit and the rank's largest layer unit (``largest_layer_unit``, BlockCost.reduce_unit). Otherwise (no
+    pipeline, or one reduce after the last backward) the unit being reduced: the largest layer unit.
+
+    Traced (executor/trace.py), llama2-70b dp2 tp2 pp8 cp2 interleaved x4 ZeRO-2: four (427,835,392,) fp32 buffers
+    on every rank (6.4 GiB; one was priced); llama-small tp2 pp2 ZeRO-2: under 1F1B the embedding's 65.5 MB buffer
+    on the first stage and the head's on the last, where a 23.6 MB layer unit was priced; interleaved x2, the head's
+    and a layer's on the last rank."""
+    if not states.staging_held:
+        return largest_layer_unit
+    return sum(max(largest_layer_unit, root) for root in root_units)
 
 
 def untracked_bytes(gpu: GPUSpec, tensor_bytes: float) -> float:

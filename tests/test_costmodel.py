@@ -653,6 +653,30 @@ def test_executor_interleaved_zero3_keeps_its_gathered_copy():
                                                                                    virtual_stages=1)).weights
 
 
+def test_pipelined_zero2_holds_one_reduce_buffer_per_chunk():
+    """FSDP2 keeps each root's last reduce-scatter input (fp32, 4 B per parameter of the unit) until its next
+    backward unless that backward is the step's last (torch/distributed/fsdp/_fully_shard/_fsdp_state.py,
+    _root_post_backward_final_callback); the pipeline stages mark every other backward not last, so each chunk on a
+    rank holds one: its root unit's (embedding, head) or a layer's. Without a pipeline the final callback frees it,
+    and ZB-V reduces once, after the last backward."""
+    from paraplan.planner.framework import framework
+    from paraplan.planner.memory import staged_unit_params, state_bytes
+
+    fw = framework("paraplan")
+    interleaved = Layout(dp=2, tp=1, pp=2, micro_batch=1, global_batch=16, schedule="interleaved-1f1b",
+                         virtual_stages=2, zero=2)
+    held = state_bytes(fw, interleaved)
+    assert held.staging_held and held.unit_grads == 4.0
+    # two chunks: one whose root unit (an embedding of 25) outweighs the largest layer unit (10), one without a root
+    assert staged_unit_params(held, 10.0, [25.0, 0.0]) == 35.0
+    assert staged_unit_params(held, 10.0, [0.0, 0.0, 0.0, 0.0]) == 40.0  # four chunks of layers
+    for lay in (interleaved.replace(pp=1, schedule="1f1b", virtual_stages=1),
+                interleaved.replace(schedule="zb-v"), interleaved.replace(zero=1)):
+        assert not state_bytes(fw, lay).staging_held
+        assert staged_unit_params(state_bytes(fw, lay), 10.0, [25.0, 0.0]) == 10.0  # the unit being reduced
+    assert not state_bytes(framework("megatron-core"), interleaved).staging_held
+
+
 @pytest.mark.parametrize("pp,v,m", [(2, 4, 16), (8, 4, 32), (2, 6, 16), (4, 8, 8), (4, 5, 12), (3, 4, 7), (2, 3, 16),
                                     (2, 4, 64), (3, 5, 41), (4, 6, 50), (8, 5, 120)])  # the last four extended
 def test_runtime_unshards_count_torchs_own_lowering(pp, v, m):

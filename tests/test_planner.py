@@ -884,8 +884,10 @@ def test_heuristic_search_splits_chunked_layouts_without_an_ilp_and_loses_nothin
 def test_chunks_of_unlike_transformer_layers_take_the_quick_split_too(tmp_path):
     """Dense and MoE layers (DeepSeek's first dense layers) are unlike, but the chunk rule leaves their interleaved
     layouts as little to choose: the default search polishes the quick split without an ILP (an ILP's problem is
-    thousands of binaries there), and on 4 GPUs of 2 GiB its best interleaved plan is the proof mode's, each of its
-    top plans within 2% of the proof's price for that layout."""
+    thousands of binaries there), and on 4 GPUs of 2 GiB its best interleaved plan is within 2% of the proof mode's,
+    each of its top plans within 2% of the proof's price for that layout. (Both found the same best, dp2 ep2 x4 ZeRO-2,
+    until its chunks' reduce buffers were priced one per chunk: it no longer fits, and the next, dp1 tp2 ep2 x4, has
+    its polished quick split 1.2% above its ILP's split.)"""
     path = tmp_path / "tight.yaml"
     path.write_text(TIGHT)
     mixed = spec_from_mapping(dict(name="dense-then-moe", family="llama", num_layers=8, hidden_size=512,
@@ -898,7 +900,7 @@ def test_chunks_of_unlike_transformer_layers_take_the_quick_split_too(tmp_path):
     proof = search(work, 4, top_k=3, layouts=chunked, refine_slack=None)
     assert fast.ilp_solves == 0 and proof.ilp_solves > 0
     assert all("no ILP" in c.solver for c in fast.ranked) and any("without an ILP" in n for n in fast.notes)
-    assert fast.best.time_s == pytest.approx(proof.best.time_s, rel=1e-9)
+    assert proof.best.time_s <= fast.best.time_s <= proof.best.time_s * 1.02
     proven = {c.layout: c.time_s for c in proof.candidates if c.status == "ok"}
     for c in fast.ranked:
         assert c.time_s <= proven.get(c.layout, c.time_s) * 1.02
@@ -906,9 +908,10 @@ def test_chunks_of_unlike_transformer_layers_take_the_quick_split_too(tmp_path):
 
 def test_a_layer_off_the_first_chunk_spares_its_rank_the_recomputation():
     """llama2-70b on 64 H100s, dp2 tp2 pp8 cp2 interleaved x4: the even split makes rank 0 (15 micro-batches of its
-    first chunk held at its peak) recompute; with one layer moved off that chunk (the planner's rule lets an end
-    chunk hold one fewer) nothing is recomputed. Each such split keeps the chunk rule and the ILP's symmetry
-    rows, and the search's answer for the layout is never slower than the split it started from."""
+    first chunk held at its peak) recompute that chunk fully; with one layer moved off it (the planner's rule lets an
+    end chunk hold one fewer) the chunk needs selective recomputation only, and the rank recomputes less. Each such
+    split keeps the chunk rule and the ILP's symmetry rows, and the search's answer for the layout is never slower
+    than the split it started from."""
     from paraplan.planner import ilp
     from paraplan.planner.costmodel import even_stages, least_recompute_prediction, lighter_end_stages
 
@@ -924,7 +927,9 @@ def test_a_layer_off_the_first_chunk_spares_its_rank_the_recomputation():
     assert all(chunks_balanced([c.blocks for c in p.stages], n_blocks, True) for p in lighter if p is not None)
     assert all(ilp._start_accepted(model, lay, modes, p) for p in lighter if p is not None)
     best = min((p for p in lighter if p is not None), key=lambda p: p.iteration_time_s)
-    assert all(c.recompute == "none" for c in best.stages)
+    rank_0 = lambda p: sum(c.recompute_time for c in p.stages if c.rank == 0)  # noqa: E731
+    assert even.stages[0].recompute == "full" and best.stages[0].recompute in ("selective", "none")
+    assert rank_0(best) < rank_0(even)
     assert best.iteration_time_s < even.iteration_time_s
     assert ilp.polished_quick_split(model, lay, even).prediction.iteration_time_s <= best.iteration_time_s
     assert best_partition(model, lay, start=best).prediction.iteration_time_s <= best.iteration_time_s * (1 + 1e-12)
