@@ -125,6 +125,8 @@ class SearchResult:
     dtype: str
     notes: list[str] = field(default_factory=list)
     model: CostModel | None = None  # its per-block caches serve later searches of the same workload
+    top_k: int = 0  # the plans asked for
+    options: dict = field(default_factory=dict)  # search()'s allowed_modes and refine_slack: to search more alike
 
     @property
     def best(self) -> Candidate | None:
@@ -1014,7 +1016,7 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
 def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
            progress: Callable[[int, int], None] | None = None, layouts: list[Layout] | None = None,
            allowed_modes: tuple[str, ...] | None = None, refine_slack: float | None = 0.05,
-           model: CostModel | None = None) -> SearchResult:
+           model: CostModel | None = None, beat_s: float | None = None) -> SearchResult:
     """Find the ``top_k`` fastest layouts of ``work`` on ``gpus`` GPUs that fit, with every candidate's status.
 
     Pruning: a layout is dropped without an ILP when its lower bound cannot beat the k-th best time
@@ -1023,7 +1025,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     time (plus ``CUTOFF_MARGIN``) as a cutoff, proves no split beats it. In that heuristic mode, interleaved and V
     layouts of transformer layers take their quick split polished, without an ILP (ilp.polished_quick_split).
     ``model``: a cost model of ``work`` from an earlier search (e.g. ``result.model``), whose cached block costs
-    are reused.
+    are reused. ``beat_s``: a time the plans must beat, as if ``top_k`` plans of that price were found already
+    (refine.py searches again so the layouts an earlier search pruned: only those that may beat its shown plans).
     """
     t0 = time.perf_counter()
     dtype = dtype or work.default_dtype()
@@ -1067,6 +1070,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     quick: list[tuple[float, int]] = []
     kth: list[float] = []  # the k best prices so far (a max-heap of -t): quick prices, or polished ones
     best_times: list[float] = []  # the k best refined prices (polished or by ILP; a max-heap of -t)
+    if beat_s is not None:
+        kth, best_times = [-beat_s] * top_k, [-beat_s] * top_k
     early = refine_slack is not None  # heuristic mode: a polish-only layout entering the k best is polished at once
     while waiting:
         _, idx, stage, cand = waiting[0]
@@ -1190,7 +1195,8 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                      "--exhaustive runs one for each)")
     return SearchResult(work=work, gpus=gpus, ranked=order[:top_k], candidates=candidates,
                         search_time_s=time.perf_counter() - t0, ilp_solves=solves, dtype=dtype, model=model,
-                        notes=notes)
+                        notes=notes, top_k=top_k,
+                        options={"allowed_modes": allowed_modes, "refine_slack": refine_slack})
 
 
 def _polish_ahead(model: CostModel, fut, pending: list[Candidate], ahead: dict[int, Any], threshold: float,
