@@ -94,6 +94,12 @@ class BlockCost:
         return max(self.params - self.experts, self.experts)
 
 
+# torch's input backward keeps each weight-carrying op's output gradient until the deferred weight backward
+# (pipelining/_backward.py, param_group["grads"]), which the held activations do not count yet (README, the dry run)
+ZBV_MEMORY_NOTE = ("ZB-V's memory is priced too lean on the last pipeline ranks (up to 19% below the executor's dry "
+                   "run: the gradients kept from each input backward to its weight backward are not counted); check "
+                   "the plan with plan --verify or execute --dry-run before trusting it to fit")
+
 # BlockCost fields summed over a stage (prefix sums per block table), in this order
 SUMMED = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
           "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter",
@@ -1149,6 +1155,8 @@ class CostModel:
             notes.append(f"grads {breakdowns[worst]['grads']:.1f} GiB counts only the gradients beyond the activations "
                          "the worst rank's first backward frees: its memory peaks before that backward, when no "
                          "gradient exists yet")
+        if lay.schedule == "zb-v" and lay.pp > 1 and work.framework.runs_on_executor:
+            notes.append(ZBV_MEMORY_NOTE)
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")
