@@ -258,16 +258,15 @@ def sums_unsharded(framework, pp: int, schedule: str) -> bool:
 
 
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
-                grads_arrive_after: float | None = None, experts: float = 0.0,
-                expert_states: StateBytes | None = None, root_params: float = 0.0,
-                staged_params: float | None = None) -> dict[str, float]:
+                grads_arrive_after: float | None = None, *, staged_params: float, experts: float = 0.0,
+                expert_states: StateBytes | None = None, root_params: float = 0.0) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
     what no tensor shows — the framework allowance and the allocator's fragmentation (``other``).
 
     ``staged_params``: the parameters whose gradients sit in reduce-scatter buffers at the peak (states.unit_grads
-    bytes each): :func:`staged_unit_params`; None: one largest layer unit.
+    bytes each): :func:`staged_unit_params`.
 
     ``grads_arrive_after``: when the activation peak comes before the rank's first backward has produced
     gradients (one micro-batch, or the pipeline's warm-up peak), the bytes of activations that first backward
@@ -282,7 +281,7 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
         grads = max(0.0, grads - grads_arrive_after)
     out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
            + root_params * states.root_weights,
-           "grads": grads + (unit_params if staged_params is None else staged_params) * states.unit_grads,
+           "grads": grads + staged_params * states.unit_grads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}
     out["other"] = untracked_bytes(gpu, sum(out.values()))

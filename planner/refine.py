@@ -26,7 +26,7 @@ from __future__ import annotations
 from .api import EVENT_SIM_MAX_TASKS, event_sim_tasks  # beyond it (as in `simulate`) the closed form stands
 from .costmodel import ZBV_MEMORY_NOTE, CostModel
 from .gc_pause import without_gc_pauses
-from .search import SearchResult, ranked
+from .search import SearchResult, ranked, search
 
 
 @without_gc_pauses
@@ -50,8 +50,9 @@ def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> Non
         again = [c for c in result.candidates if c.status == "pruned" and c.lower_bound_s < bar]
         if not again:
             break
-        waiting = _search_again(result, model, again, k, searched_again, bar)
-    if any(c.layout.schedule == "zb-v" and ZBV_MEMORY_NOTE in c.prediction.notes for c in kept[:k]) \
+        searched_again.update(c.layout for c in again)
+        waiting = _search_again(result, model, again, k, bar)
+    if any(ZBV_MEMORY_NOTE in c.prediction.notes for c in kept[:k]) \
             and ZBV_MEMORY_NOTE not in result.notes:  # a ZB-V row shown: say so beside the table, not only in its JSON
         result.notes.append(ZBV_MEMORY_NOTE)
     if searched_again:
@@ -72,13 +73,10 @@ def _admit(model: CostModel, waiting: list, kept: list, k: int) -> None:
     kept.sort(key=lambda c: c.time_s)
 
 
-def _search_again(result: SearchResult, model: CostModel, again: list, k: int, searched_again: set, bar: float) -> list:
+def _search_again(result: SearchResult, model: CostModel, again: list, k: int, bar: float) -> list:
     """The layouts of ``again`` (pruned on a bound below ``bar``, the k-th simulated time) searched again, alone, with
     the first search's options, for plans that beat ``bar``; their candidates take the old ones' places in ``result``.
     Returns those priced."""
-    from .search import search
-
-    searched_again.update(c.layout for c in again)
     sub = search(result.work, result.gpus, top_k=k, dtype=result.dtype, layouts=[c.layout for c in again],
                  model=model, beat_s=bar if bar < float("inf") else None, **result.options)
     where = {id(c): i for i, c in enumerate(result.candidates)}
