@@ -45,6 +45,7 @@ from .memory import (
     ddp_buckets,
     layer_activation_bytes,
     loss_bytes,
+    pending_weight_grad_bytes,
     rank_memory,
     staged_unit_params,
     state_bytes,
@@ -85,6 +86,7 @@ class BlockCost:
     ep_time: float = 0.0
     a2a_bytes: float = 0.0
     host: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (calibrated per event; 0 on GPUs)
+    dw_pending: float = 0.0  # kept from a zero-bubble input backward to its weight backward (pending_weight_grad_bytes)
 
     @property
     def reduce_unit(self) -> float:
@@ -94,16 +96,10 @@ class BlockCost:
         return max(self.params - self.experts, self.experts)
 
 
-# torch's input backward keeps each weight-carrying op's output gradient until the deferred weight backward
-# (pipelining/_backward.py, param_group["grads"]), which the held activations do not count yet (README, the dry run)
-ZBV_MEMORY_NOTE = ("ZB-V's memory is priced too lean on the last pipeline ranks (up to 19% below the executor's dry "
-                   "run: the gradients kept from each input backward to its weight backward are not counted); check "
-                   "the plan with plan --verify or execute --dry-run before trusting it to fit")
-
 # BlockCost fields summed over a stage (prefix sums per block table), in this order
 SUMMED = ("fwd", "bwd_input", "bwd_weight", "recompute", "tp_fwd", "tp_bwd", "act_bytes", "params",
           "recompute_flops", "root_params", "replicated", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter",
-          "cp_time", "cp_send_recv", "experts", "moe_shared", "ep_time", "a2a_bytes", "host")
+          "cp_time", "cp_send_recv", "experts", "moe_shared", "ep_time", "a2a_bytes", "host", "dw_pending")
 
 
 def _field(cost: BlockCost, name: str) -> float:
@@ -226,6 +222,10 @@ class StageCost:
     host_time: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (its blocks' and the stage's own)
     largest_unit: float = 0.0  # parameters of its largest non-root block on a rank (an FSDP unit)
     largest_reduce_unit: float = 0.0  # of its non-root blocks, the largest BlockCost.reduce_unit
+    # bytes per micro-batch kept from a zero-bubble input backward to its weight backward: its blocks' output
+    # gradients (BlockCost.dw_pending; none on the first stage, whose input backward does nothing: torch runs its
+    # whole backward at W) and the gradient received for its output (the stage's backward_state), but the last's
+    dw_pending: float = 0.0
 
     @property
     def t_f(self) -> float:
@@ -376,11 +376,17 @@ class _LayoutStages:
         lo, hi = blocks[0], blocks[-1] + 1
         (st.fwd, st.bwd_input, st.bwd_weight, st.recompute_time, st.tp_fwd, st.tp_bwd, st.act_bytes, st.params,
          st.recompute_flops, st.root_params, st.replicated_params, ar, ag, rs, st.cp_time, st.p2p_bytes,
-         st.experts, st.moe_shared, st.ep_time, st.a2a_bytes, st.host_time) = table.span(lo, hi)
+         st.experts, st.moe_shared, st.ep_time, st.a2a_bytes, st.host_time, st.dw_pending) = table.span(lo, hi)
         st.tp_traffic = (ar, ag, rs)
         st.act_working = max(table.working[lo:hi])
         st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
         st.largest_reduce_unit = max((c.reduce_unit for c in table.costs[lo:hi] if not c.root), default=0.0)
+        if not s:  # torch's first stage runs its whole backward at W: its input backward keeps no gradients
+            st.dw_pending = 0.0
+        elif not sends:  # the last stage runs its W right after its B (zb-v's rank 0): what that B leaves adds to
+            # the rank's peak only its excess over the loss backward's working set (which held the logits' gradient)
+            st.dw_pending = max(0.0, st.dw_pending - table.costs[-1].act_working)
+        st.dw_pending += table.costs[blocks[-1]].output_bytes if sends else 0.0
         tied = self.last_layer.tied_params
         if tied and lo == 0 and hi == self.n_blocks:  # one copy of a tied weight on this rank
             shared = tied * (table.costs[-1].params / self.last_layer.params)
@@ -433,10 +439,14 @@ def _tp_flops_share(ops, t: int) -> float:
 
 def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding) -> float:
     """A pipeline rank's saved activations at its peak: the most any of its peak moments holds (``holding``:
-    schedules.peak_matrices' entry for it), else at ``flights``' one moment."""
-    if holding is not None and len(holding[1]) > 1:
+    schedules.peak_matrices' entry for it; in zb-v with the gradients its input backwards keep for the weight
+    backwards, StageCost.dw_pending), else at ``flights``' one moment."""
+    if holding is not None and (len(holding[1]) > 1 or holding[1].shape[1] > len(holding[0])):
         order, held = holding
-        return float((held @ np.array([costs[s].act_bytes for s in order])).max())  # (moments,) -> peak
+        per = [costs[s].act_bytes for s in order]
+        if held.shape[1] > len(order):  # zb-v: then per stage its micro-batches between B and W
+            per += [costs[s].dw_pending for s in order]
+        return float((held @ np.array(per)).max())  # (moments,) -> peak
     return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages)
 
 
@@ -605,7 +615,8 @@ class CostModel:
             if t > 1 and layer.kind != "embedding" else 0.0,
             cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0,
             experts=moe.experts_on_rank(layer, lay, fw), moe_shared=moe.tp_summed_on_rank(layer, lay, fw),
-            ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0), host=host)
+            ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0), host=host,
+            dw_pending=pending_weight_grad_bytes(layer, b, t, sp))
         self._blocks[key] = cost
         return cost
 
@@ -1059,7 +1070,7 @@ class CostModel:
         if simulate:
             sim = simulate_pipeline(schedule, p, v, m, [c.t_f for c in costs], [c.t_b for c in costs],
                                     [c.t_w for c in costs], act_bytes=[c.act_bytes for c in costs],
-                                    keep_timeline=keep_timeline)
+                                    keep_timeline=keep_timeline, dw_pending=[c.dw_pending for c in costs])
             makespan, finish = sim.makespan, sim.rank_finish
             method = "event simulation"
         else:
@@ -1155,8 +1166,6 @@ class CostModel:
             notes.append(f"grads {breakdowns[worst]['grads']:.1f} GiB counts only the gradients beyond the activations "
                          "the worst rank's first backward frees: its memory peaks before that backward, when no "
                          "gradient exists yet")
-        if lay.schedule == "zb-v" and lay.pp > 1 and work.framework.runs_on_executor:
-            notes.append(ZBV_MEMORY_NOTE)
         if lay.etp > 1 and work.framework.name == "paraplan":  # its search leaves etp out (moe.expert_degrees)
             notes.append(f"paraplan execute does not run expert tensor parallelism yet (etp {lay.etp}): priced, but "
                          "not executable; --framework megatron-core runs it")

@@ -65,7 +65,15 @@ from .errors import InvalidLayout
 from .layout import RECOMPUTE, Layout
 from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
-from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_holdings, rank_stages, stage_rank
+from .schedules import (
+    closed_form_makespan,
+    in_flight,
+    linear_makespan,
+    peak_holdings,
+    pending_key,
+    rank_stages,
+    stage_rank,
+)
 
 # The recomputation modes the search tries by default: MLP recomputation (Megatron-Core's recompute_modules
 # mlp/moe) for mixtures of experts, whose MoE blocks hold most of a layer's activations; for dense models it
@@ -260,6 +268,10 @@ class StageILP:
         # Per-stage linear expressions: F, B, W, compute-only fwd/bwd, activations, params, p2p.
         F, B, W, Fc, Bc, A, P, C, R = ({s: 0 for s in range(S)} for _ in range(9))
         X, M = ({s: 0 for s in range(S)} for _ in range(2))  # expert-parallel experts, MoE weights summed over tp
+        # zb-v: what a stage's input backward keeps until its weight backward, per micro-batch (StageCost.dw_pending:
+        # its blocks' output gradients but on the first stage, and the gradient received for its output)
+        G = {s: 0 for s in range(S)}
+        zero_bubble = self.schedule == "zb-v"
         work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
         big_params = pulp.LpVariable("largest_layer_params", lowBound=0)  # the largest transformer-layer unit
         # the largest unit reducing alone (BlockCost.reduce_unit): the layer's without its experts, or the experts'
@@ -301,6 +313,7 @@ class StageILP:
                     R[s] += c.replicated * cnt[s, u]
                     X[s] += c.experts * cnt[s, u]
                     M[s] += c.moe_shared * cnt[s, u]
+                    G[s] += c.dw_pending * cnt[s, u] if zero_bubble and s else 0
                     prob += work_vars[s] >= c.act_working * y[s, u], f"working_{s}_{u}"
                 for i in ends.get(s, []):
                     c = self.cost[(i, "none")]  # embeddings and the head are never recomputed
@@ -313,10 +326,12 @@ class StageILP:
                     P[s] += c.params
                     Root[s] += c.params
                     R[s] += c.replicated
+                    G[s] += c.dw_pending if zero_bubble and s else 0
                     if c.act_working:  # the loss's backward (head), the embedding's whole-vocabulary gradient
                         prob += work_vars[s] >= c.act_working, f"working_{s}_end_{i}"
                 if s < S - 1:  # every stage but the last ends in a layer (or the embedding): same tensor
                     C[s] = self.boundary(s, 1)
+                    G[s] += self.cost[(1, self.modes[0])].output_bytes if zero_bubble else 0
             tied = self.prof.layers[-1].tied_params
             if S == 1 and tied:  # one copy of a tied embedding/head weight (the cost model's rule)
                 P[0] -= tied * self.cost[(self.n - 1, "none")].params / self.prof.layers[-1].params
@@ -340,7 +355,7 @@ class StageILP:
             # Each stage's sums as (variable, coefficient) terms, made expressions once: thousands of binaries'
             # `expr += coef * var` (a temporary expression each) were most of the ILP's time (DeepSeek-V3's
             # interleaved layouts: ~0.9 s of Python per ILP beside HiGHS's 0.25 s)
-            terms: dict[str, dict[int, list]] = {k: {s: [] for s in range(S)} for k in "FBWfbAPRXMr"}
+            terms: dict[str, dict[int, list]] = {k: {s: [] for s in range(S)} for k in "FBWfbAPRXMrG"}
             for i in range(self.n):
                 for s in window[i]:
                     for u in self.modes:
@@ -350,7 +365,8 @@ class StageILP:
                         for k, coef in (("F", c.fwd + c.tp_fwd), ("B", c.bwd_input + c.recompute + c.tp_bwd),
                                         ("W", c.bwd_weight), ("f", c.fwd), ("b", c.bwd_input + c.bwd_weight),
                                         ("A", c.act_bytes), ("P", c.params), ("R", c.replicated),
-                                        ("X", c.experts), ("M", c.moe_shared), ("r", c.params if c.root else 0.0)):
+                                        ("X", c.experts), ("M", c.moe_shared), ("r", c.params if c.root else 0.0),
+                                        ("G", c.dw_pending if zero_bubble and s else 0.0)):
                             if coef:
                                 terms[k][s].append((xv, coef))
                         prob += work_vars[s] >= c.act_working * xv, f"working_{i}_{s}_{u}"
@@ -358,7 +374,7 @@ class StageILP:
                             prob += big_params >= c.params * xv, f"largest_block_{i}_{s}_{u}"
                             if split_units:
                                 prob += big_reduce >= c.reduce_unit * xv, f"largest_reduce_unit_{i}_{s}_{u}"
-            for k, sums in zip("FBWfbAPRXMr", (F, B, W, Fc, Bc, A, P, R, X, M, Root), strict=True):
+            for k, sums in zip("FBWfbAPRXMrG", (F, B, W, Fc, Bc, A, P, R, X, M, Root, G), strict=True):
                 for st in range(S):
                     sums[st] = pulp.LpAffineExpression(terms[k][st])
             for i in range(self.n - 1):
@@ -368,6 +384,7 @@ class StageILP:
                     q = pulp.LpVariable(f"last_of_stage_{i}_{s}", lowBound=0)
                     prob += q >= pulp.lpSum(x[i, s, u] for u in self.modes) + e[i] - 1, f"last_mark_{i}_{s}"
                     C[s] += self.boundary(s, i) * q
+                    G[s] += self.cost[(i, self.modes[0])].output_bytes * q if zero_bubble else 0
             assign = ("binary", x)
         if v > 1:  # interleaved / V schedules: chunks within one block of each other (lock-step rounds punish
             # uneven chunks far beyond what rank totals show; the event simulator confirms it)
@@ -397,6 +414,10 @@ class StageILP:
         for s in range(S):
             F[s] += host / 2
             B[s] += host / 2
+        if zero_bubble and S > 1:  # the last stage's: its excess over the loss's working set (the cost model's rule)
+            excess = pulp.LpVariable("pending_over_loss_working", lowBound=0)
+            prob += excess >= G[S - 1] - self.cost[(self.n - 1, "none")].act_working, "pending_over_loss_working"
+            G[S - 1] = excess
         ranks = self._rank_stages
         T = {r: pulp.lpSum(F[s] + B[s] + W[s] for s in ranks[r]) for r in range(p)}
         Tmax = pulp.LpVariable("slowest_rank_time", lowBound=0)
@@ -436,13 +457,16 @@ class StageILP:
             flights = in_flight(self.schedule, p, v, m)[r]
             # activations at the rank's peak: the most over every moment that may be it (schedules.peak_holdings)
             held = peak_holdings(self.schedule, p, v, m)[r]
+
+            def at(h: dict[int, int], r: int = r):  # a moment's bytes (zb-v: the gradients kept for W too)
+                return pulp.lpSum(h.get(s, 0) * A[s] + h.get(pending_key(s, p, v), 0) * G[s] for s in ranks[r])
+
             if len(held) == 1:
-                acts = pulp.lpSum(held[0].get(s, 0) * A[s] for s in ranks[r])
+                acts = at(held[0])
             else:  # in GiB, as the memory rows (bytes beside the other rows' units leave the solvers badly scaled)
                 peak_gib = pulp.LpVariable(f"activations_at_peak_rank_{r}_GiB", lowBound=0)
                 for k, h in enumerate(held):
-                    prob += peak_gib >= pulp.lpSum(h.get(s, 0) * A[s] for s in ranks[r]) * (1 / 2**30), \
-                        f"activations_rank_{r}_moment_{k}"
+                    prob += peak_gib >= at(h) * (1 / 2**30), f"activations_rank_{r}_moment_{k}"
                 acts = peak_gib * 2**30
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:

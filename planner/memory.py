@@ -68,6 +68,19 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, optimizer_o
     return weights, grads, opt
 
 
+def pending_weight_grad_bytes(layer: LayerProfile, b: float, tp: int, sp: bool) -> float:
+    """Bytes one rank keeps per micro-batch of ``b`` samples of this block from its input backward to its deferred
+    weight backward in a zero-bubble schedule: torch's stage_backward_input keeps the gradient flowing into each
+    weight-carrying op's output (pipelining/_backward.py, param_group["grads"]) so that stage_backward_weight can
+    form the weights' gradients later, each the size of that output (LayerProfile.weight_output_bytes): 1/t of a
+    column-parallel one, the whole of a row-parallel one (its partial sums), and the rest (norms) split over the
+    sequence under sequence parallelism."""
+    split = layer.weight_output_bytes_sharded
+    whole = layer.weight_output_bytes_whole
+    rest = layer.weight_output_bytes - split - whole
+    return b * (split / tp + whole + rest / (tp if sp else 1))
+
+
 def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, recompute: str, attention: str,
                            gathered_inputs: bool = False, prologue: bool = True,
                            softmax_fallback: bool = False, whole_latents: bool = False) -> float:

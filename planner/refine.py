@@ -24,7 +24,7 @@ simulated time is left unsearched.
 from __future__ import annotations
 
 from .api import EVENT_SIM_MAX_TASKS, event_sim_tasks  # beyond it (as in `simulate`) the closed form stands
-from .costmodel import ZBV_MEMORY_NOTE, CostModel
+from .costmodel import CostModel
 from .gc_pause import without_gc_pauses
 from .search import SearchResult, ranked, search
 
@@ -52,9 +52,6 @@ def simulate_ranked(result: SearchResult, model: CostModel | None = None) -> Non
             break
         searched_again.update(c.layout for c in again)
         waiting = _search_again(result, model, again, k, bar)
-    if any(ZBV_MEMORY_NOTE in c.prediction.notes for c in kept[:k]) \
-            and ZBV_MEMORY_NOTE not in result.notes:  # a ZB-V row shown: say so beside the table, not only in its JSON
-        result.notes.append(ZBV_MEMORY_NOTE)
     if searched_again:
         n = len(searched_again)
         result.notes.append(f"{n} layout{'s' if n > 1 else ''} pruned against the search's closed-form prices searched "

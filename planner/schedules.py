@@ -232,7 +232,11 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[in
     interleaved steady state each step trades one chunk's micro-batch for another's. The rank's peak is the
     largest of these, whatever each stage keeps — what the event simulation finds (tests). One stage per rank:
     in_flight's. As in_flight, the walk stops where more micro-batches change nothing (interleaved with m a
-    multiple of p: 3p; zb-v: 2p; checked against the full walk in the tests)."""
+    multiple of p: 3p; zb-v: 2p; checked against the full walk in the tests).
+
+    In zb-v a stage's input backward (B) also leaves, until its weight backward (W), the gradients torch keeps for
+    it (StageCost.dw_pending): a moment's dict counts those micro-batches under the key ``pending_key(stage)``
+    beside the stage's own."""
     if schedule != "zb-v" and v == 1:
         return tuple((d,) for d in in_flight(schedule, pp, v, m))
     if schedule == "interleaved-1f1b" and m % pp == 0 and m >= 3 * pp:
@@ -242,29 +246,41 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[in
     return _peak_holdings(schedule, pp, v, m)
 
 
+def pending_key(stage: int, pp: int, v: int) -> int:
+    """peak_holdings' key for the micro-batches of ``stage`` between its input and its weight backward (zb-v)."""
+    return pp * v + stage
+
+
 @lru_cache(maxsize=1024)
 def peak_matrices(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], Any], ...]:
     """:func:`peak_holdings` as arrays: per rank its stages and a (moments, stages) matrix of the micro-batches each
-    holds, so that a rank's activation peak is one matrix-vector product (the cost model asks thousands of times)."""
+    holds, so that a rank's activation peak is one matrix-vector product (the cost model asks thousands of times).
+    In zb-v the matrix is (moments, 2 x stages): after the stages' columns, the micro-batches each has between its
+    input and its weight backward (:func:`pending_key`)."""
     import numpy as np
 
     out = []
     for r, held in enumerate(peak_holdings(schedule, pp, v, m)):
         stages = rank_stages(schedule, r, pp, v)
-        out.append((stages, np.array([[h.get(s, 0) for s in stages] for h in held], dtype=float)))
+        keys = list(stages) + ([pending_key(s, pp, v) for s in stages] if schedule == "zb-v" else [])
+        out.append((stages, np.array([[h.get(k, 0) for k in keys] for h in held], dtype=float)))
     return tuple(out)
 
 
 @lru_cache(maxsize=1024)
 def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
-    frees = "W" if schedule == "zb-v" else "B"
+    zero_bubble = schedule == "zb-v"
+    frees = "W" if zero_bubble else "B"
     out = []
     for r, order in enumerate(rank_orders(schedule, pp, v, m)):
         stages = sorted(rank_stages(schedule, r, pp, v))
+        keys = stages + ([pending_key(s, pp, v) for s in stages] if zero_bubble else [])
         col = {s: i for i, s in enumerate(stages)}
-        held = [0] * len(stages)  # micro-batches held per stage of the rank, in stage order
+        k = len(stages)
+        # micro-batches held per stage of the rank, in stage order; in zb-v then those between B and W per stage
+        held = [0] * len(keys)
         tops: set[tuple[int, ...]] = set()
-        rising = False  # a forward since the last free: a moment that may be a peak ends at the next free
+        rising = False  # a forward (or zb-v's B) since the last free: a moment that may be a peak ends at the next
         for kind, stage, _ in order:
             if kind == "F":
                 held[col[stage]] += 1
@@ -274,9 +290,14 @@ def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[i
                     tops.add(tuple(held))
                 rising = False
                 held[col[stage]] -= 1
+                if zero_bubble:
+                    held[k + col[stage]] -= 1
+            elif zero_bubble and kind == "B":
+                held[k + col[stage]] += 1
+                rising = True
         if rising:
             tops.add(tuple(held))
-        out.append(_not_dominated(stages, tops))
+        out.append(_not_dominated(keys, tops))
     return tuple(out)
 
 

@@ -70,11 +70,12 @@ def build_graph(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: l
 
 def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: list[float],
                       t_w: list[float], act_bytes: list[float] | None = None,
-                      keep_timeline: bool = False) -> SimResult:
+                      keep_timeline: bool = False, dw_pending: list[float] | None = None) -> SimResult:
     """Run the task graph: every task starts when its data dependency and its rank's previous task end.
 
     Walks the ranks' orders directly (each task once, in the form :func:`_walk_orders` caches) instead of sorting the
     networkx graph, which :func:`build_graph` builds for inspection; the two give the same times (tests).
+    ``act_bytes`` (and in zb-v ``dw_pending``) per stage: the ranks' activation peaks too (_peak_activations).
     """
     split = schedule == "zb-v"
     walks = _walk_orders(schedule, pp, v, m).tasks
@@ -116,22 +117,30 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
         result.timeline = [TimelineEntry(r, op[0], op[1], op[2], start, start + durations[d])
                            for r in range(pp) for op, start, d in zip(orders[r], begins[r], walks[r][0], strict=True)]
     if act_bytes is not None:
-        result.peak_activation_bytes = _peak_activations(schedule, pp, v, m, act_bytes)
+        result.peak_activation_bytes = _peak_activations(schedule, pp, v, m, act_bytes, dw_pending)
     return result
 
 
-def _peak_activations(schedule: str, pp: int, v: int, m: int, act_bytes: list[float]) -> list[float]:
+def _peak_activations(schedule: str, pp: int, v: int, m: int, act_bytes: list[float],
+                      dw_pending: list[float] | None = None) -> list[float]:
     """Per rank, the peak of the activation bytes it keeps as it runs its tasks: a forward's start allocates its
     stage's ``act_bytes``, the task that frees them (W in zero-bubble schedules, else B) releases them at its end.
     A rank runs its tasks one after another, so its level is the running sum over its own order, whatever the
     tasks' times (a release at the instant of an allocation comes first: the forward reuses what the backward
-    released); summed one task after another, as a walk would."""
+    released); summed one task after another, as a walk would. ``dw_pending`` (zero-bubble schedules): per stage what
+    its input backward (B) keeps until its weight backward (W) frees it with the activations (StageCost.dw_pending).
+    """
     import numpy as np
 
     walk = _walk_orders(schedule, pp, v, m)
     if not walk.stages.size:
         return [0.0] * pp
-    level = np.cumsum(walk.signs * np.asarray(act_bytes, dtype=float)[walk.stages], axis=1)  # x + -a is x - a
+    moved = walk.signs * np.asarray(act_bytes, dtype=float)[walk.stages]  # (pp, ops): x + -a is x - a
+    if dw_pending is not None and schedule == "zb-v":
+        kinds = walk.kinds
+        pending = np.asarray(dw_pending, dtype=float)[walk.stages]  # (pp, ops)
+        moved = moved + np.where(kinds == 1, pending, np.where(kinds == 2, -pending, 0.0))
+    level = np.cumsum(moved, axis=1)
     return np.maximum(level.max(axis=1), 0.0).tolist()
 
 
@@ -141,6 +150,7 @@ class _Walk(NamedTuple):
     tasks: tuple[tuple[list[int], list[int], list[int]], ...]  # per rank: durations' indices, waits, own slots
     signs: Any  # (pp, ops): +1 a forward (it allocates its stage's activations), -1 the task that frees them, else 0
     stages: Any  # (pp, ops): each task's stage
+    kinds: Any  # (pp, ops): each task's kind, 0 F, 1 B, 2 W
 
 
 @lru_cache(maxsize=64)
@@ -167,7 +177,7 @@ def _walk_orders(schedule: str, pp: int, v: int, m: int) -> _Walk:
     kinds = np.array([kind for kind, _, _ in orders])
     frees = 2 if schedule == "zb-v" else 1
     return _Walk(tuple(tasks), np.where(kinds == 0, 1.0, np.where(kinds == frees, -1.0, 0.0)),
-                 np.array([stage for _, stage, _ in orders]))
+                 np.array([stage for _, stage, _ in orders]), kinds)
 
 
 def graph_makespan(g: nx.DiGraph) -> float:

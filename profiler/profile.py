@@ -216,7 +216,10 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
         prologue_dropped_bytes_sharded=trace.saved_bytes_prologue_sharded,
         activation_bytes_whole=trace.saved_bytes_whole,
         activation_bytes_selective_whole=trace.saved_bytes_selective_whole,
-        prologue_dropped_bytes_whole=trace.saved_bytes_prologue_whole)
+        prologue_dropped_bytes_whole=trace.saved_bytes_prologue_whole,
+        weight_output_bytes=sum(trace.weight_op_bytes.values()),
+        weight_output_bytes_sharded=trace.weight_op_bytes.get("split", 0),
+        weight_output_bytes_whole=trace.weight_op_bytes.get("whole", 0))
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,

@@ -113,6 +113,13 @@ class LayerProfile:
     activation_bytes_whole: int = 0
     activation_bytes_selective_whole: int = 0
     prologue_dropped_bytes_whole: int = 0
+    # The outputs of the block's weight-carrying ops (a linear's, a norm's scaling), whose gradients a zero-bubble
+    # schedule's input backward keeps until the weight backward (torch's pipelining/_backward.py): all of them, the
+    # part a tensor-parallel rank holds 1/t of (column-parallel outputs, MoE blocks) and the part it holds whole
+    # (row-parallel partial sums); the rest is split over the sequence only under sequence parallelism.
+    weight_output_bytes: int = 0
+    weight_output_bytes_sharded: int = 0
+    weight_output_bytes_whole: int = 0
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

@@ -45,8 +45,17 @@ class _OpRecorder(TorchDispatchMode):
     """Records each kernel's FLOPs (torch's formulas) or bytes moved, and who produced each tensor."""
 
     def __init__(self, sharded_now: Callable[[], bool], moe_now: Callable[[], int] = lambda: 0,
-                 mlp_now: Callable[[], bool] = lambda: False, replicated_now: Callable[[], bool] = lambda: False):
+                 mlp_now: Callable[[], bool] = lambda: False, replicated_now: Callable[[], bool] = lambda: False,
+                 weights: frozenset[int] = frozenset(), split_now: Callable[[], str] = lambda: "replicated"):
         super().__init__()
+        # Weight-carrying ops (an input derived from the block's parameters alone, another not): the bytes of their
+        # outputs, per how a tensor-parallel rank holds them (split_now's "split" | "whole" | "replicated"), counted
+        # while ``counting_weight_ops`` (the forward). Their output gradients are what torch's input backward keeps
+        # for the deferred weight backward (pipelining/_backward.py, param_group["grads"]).
+        self.weight_derived: set[int] = set(weights)  # storages of parameters and what only they made (casts)
+        self.split_now = split_now
+        self.counting_weight_ops = True
+        self.weight_op_bytes: dict[str, int] = {"split": 0, "whole": 0, "replicated": 0}
         self.sharded_now = sharded_now
         self.moe_now = moe_now  # 0 outside an MoE block, 1 inside it, 2 inside its routed experts
         self.mlp_now = mlp_now  # inside the layer's MLP sublayer (dense MLP or MoE block)
@@ -73,6 +82,14 @@ class _OpRecorder(TorchDispatchMode):
         prologue = in_attention_prologue()
         outs, ins = _tensors(out), _tensors(args)
         packet = func.overloadpacket
+        if self.counting_weight_ops and ins:
+            from_weights = [_storage_key(t) in self.weight_derived for t in ins]
+            if all(from_weights):
+                self.weight_derived.update(_storage_key(t) for t in outs)
+            elif any(from_weights):
+                # the op's first output: a norm's statistics get no gradient. RMSNorm decomposed (meta, CPU: what
+                # the dry run traces) scales an fp32 intermediate by its weight; a GPU's fused kernel writes 16 bits
+                self.weight_op_bytes[self.split_now()] += _nbytes(outs[:1])
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)  # the formula FlopCounterMode uses
             if prologue:
@@ -150,6 +167,8 @@ class BlockTrace:
     saved_bytes_whole: int = 0
     saved_bytes_selective_whole: int = 0
     saved_bytes_prologue_whole: int = 0
+    # outputs of the forward's weight-carrying ops, by how a tensor-parallel rank holds them (_OpRecorder)
+    weight_op_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _ModuleStack:
@@ -216,6 +235,16 @@ class _ModuleStack:
                 return style in SHARDED_STYLES
         return False
 
+    def output_split(self) -> str:
+        """How a tensor-parallel rank holds what the running op makes: "split" over the group (a column-parallel or
+        head-sharded module's output, anything inside an MoE block, which each rank runs on its 1/t of the tokens),
+        "whole" (a row-parallel module's partial sums before their reduction, a module left whole), or "replicated"
+        (the rest: split over the sequence only under sequence parallelism)."""
+        style = next((s for s in reversed(self.stack) if s is not None and s != "norm"), None)
+        if style in ("rowwise", "vocab_embedding", "replicated"):
+            return "whole"
+        return "split" if self.moe_now() or style in SHARDED_STYLES else "replicated"
+
     def replicated(self) -> bool:
         """Inside a module the tensor-parallel plan leaves whole on every rank (style "replicated")?"""
         return next((style == "replicated" for style in reversed(self.stack) if style is not None), False)
@@ -232,9 +261,10 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
     ``loss_fn`` turns the block's output into the scalar whose backward is traced (the model's loss
     for the last block); otherwise the backward starts from a gradient of ones on the outputs.
     """
-    params = {_storage_key(p) for p in block.parameters()} | {_storage_key(b) for b in block.buffers()}
+    weights = frozenset(_storage_key(p) for p in block.parameters())
+    params = set(weights) | {_storage_key(b) for b in block.buffers()}
     stack = _ModuleStack(block, block_fqn, style_of)
-    recorder = _OpRecorder(stack.sharded, stack.moe_now, stack.mlp_now, stack.replicated)
+    recorder = _OpRecorder(stack.sharded, stack.moe_now, stack.mlp_now, stack.replicated, weights, stack.output_split)
     saved: dict[int, tuple[int, bool, bool]] = {}  # storage -> (bytes, sharded, produced in attention core)
     saved_in_moe: set[int] = set()  # storages an MoE block saved (it sees its own tokens: see planner/moe.py)
 
@@ -259,6 +289,7 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
             fwd_flops = counter.get_total_flops()
             fwd_mix = recorder.mix
             recorder.mix = OpMix()
+            recorder.counting_weight_ops = False
             with recorder:
                 if root is not None:
                     root.backward()
@@ -303,4 +334,5 @@ def trace_block(block: nn.Module, block_fqn: str, inputs: tuple, style_of: Calla
         saved_bytes_mlp=sum(b for b, _ in mlp_dropped), saved_bytes_mlp_sharded=sum(b for b, s in mlp_dropped if s),
         saved_bytes_prologue=kept_all - left_all, saved_bytes_prologue_sharded=kept_sharded - left_sharded,
         saved_bytes_whole=saved_whole,
-        saved_bytes_selective_whole=kept_whole, saved_bytes_prologue_whole=kept_whole - left_whole)
+        saved_bytes_selective_whole=kept_whole, saved_bytes_prologue_whole=kept_whole - left_whole,
+        weight_op_bytes=dict(recorder.weight_op_bytes))

@@ -564,6 +564,65 @@ def test_peak_holdings_give_the_simulated_activation_peak(schedule, v):
     assert short_of_it > 0 or v == 1
 
 
+def test_zero_bubble_peaks_count_the_gradients_kept_for_the_weight_backward():
+    """In zb-v a stage's input backward (B) leaves gradients until its weight backward (W) frees them with the
+    activations (torch's stage_backward_input keeps param_group["grads"]): the rank's peak over
+    schedules.peak_holdings, each moment's micro-batches between B and W under pending_key, equals the event
+    simulation's memory walk with both; and the pending bytes raise the peak of some rank (the V's turning ranks,
+    whose cool-down runs input backwards first)."""
+    import random
+
+    from paraplan.planner.schedules import peak_holdings, pending_key, rank_stages
+    from paraplan.planner.simulator import simulate_pipeline
+
+    rng = random.Random(11)
+    raised = 0
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p + 1):
+            n = 2 * p
+            acts = [rng.uniform(0.5, 5.0) for _ in range(n)]
+            pending = [rng.uniform(0.1, 2.0) for _ in range(n)]
+            times = ([1.0] * n, [2.0] * n, [1.0] * n)
+            sim = simulate_pipeline("zb-v", p, 2, m, *times, act_bytes=acts, dw_pending=pending)
+            lean = simulate_pipeline("zb-v", p, 2, m, *times, act_bytes=acts)
+            for r, moments in enumerate(peak_holdings("zb-v", p, 2, m)):
+                stages = rank_stages("zb-v", r, p, 2)
+                peak = max(sum(h.get(s, 0) * acts[s] + h.get(pending_key(s, p, 2), 0) * pending[s] for s in stages)
+                           for h in moments)
+                assert peak == pytest.approx(sim.peak_activation_bytes[r], rel=1e-9), (p, m, r)
+                raised += sim.peak_activation_bytes[r] > lean.peak_activation_bytes[r] + 1e-9
+    assert raised
+
+
+def test_zero_bubble_stages_keep_their_blocks_output_gradients():
+    """StageCost.dw_pending on a zb-v layout: an inner stage keeps, per micro-batch, its blocks' weight-carrying
+    outputs' gradients (memory.pending_weight_grad_bytes: column-parallel ones split over tp, row-parallel partial
+    sums whole, the norms' split over the sequence under SP) and the gradient received for its output; the first
+    stage only that gradient (torch runs its whole backward at W); the last only what exceeds the loss backward's
+    working set (it runs W right after B)."""
+    from paraplan.planner.costmodel import even_stages
+    from paraplan.planner.memory import pending_weight_grad_bytes
+    from paraplan.planner.search import enumerate_layouts
+
+    work = Workload.create("llama2-7b", "dgx-h100", 64)
+    model = CostModel(work)
+    lay = next(x for x in enumerate_layouts(work, 8, "bf16") if x.short() == "dp1 tp2 pp4 mb1 zb-vx2 sp")
+    stages = even_stages(model, lay)
+    costs = model.stage_costs(lay, stages)
+    layer = work.profile("bf16").layers[1]
+    split, whole = layer.weight_output_bytes_sharded, layer.weight_output_bytes_whole
+    per_layer = split / 2 + whole + (layer.weight_output_bytes - split - whole) / 2
+    assert pending_weight_grad_bytes(layer, 1, 2, True) == per_layer
+    boundary = layer.output_bytes / 2  # the hidden state, split over the sequence
+    inner = costs[3]
+    assert inner.dw_pending == pytest.approx(len(inner.blocks) * per_layer + boundary, rel=1e-12)
+    assert costs[0].dw_pending == pytest.approx(boundary, rel=1e-12)
+    head = model.block_cost(len(work.profile("bf16").layers) - 1, lay, layout_placement(work.cluster, lay), "none")
+    last = costs[-1]
+    blocks = sum(model.block_cost(i, lay, layout_placement(work.cluster, lay), "none").dw_pending for i in last.blocks)
+    assert last.dw_pending == pytest.approx(max(0.0, blocks - head.act_working), rel=1e-12)
+
+
 def _block(model: str, framework: str, mode: str, **layout):
     from paraplan.planner.placement import layout_placement
 

@@ -953,24 +953,6 @@ def test_the_top_plans_are_the_first_of_a_longer_list():
     assert any("searched again" in note for note in result.notes)
 
 
-def test_a_zbv_plan_says_its_memory_is_priced_lean():
-    """ZB-V's last pipeline ranks trace above their price on this executor (torch keeps each weight-carrying op's output
-    gradient from the input backward to the deferred weight backward; llama2-70b dp2 tp4 pp8 x2: 7-19% on the last
-    three ranks): a ZB-V plan says so, in simulate's notes and beside plan's table when one is shown; other schedules
-    do not."""
-    from paraplan.planner.costmodel import ZBV_MEMORY_NOTE
-    from paraplan.planner.refine import simulate_ranked
-
-    work = Workload.create("llama2-70b", "dgx-h100", 512)
-    lay = Layout(dp=2, tp=4, pp=8, micro_batch=1, global_batch=512, schedule="zb-v", virtual_stages=2, zero=2,
-                 sequence_parallel=True)
-    assert ZBV_MEMORY_NOTE in simulate(work, lay)[0].notes
-    assert ZBV_MEMORY_NOTE not in simulate(work, lay.replace(schedule="1f1b", virtual_stages=1))[0].notes
-    result = search(work, 64, top_k=1, layouts=[lay])
-    simulate_ranked(result)
-    assert result.best is not None and ZBV_MEMORY_NOTE in result.notes
-
-
 def test_search_pauses_the_garbage_collector_and_restores_its_state(small, monkeypatch):
     """The search runs with the cyclic collector off (planner/gc_pause.py) and leaves it as it found it, on or off,
     also when it fails."""

@@ -204,3 +204,23 @@ def test_measurements_round_trip(tmp_path):
     assert find_measurement("cpu", prof.spec, 2, prof.seq_length, "fp32", directory=tmp_path) is None
     with pytest.raises(ProfileError, match="needs measured times"):
         save_measurements(profile_model("gpt-tiny"), gpu="cpu", directory=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "gpt3-1.3b"])
+def test_weight_carrying_outputs_of_a_layer(name):
+    """The outputs of a layer's weight-carrying ops, whose gradients torch's zero-bubble input backward keeps for
+    the weight backward (pipelining/_backward.py, param_group["grads"]: one per op where a weight meets the
+    activations). Per token: the column-parallel Q, K, V and the MLP's first GEMM(s) (split over tensor-parallel
+    ranks), the row-parallel output projections (each rank's whole partial sum), and the two norms' scaled outputs:
+    fp32 where RMSNorm's decomposition (meta, CPU: what the dry run traces) scales its fp32 intermediate by the
+    weight before casting back, 16-bit from LayerNorm's one kernel (whose mean and rstd get no gradient)."""
+    spec = load_model_spec(name)
+    b, s, h, f = 2, spec.seq_length, spec.hidden_size, spec.ffn_size
+    kv = spec.kv_heads * spec.head_dim
+    layer = profile_model(spec, "meta", micro_batch=b, dtype="bf16").layers[1]
+    first_mlp = 2 * f if spec.family == "llama" else f  # SwiGLU's gate and up, or GPT's fc1
+    norm_elem = 4 if spec.family == "llama" else 2
+    assert layer.weight_output_bytes_sharded == b * s * (h + 2 * kv + first_mlp) * 2
+    assert layer.weight_output_bytes_whole == b * s * (h + h) * 2
+    assert layer.weight_output_bytes - layer.weight_output_bytes_sharded - layer.weight_output_bytes_whole == \
+        2 * b * s * h * norm_elem
