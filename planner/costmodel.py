@@ -437,17 +437,49 @@ def _tp_flops_share(ops, t: int) -> float:
     return (divided / t + (total - divided)) / total
 
 
-def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding) -> float:
+def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
+                     unfolded: dict[int, float] | None = None) -> float:
     """A pipeline rank's saved activations at its peak: the most any of its peak moments holds (``holding``:
     schedules.peak_matrices' entry for it; in zb-v with the gradients its input backwards keep for the weight
-    backwards, StageCost.dw_pending), else at ``flights``' one moment."""
+    backwards, StageCost.dw_pending), else at ``flights``' one moment. ``unfolded``: per stage the bytes of 16-bit
+    gradients it holds while its last backward task was a W (zb-v: StateBytes.unfolded), counted in the moment's
+    bytes too."""
+    return sum(peak_parts(costs, stages, flights, holding, unfolded))
+
+
+def unfolded_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple) -> dict[int, float] | None:
+    """Per stage the bytes of 16-bit gradients its weight backward leaves until its next input backward (zb-v:
+    StateBytes.unfolded of ``states``, the layout's (state_bytes, moe.expert_states)); None where there are none."""
+    plain, experts = states[0].unfolded, states[1].unfolded
+    if not plain and not experts:
+        return None
+    return {s: plain * (costs[s].params - costs[s].experts) + experts * costs[s].experts for s in stages}
+
+
+def _unfolded_list(framework, lay: Layout, costs: list[StageCost]) -> list[float] | None:
+    """unfolded_bytes of every stage, in order (the event simulation's)."""
+    got = unfolded_bytes(costs, tuple(range(len(costs))), (state_bytes(framework, lay), moe.expert_states(framework,
+                                                                                                        lay)))
+    return None if got is None else [got[s] for s in range(len(costs))]
+
+
+def peak_parts(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
+               unfolded: dict[int, float] | None = None) -> tuple[float, float]:
+    """:func:`held_activations` in two parts at the rank's peak moment: (activations, unfolded gradients)."""
     if holding is not None and (len(holding[1]) > 1 or holding[1].shape[1] > len(holding[0])):
         order, held = holding
+        k = len(order)
         per = [costs[s].act_bytes for s in order]
-        if held.shape[1] > len(order):  # zb-v: then per stage its micro-batches between B and W
+        if held.shape[1] > k:  # zb-v: then per stage its micro-batches between B and W, and its unfolded gradients
             per += [costs[s].dw_pending for s in order]
-        return float((held @ np.array(per)).max())  # (moments,) -> peak
-    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages)
+            if unfolded:
+                grads = held[:, 2 * k:] @ np.array([unfolded.get(s, 0.0) for s in order])  # (moments,)
+                acts = held[:, :2 * k] @ np.array(per)  # (moments,)
+                i = int((acts + grads).argmax())
+                return float(acts[i]), float(grads[i])
+            held = held[:, :2 * k]
+        return float((held @ np.array(per)).max()), 0.0  # (moments,) -> peak
+    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages), 0.0
 
 
 class CostModel:
@@ -897,7 +929,8 @@ class CostModel:
         states = (state_bytes(self.work.framework, lay), moe.expert_states(self.work.framework, lay))
         out = []
         for r, stages in enumerate(ranks):
-            simulated = sim.peak_activation_bytes[r] if sim is not None and sim.peak_activation_bytes else None
+            simulated = (sim.peak_activation_bytes[r], sim.peak_unfolded_bytes[r] if sim.peak_unfolded_bytes else 0.0) \
+                if sim is not None and sim.peak_activation_bytes else None
             held = holdings[r] if holdings is not None else None
             breakdown = self._rank_bytes(costs, stages, flights[r], held, states,
                                          self.grads_at_activation_peak(lay, stages, flights[r]), simulated)
@@ -905,18 +938,21 @@ class CostModel:
         return out
 
     def _rank_bytes(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
-                    states: tuple, grads_at_peak: bool, simulated: float | None = None) -> dict[str, float]:
+                    states: tuple, grads_at_peak: bool, simulated: tuple[float, float] | None = None
+                    ) -> dict[str, float]:
         """Bytes by kind on one pipeline rank (rank_memory_breakdowns' per rank): ``holding`` its peak moments
         (schedules.peak_matrices' entry, or None for ``flights``' one), ``states`` the layout's (state_bytes,
         moe.expert_states), ``grads_at_peak`` grads_at_activation_peak of the rank, ``simulated`` its simulated
-        activation peak where there is one."""
-        acts = simulated if simulated is not None else held_activations(costs, stages, flights, holding)
+        peak where there is one (activations, unfolded gradients: SimResult's)."""
+        acts, unfolded = simulated if simulated is not None else \
+            peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))
         return self._rank_bytes_at(costs, stages, acts + max(costs[s].act_working for s in stages), states,
-                                   grads_at_peak)
+                                   grads_at_peak, unfolded)
 
     def _rank_bytes_at(self, costs: list[StageCost], stages: tuple[int, ...], activations: float, states: tuple,
-                       grads_at_peak: bool) -> dict[str, float]:
-        """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included)."""
+                       grads_at_peak: bool, unfolded: float = 0.0) -> dict[str, float]:
+        """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included), and the
+        ``unfolded`` 16-bit gradients then (zb-v: peak_parts')."""
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
@@ -924,7 +960,8 @@ class CostModel:
                                     [costs[s].root_params for s in stages])
         return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, activations,
                            self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
-                           root_params=sum(costs[s].root_params for s in stages), staged_params=staged)
+                           root_params=sum(costs[s].root_params for s in stages), staged_params=staged,
+                           unfolded_grads=unfolded)
 
     def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
                             holding, states: tuple, cap_gib: float) -> Callable[[], bool]:
@@ -937,9 +974,11 @@ class CostModel:
         base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True).values())
         room = cap_gib * GiB
         per_byte = 1 + FRAGMENTATION
+        unfolded = unfolded_bytes(costs, stages, states)  # what recomputation does not change
 
-        def fits() -> bool:
-            acts = held_activations(costs, stages, flights, holding) + max(costs[s].act_working for s in stages)
+        def fits() -> bool:  # (unfolded gradients, when held at the peak, priced as tensors alike)
+            acts = held_activations(costs, stages, flights, holding, unfolded) + \
+                max(costs[s].act_working for s in stages)
             return base + per_byte * acts <= room
 
         return fits
@@ -1070,7 +1109,8 @@ class CostModel:
         if simulate:
             sim = simulate_pipeline(schedule, p, v, m, [c.t_f for c in costs], [c.t_b for c in costs],
                                     [c.t_w for c in costs], act_bytes=[c.act_bytes for c in costs],
-                                    keep_timeline=keep_timeline, dw_pending=[c.dw_pending for c in costs])
+                                    keep_timeline=keep_timeline, dw_pending=[c.dw_pending for c in costs],
+                                    unfolded=_unfolded_list(self.work.framework, lay, costs))
             makespan, finish = sim.makespan, sim.rank_finish
             method = "event simulation"
         else:

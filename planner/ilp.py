@@ -73,6 +73,7 @@ from .schedules import (
     pending_key,
     rank_stages,
     stage_rank,
+    unfolded_key,
 )
 
 # The recomputation modes the search tries by default: MLP recomputation (Megatron-Core's recompute_modules
@@ -458,8 +459,11 @@ class StageILP:
             # activations at the rank's peak: the most over every moment that may be it (schedules.peak_holdings)
             held = peak_holdings(self.schedule, p, v, m)[r]
 
-            def at(h: dict[int, int], r: int = r):  # a moment's bytes (zb-v: the gradients kept for W too)
-                return pulp.lpSum(h.get(s, 0) * A[s] + h.get(pending_key(s, p, v), 0) * G[s] for s in ranks[r])
+            def at(h: dict[int, int], r: int = r):  # a moment's bytes (zb-v: the gradients kept for W, and unfolded)
+                return pulp.lpSum(h.get(s, 0) * A[s] + h.get(pending_key(s, p, v), 0) * G[s]
+                                  + h.get(unfolded_key(s, p, v), 0) * (states.unfolded * (P[s] - X[s])
+                                                                       + expert_states.unfolded * X[s])
+                                  for s in ranks[r])
 
             if len(held) == 1:
                 acts = at(held[0])

@@ -157,6 +157,10 @@ class StateBytes:
     unit_grads: float = 0.0  # per parameter of the staged unit, per chunk on the rank: its gradient being reduced
     root_weights: float = 0.0  # per parameter of the root unit (embedding, head): kept gathered all step (ZeRO 3)
     staging_held: bool = False  # each pipeline chunk keeps its last reduce buffer (staged_unit_params)
+    # ZB-V under ZeRO 2/3 in mixed precision: per parameter of a stage, the 16-bit gradients its weight backward (W)
+    # writes, which FSDP2 folds into the fp32 sums at the stage's next input backward (post-backward's
+    # accumulate_unsharded_grad_if_needed); held where the stage's last backward task was a W (schedules.unfolded_key)
+    unfolded: float = 0.0
 
     @property
     def per_param(self) -> float:
@@ -241,12 +245,18 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
         # plans: llama-tiny dp2 tp2, mixtral-tiny dp2 ep2 — its experts too, replicated over a one-rank edp)
         weights += copy
     grads = 4 / dp if sharded else 4.0
+    unfolded = 0.0
     unsharded_sums = sharded and sums_unsharded(framework, pp, schedule)
     if unsharded_sums:
         # ZB-V, or a stack that syncs gradients on the last backward only (dp_sync.reduces_once), accumulates
         # unsharded: fp32 sums (4 B) plus, in mixed precision, the 16-bit gradients of the passes not yet folded
-        # into them (2 B; FSDP2's to_accumulated_grad_if_needed); the fp32 shards appear only after the step
+        # into them (2 B; FSDP2's to_accumulated_grad_if_needed); the fp32 shards appear only after the step. Under
+        # ZB-V those 16-bit gradients exist only from a stage's W to its next B (StateBytes.unfolded): where the V
+        # turns, the cool-down's input backwards fold them all (llama2-70b dp2 tp4 pp8: 4.0 B a parameter traced on
+        # the last three ranks at their peaks, 4.8-5.3 on the others; priced 6 everywhere before)
         grads = 4.0 + (2.0 if mixed else 0.0)
+        if mixed and pp > 1 and schedule == "zb-v":
+            grads, unfolded = 4.0, 2.0
     moments = framework.moment_bytes if mixed else 8
     optimizer = 0.0 if dp_mode == "ps" else (moments / dp if zero >= 1 else float(moments))
     # FSDP2 reduces a unit's gradient through a flat fp32 buffer of the whole unit (traced: 4 B per parameter
@@ -260,7 +270,7 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     during_backward = (sharded and not unsharded_sums) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root,
-                      staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1)
+                      staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded)
 
 
 def sums_unsharded(framework, pp: int, schedule: str) -> bool:
@@ -272,7 +282,8 @@ def sums_unsharded(framework, pp: int, schedule: str) -> bool:
 
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
                 grads_arrive_after: float | None = None, *, staged_params: float, experts: float = 0.0,
-                expert_states: StateBytes | None = None, root_params: float = 0.0) -> dict[str, float]:
+                expert_states: StateBytes | None = None, root_params: float = 0.0,
+                unfolded_grads: float = 0.0) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
@@ -287,14 +298,15 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
     there at the activation peak — accumulated from earlier micro-batches).
 
     ``experts``: expert-parallel parameters held besides ``params``, with their own ``expert_states`` (ZeRO
-    shards them over the expert-data-parallel group: planner/moe.py)."""
+    shards them over the expert-data-parallel group: planner/moe.py). ``unfolded_grads``: bytes of 16-bit gradients not
+    yet folded into their sums at the peak (StateBytes.unfolded: ZB-V's stages whose last backward task was a W)."""
     es = expert_states or states
     grads = params * states.grads + experts * es.grads
     if grads_arrive_after is not None:
         grads = max(0.0, grads - grads_arrive_after)
     out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
            + root_params * states.root_weights,
-           "grads": grads + staged_params * states.unit_grads,
+           "grads": grads + staged_params * states.unit_grads + unfolded_grads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}
     out["other"] = untracked_bytes(gpu, sum(out.values()))

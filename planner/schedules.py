@@ -232,17 +232,19 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[in
     interleaved steady state each step trades one chunk's micro-batch for another's. The rank's peak is the
     largest of these, whatever each stage keeps — what the event simulation finds (tests). One stage per rank:
     in_flight's. As in_flight, the walk stops where more micro-batches change nothing (interleaved with m a
-    multiple of p: 3p; zb-v: 2p; checked against the full walk in the tests).
+    multiple of p: 3p; zb-v: 2p + 1; checked against the full walk in the tests).
 
     In zb-v a stage's input backward (B) also leaves, until its weight backward (W), the gradients torch keeps for
     it (StageCost.dw_pending): a moment's dict counts those micro-batches under the key ``pending_key(stage)``
-    beside the stage's own."""
+    beside the stage's own; and under ``unfolded_key(stage)`` 1 where the stage's last backward task was a W, whose
+    16-bit weight gradients FSDP2 keeps until the stage's next B folds them into its fp32 sums
+    (memory.StateBytes.unfolded)."""
     if schedule != "zb-v" and v == 1:
         return tuple((d,) for d in in_flight(schedule, pp, v, m))
     if schedule == "interleaved-1f1b" and m % pp == 0 and m >= 3 * pp:
         m = 3 * pp
-    elif schedule == "zb-v" and m >= 2 * pp:
-        m = 2 * pp
+    elif schedule == "zb-v" and m > 2 * pp:
+        m = 2 * pp + 1  # from 2p + 1 micro-batches on, the same moments (the unfolded gradients' too)
     return _peak_holdings(schedule, pp, v, m)
 
 
@@ -251,50 +253,86 @@ def pending_key(stage: int, pp: int, v: int) -> int:
     return pp * v + stage
 
 
+def unfolded_key(stage: int, pp: int, v: int) -> int:
+    """peak_holdings' key for whether ``stage`` holds 16-bit weight gradients not yet folded (zb-v): 1 or absent."""
+    return 2 * pp * v + stage
+
+
 @lru_cache(maxsize=1024)
 def peak_matrices(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], Any], ...]:
     """:func:`peak_holdings` as arrays: per rank its stages and a (moments, stages) matrix of the micro-batches each
     holds, so that a rank's activation peak is one matrix-vector product (the cost model asks thousands of times).
-    In zb-v the matrix is (moments, 2 x stages): after the stages' columns, the micro-batches each has between its
-    input and its weight backward (:func:`pending_key`)."""
+    In zb-v the matrix is (moments, 3 x stages): after the stages' columns, the micro-batches each has between its
+    input and its weight backward (:func:`pending_key`), then whether it holds unfolded gradients
+    (:func:`unfolded_key`)."""
     import numpy as np
 
     out = []
     for r, held in enumerate(peak_holdings(schedule, pp, v, m)):
         stages = rank_stages(schedule, r, pp, v)
-        keys = list(stages) + ([pending_key(s, pp, v) for s in stages] if schedule == "zb-v" else [])
+        keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
+                               if schedule == "zb-v" else [])
         out.append((stages, np.array([[h.get(k, 0) for k in keys] for h in held], dtype=float)))
     return tuple(out)
 
 
 @lru_cache(maxsize=1024)
 def _peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
-    zero_bubble = schedule == "zb-v"
-    frees = "W" if zero_bubble else "B"
+    if schedule == "zb-v":
+        return _zero_bubble_holdings(pp, m)
     out = []
     for r, order in enumerate(rank_orders(schedule, pp, v, m)):
         stages = sorted(rank_stages(schedule, r, pp, v))
-        keys = stages + ([pending_key(s, pp, v) for s in stages] if zero_bubble else [])
         col = {s: i for i, s in enumerate(stages)}
-        k = len(stages)
-        # micro-batches held per stage of the rank, in stage order; in zb-v then those between B and W per stage
-        held = [0] * len(keys)
+        held = [0] * len(stages)  # micro-batches held per stage of the rank, in stage order
         tops: set[tuple[int, ...]] = set()
-        rising = False  # a forward (or zb-v's B) since the last free: a moment that may be a peak ends at the next
+        rising = False  # a forward since the last free: a moment that may be a peak ends at the next free
         for kind, stage, _ in order:
             if kind == "F":
                 held[col[stage]] += 1
                 rising = True
-            elif kind == frees:
+            elif kind == "B":
                 if rising:
                     tops.add(tuple(held))
                 rising = False
                 held[col[stage]] -= 1
-                if zero_bubble:
-                    held[k + col[stage]] -= 1
-            elif zero_bubble and kind == "B":
-                held[k + col[stage]] += 1
+        if rising:
+            tops.add(tuple(held))
+        out.append(_not_dominated(stages, tops))
+    return tuple(out)
+
+
+def _zero_bubble_holdings(pp: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
+    """_peak_holdings for zb-v: per stage of a rank the micro-batches holding activations (F to W), those between B
+    and W (pending_key), and whether its last backward task was a W (unfolded_key). A moment may be a peak where
+    anything rose since the last (F, B's pending, a W's first unfolded gradients) and a task comes that may lower it
+    (B folds the unfolded gradients, W frees a micro-batch)."""
+    out = []
+    for r, order in enumerate(rank_orders("zb-v", pp, 2, m)):
+        stages = sorted(rank_stages("zb-v", r, pp, 2))
+        keys = stages + [pending_key(s, pp, 2) for s in stages] + [unfolded_key(s, pp, 2) for s in stages]
+        col = {s: i for i, s in enumerate(stages)}
+        k = len(stages)
+        held = [0] * len(keys)
+        tops: set[tuple[int, ...]] = set()
+        rising = False
+        for kind, stage, _ in order:
+            c = col[stage]
+            if kind == "F":
+                held[c] += 1
                 rising = True
+                continue
+            if rising:
+                tops.add(tuple(held))
+            if kind == "B":
+                held[k + c] += 1
+                held[2 * k + c] = 0
+                rising = True
+            else:  # W
+                held[c] -= 1
+                held[k + c] -= 1
+                rising = not held[2 * k + c]
+                held[2 * k + c] = 1
         if rising:
             tops.add(tuple(held))
         out.append(_not_dominated(keys, tops))

@@ -37,6 +37,7 @@ class SimResult:
     rank_finish: list[float]  # when each pipeline rank ends its last task
     timeline: list[TimelineEntry] = field(default_factory=list)
     peak_activation_bytes: list[float] = field(default_factory=list)  # per rank
+    peak_unfolded_bytes: list[float] = field(default_factory=list)  # per rank: 16-bit gradients held then (zb-v)
 
 
 def build_graph(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: list[float],
@@ -70,12 +71,14 @@ def build_graph(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: l
 
 def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], t_b: list[float],
                       t_w: list[float], act_bytes: list[float] | None = None,
-                      keep_timeline: bool = False, dw_pending: list[float] | None = None) -> SimResult:
+                      keep_timeline: bool = False, dw_pending: list[float] | None = None,
+                      unfolded: list[float] | None = None) -> SimResult:
     """Run the task graph: every task starts when its data dependency and its rank's previous task end.
 
     Walks the ranks' orders directly (each task once, in the form :func:`_walk_orders` caches) instead of sorting the
     networkx graph, which :func:`build_graph` builds for inspection; the two give the same times (tests).
-    ``act_bytes`` (and in zb-v ``dw_pending``) per stage: the ranks' activation peaks too (_peak_activations).
+    ``act_bytes`` (and in zb-v ``dw_pending`` and ``unfolded``) per stage: the ranks' activation peaks too
+    (_peak_activations).
     """
     split = schedule == "zb-v"
     walks = _walk_orders(schedule, pp, v, m).tasks
@@ -117,31 +120,42 @@ def simulate_pipeline(schedule: str, pp: int, v: int, m: int, t_f: list[float], 
         result.timeline = [TimelineEntry(r, op[0], op[1], op[2], start, start + durations[d])
                            for r in range(pp) for op, start, d in zip(orders[r], begins[r], walks[r][0], strict=True)]
     if act_bytes is not None:
-        result.peak_activation_bytes = _peak_activations(schedule, pp, v, m, act_bytes, dw_pending)
+        result.peak_activation_bytes, result.peak_unfolded_bytes = _peak_activations(schedule, pp, v, m, act_bytes,
+                                                                                     dw_pending, unfolded)
     return result
 
 
 def _peak_activations(schedule: str, pp: int, v: int, m: int, act_bytes: list[float],
-                      dw_pending: list[float] | None = None) -> list[float]:
+                      dw_pending: list[float] | None = None,
+                      unfolded: list[float] | None = None) -> tuple[list[float], list[float]]:
     """Per rank, the peak of the activation bytes it keeps as it runs its tasks: a forward's start allocates its
     stage's ``act_bytes``, the task that frees them (W in zero-bubble schedules, else B) releases them at its end.
     A rank runs its tasks one after another, so its level is the running sum over its own order, whatever the
     tasks' times (a release at the instant of an allocation comes first: the forward reuses what the backward
-    released); summed one task after another, as a walk would. ``dw_pending`` (zero-bubble schedules): per stage what
-    its input backward (B) keeps until its weight backward (W) frees it with the activations (StageCost.dw_pending).
+    released); summed one task after another, as a walk would. In zb-v, per stage: ``dw_pending``, what its input
+    backward (B) keeps until its weight backward (W) frees it with the activations (StageCost.dw_pending);
+    ``unfolded``, the 16-bit gradients a W leaves until the stage's next B folds them (memory.StateBytes.unfolded).
+    Returns per rank, at its peak, the activations (with what B keeps) and the unfolded gradients apart.
     """
     import numpy as np
 
     walk = _walk_orders(schedule, pp, v, m)
     if not walk.stages.size:
-        return [0.0] * pp
+        return [0.0] * pp, [0.0] * pp
     moved = walk.signs * np.asarray(act_bytes, dtype=float)[walk.stages]  # (pp, ops): x + -a is x - a
-    if dw_pending is not None and schedule == "zb-v":
+    zero_bubble = schedule == "zb-v"
+    if dw_pending is not None and zero_bubble:
         kinds = walk.kinds
         pending = np.asarray(dw_pending, dtype=float)[walk.stages]  # (pp, ops)
         moved = moved + np.where(kinds == 1, pending, np.where(kinds == 2, -pending, 0.0))
-    level = np.cumsum(moved, axis=1)
-    return np.maximum(level.max(axis=1), 0.0).tolist()
+    grads = np.zeros_like(moved)
+    if unfolded is not None and zero_bubble:
+        grads = np.cumsum(walk.unfolding * np.asarray(unfolded, dtype=float)[walk.stages], axis=1)  # (pp, ops)
+    level = np.cumsum(moved, axis=1) + grads
+    at = level.argmax(axis=1)  # (pp,)
+    rows = np.arange(len(at))
+    peak, folded_out = np.maximum(level[rows, at], 0.0), grads[rows, at]  # (pp,) each
+    return (peak - folded_out).tolist(), folded_out.tolist()
 
 
 class _Walk(NamedTuple):
@@ -151,6 +165,7 @@ class _Walk(NamedTuple):
     signs: Any  # (pp, ops): +1 a forward (it allocates its stage's activations), -1 the task that frees them, else 0
     stages: Any  # (pp, ops): each task's stage
     kinds: Any  # (pp, ops): each task's kind, 0 F, 1 B, 2 W
+    unfolding: Any  # (pp, ops): zb-v, +1 a W leaving its stage's 16-bit gradients unfolded, -1 a B folding them
 
 
 @lru_cache(maxsize=64)
@@ -176,8 +191,20 @@ def _walk_orders(schedule: str, pp: int, v: int, m: int) -> _Walk:
         tasks.append(((kind * (last + 1) + s).tolist(), after.tolist(), slot.tolist()))
     kinds = np.array([kind for kind, _, _ in orders])
     frees = 2 if schedule == "zb-v" else 1
-    return _Walk(tuple(tasks), np.where(kinds == 0, 1.0, np.where(kinds == frees, -1.0, 0.0)),
-                 np.array([stage for _, stage, _ in orders]), kinds)
+    stages = np.array([stage for _, stage, _ in orders])
+    unfolding = np.zeros(kinds.shape)
+    if schedule == "zb-v":
+        for r in range(kinds.shape[0]):
+            held: set[int] = set()  # stages whose last backward task was a W
+            for j, (kind, s) in enumerate(zip(kinds[r].tolist(), stages[r].tolist(), strict=True)):
+                if kind == 2 and s not in held:
+                    held.add(s)
+                    unfolding[r, j] = 1.0
+                elif kind == 1 and s in held:
+                    held.discard(s)
+                    unfolding[r, j] = -1.0
+    return _Walk(tuple(tasks), np.where(kinds == 0, 1.0, np.where(kinds == frees, -1.0, 0.0)), stages, kinds,
+                 unfolding)
 
 
 def graph_makespan(g: nx.DiGraph) -> float:

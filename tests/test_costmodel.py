@@ -566,13 +566,14 @@ def test_peak_holdings_give_the_simulated_activation_peak(schedule, v):
 
 def test_zero_bubble_peaks_count_the_gradients_kept_for_the_weight_backward():
     """In zb-v a stage's input backward (B) leaves gradients until its weight backward (W) frees them with the
-    activations (torch's stage_backward_input keeps param_group["grads"]): the rank's peak over
-    schedules.peak_holdings, each moment's micro-batches between B and W under pending_key, equals the event
-    simulation's memory walk with both; and the pending bytes raise the peak of some rank (the V's turning ranks,
-    whose cool-down runs input backwards first)."""
+    activations (torch's stage_backward_input keeps param_group["grads"]), and its W leaves 16-bit weight gradients
+    until its next B folds them into the fp32 sums (FSDP2): the rank's peak over schedules.peak_holdings, each
+    moment's micro-batches between B and W under pending_key and its unfolded stages under unfolded_key, equals the
+    event simulation's memory walk with all three, its unfolded part too; and the pending bytes raise the peak of
+    some rank (the V's turning ranks, whose cool-down runs input backwards first)."""
     import random
 
-    from paraplan.planner.schedules import peak_holdings, pending_key, rank_stages
+    from paraplan.planner.schedules import peak_holdings, pending_key, rank_stages, unfolded_key
     from paraplan.planner.simulator import simulate_pipeline
 
     rng = random.Random(11)
@@ -582,14 +583,17 @@ def test_zero_bubble_peaks_count_the_gradients_kept_for_the_weight_backward():
             n = 2 * p
             acts = [rng.uniform(0.5, 5.0) for _ in range(n)]
             pending = [rng.uniform(0.1, 2.0) for _ in range(n)]
+            unfolded = [rng.uniform(0.0, 8.0) for _ in range(n)]
             times = ([1.0] * n, [2.0] * n, [1.0] * n)
-            sim = simulate_pipeline("zb-v", p, 2, m, *times, act_bytes=acts, dw_pending=pending)
+            sim = simulate_pipeline("zb-v", p, 2, m, *times, act_bytes=acts, dw_pending=pending, unfolded=unfolded)
             lean = simulate_pipeline("zb-v", p, 2, m, *times, act_bytes=acts)
             for r, moments in enumerate(peak_holdings("zb-v", p, 2, m)):
                 stages = rank_stages("zb-v", r, p, 2)
-                peak = max(sum(h.get(s, 0) * acts[s] + h.get(pending_key(s, p, 2), 0) * pending[s] for s in stages)
-                           for h in moments)
-                assert peak == pytest.approx(sim.peak_activation_bytes[r], rel=1e-9), (p, m, r)
+                parts = [(sum(h.get(s, 0) * acts[s] + h.get(pending_key(s, p, 2), 0) * pending[s] for s in stages),
+                          sum(h.get(unfolded_key(s, p, 2), 0) * unfolded[s] for s in stages)) for h in moments]
+                top = max(parts, key=sum)
+                assert sum(top) == pytest.approx(sim.peak_activation_bytes[r] + sim.peak_unfolded_bytes[r], rel=1e-9)
+                assert top[1] == pytest.approx(sim.peak_unfolded_bytes[r], rel=1e-9, abs=1e-12), (p, m, r)
                 raised += sim.peak_activation_bytes[r] > lean.peak_activation_bytes[r] + 1e-9
     assert raised
 
