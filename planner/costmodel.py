@@ -449,11 +449,14 @@ def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: d
 
 def unfolded_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple) -> dict[int, float] | None:
     """Per stage the bytes of 16-bit gradients its weight backward leaves until its next input backward (zb-v:
-    StateBytes.unfolded of ``states``, the layout's (state_bytes, moe.expert_states)); None where there are none."""
+    StateBytes.unfolded of ``states``, the layout's (state_bytes, moe.expert_states)); None where there are none.
+    None on the first stage: torch runs its whole backward at W, whose FSDP2 post-backward folds them at once
+    (llama2-70b dp8 tp4 pp2 zb-v: rank 0's gradients traced 2 B a first-stage parameter below 6 B a parameter)."""
     plain, experts = states[0].unfolded, states[1].unfolded
     if not plain and not experts:
         return None
-    return {s: plain * (costs[s].params - costs[s].experts) + experts * costs[s].experts for s in stages}
+    return {s: plain * (costs[s].params - costs[s].experts) + experts * costs[s].experts if s else 0.0
+            for s in stages}
 
 
 def _unfolded_list(framework, lay: Layout, costs: list[StageCost]) -> list[float] | None:

@@ -461,9 +461,9 @@ class StageILP:
 
             def at(h: dict[int, int], r: int = r):  # a moment's bytes (zb-v: the gradients kept for W, and unfolded)
                 return pulp.lpSum(h.get(s, 0) * A[s] + h.get(pending_key(s, p, v), 0) * G[s]
-                                  + h.get(unfolded_key(s, p, v), 0) * (states.unfolded * (P[s] - X[s])
-                                                                       + expert_states.unfolded * X[s])
-                                  for s in ranks[r])
+                                  + (h.get(unfolded_key(s, p, v), 0) * (states.unfolded * (P[s] - X[s])
+                                                                        + expert_states.unfolded * X[s]) if s else 0)
+                                  for s in ranks[r])  # (none on the first stage: costmodel.unfolded_bytes)
 
             if len(held) == 1:
                 acts = at(held[0])

@@ -627,6 +627,29 @@ def test_zero_bubble_stages_keep_their_blocks_output_gradients():
     assert last.dw_pending == pytest.approx(max(0.0, blocks - head.act_working), rel=1e-12)
 
 
+def test_zero_bubble_unfolded_gradients_skip_the_first_stage():
+    """ZB-V under ZeRO-2 in bf16 sums its gradients unsharded in fp32 (4 B a parameter) and holds a stage's 16-bit
+    gradients (2 B) only from its W to its next B (StateBytes.unfolded); the first stage's W is its whole backward,
+    whose FSDP2 post-backward folds them at once: none there. 1F1B reduce-scatters every micro-batch instead: 4/dp
+    B a parameter, nothing unfolded."""
+    from paraplan.planner import moe
+    from paraplan.planner.costmodel import even_stages, unfolded_bytes
+    from paraplan.planner.memory import state_bytes
+
+    work = Workload.create("llama2-7b", "dgx-h100", 64)
+    model = CostModel(work)
+    lay = Layout(dp=2, tp=2, pp=4, micro_batch=1, global_batch=64, schedule="zb-v", virtual_stages=2, zero=2,
+                 sequence_parallel=True)
+    states = (state_bytes(work.framework, lay), moe.expert_states(work.framework, lay))
+    assert (states[0].grads, states[0].unfolded) == (4.0, 2.0)
+    costs = model.stage_costs(lay, even_stages(model, lay))
+    got = unfolded_bytes(costs, tuple(range(len(costs))), states)
+    assert got[0] == 0.0
+    assert all(got[s] == pytest.approx(2.0 * costs[s].params, rel=1e-12) for s in range(1, len(costs)))
+    plain = state_bytes(work.framework, lay.replace(schedule="1f1b", virtual_stages=1))
+    assert (plain.grads, plain.unfolded) == (2.0, 0.0)
+
+
 def _block(model: str, framework: str, mode: str, **layout):
     from paraplan.planner.placement import layout_placement
 
