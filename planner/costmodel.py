@@ -224,7 +224,8 @@ class StageCost:
     largest_reduce_unit: float = 0.0  # of its non-root blocks, the largest BlockCost.reduce_unit
     # bytes per micro-batch kept from a zero-bubble input backward to its weight backward: its blocks' output
     # gradients (BlockCost.dw_pending; none on the first stage, whose input backward does nothing: torch runs its
-    # whole backward at W) and the gradient received for its output (the stage's backward_state), but the last's
+    # whole backward at W; on the last only their excess over the loss backward's working set) and, but on the last
+    # stage, the gradient received for its output (the stage's backward_state)
     dw_pending: float = 0.0
 
     @property
@@ -450,8 +451,8 @@ def held_activations(costs: list[StageCost], stages: tuple[int, ...], flights: d
 def unfolded_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple) -> dict[int, float] | None:
     """Per stage the bytes of 16-bit gradients its weight backward leaves until its next input backward (zb-v:
     StateBytes.unfolded of ``states``, the layout's (state_bytes, moe.expert_states)); None where there are none.
-    None on the first stage: torch runs its whole backward at W, whose FSDP2 post-backward folds them at once
-    (llama2-70b dp8 tp4 pp2 zb-v: rank 0's gradients traced 2 B a first-stage parameter below 6 B a parameter)."""
+    0 on the first stage: torch runs its whole backward at W, whose FSDP2 post-backward folds them at once
+    (llama2-70b dp8 tp4 pp2 zb-v: priced there too, rank 0's gradients came 8.7 GB above its trace)."""
     plain, experts = states[0].unfolded, states[1].unfolded
     if not plain and not experts:
         return None
@@ -461,8 +462,8 @@ def unfolded_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tupl
 
 def _unfolded_list(framework, lay: Layout, costs: list[StageCost]) -> list[float] | None:
     """unfolded_bytes of every stage, in order (the event simulation's)."""
-    got = unfolded_bytes(costs, tuple(range(len(costs))), (state_bytes(framework, lay), moe.expert_states(framework,
-                                                                                                        lay)))
+    states = (state_bytes(framework, lay), moe.expert_states(framework, lay))
+    got = unfolded_bytes(costs, tuple(range(len(costs))), states)
     return None if got is None else [got[s] for s in range(len(costs))]
 
 
