@@ -440,6 +440,14 @@ class StageILP:
         step = optimizer_step(self.model, lay)
         expert_step = moe.expert_optimizer_step(self.model, lay)
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
+        # zb-v's moments also count, per stage, what its input backward keeps for W (pending_key) and its unfolded
+        # 16-bit gradients (unfolded_key; none on the first stage: costmodel.unfolded_bytes): their bytes by key
+        extra: dict[int, object] = {}
+        if zero_bubble:
+            for s in range(S):
+                extra[pending_key(s, p, v)] = G[s]
+                if s and (states.unfolded or expert_states.unfolded):
+                    extra[unfolded_key(s, p, v)] = states.unfolded * (P[s] - X[s]) + expert_states.unfolded * X[s]
         drain = 0
         for r in range(p):
             rank_b = pulp.lpSum(B[s] for s in ranks[r])
@@ -459,11 +467,9 @@ class StageILP:
             # activations at the rank's peak: the most over every moment that may be it (schedules.peak_holdings)
             held = peak_holdings(self.schedule, p, v, m)[r]
 
-            def at(h: dict[int, int], r: int = r):  # a moment's bytes (zb-v: the gradients kept for W, and unfolded)
-                return pulp.lpSum(h.get(s, 0) * A[s] + h.get(pending_key(s, p, v), 0) * G[s]
-                                  + (h.get(unfolded_key(s, p, v), 0) * (states.unfolded * (P[s] - X[s])
-                                                                        + expert_states.unfolded * X[s]) if s else 0)
-                                  for s in ranks[r])  # (none on the first stage: costmodel.unfolded_bytes)
+            def at(h: dict[int, int], r: int = r):  # a moment's bytes: its activations, and zb-v's extra keys
+                return pulp.lpSum([h.get(s, 0) * A[s] for s in ranks[r]]
+                                  + [n * extra[key] for key, n in h.items() if key in extra])
 
             if len(held) == 1:
                 acts = at(held[0])
