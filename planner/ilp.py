@@ -62,7 +62,7 @@ from .costmodel import (
 )
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout
-from .layout import RECOMPUTE, Layout
+from .layout import RECOMPUTE, Layout, zero_bubble_recompute_refusal
 from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
 from .schedules import (
@@ -168,10 +168,12 @@ class Partition:
     ilp_objective: float | None
 
 
-def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None, dtype: str = "bf16") -> tuple[str, ...]:
+def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None, dtype: str = "bf16",
+              lay: Layout | None = None) -> tuple[str, ...]:
     """The recomputation modes a layout's stages may use: ``allowed`` (any of RECOMPUTE) where given, else the
     defaults above; only "none" for models without transformer layers. "norm+act" (searched on request only)
-    where the stack runs it in ``dtype`` (costmodel.norm_act_refusal)."""
+    where the stack runs it in ``dtype`` (costmodel.norm_act_refusal). With ``lay``, those its schedule runs
+    (layout_modes)."""
     spec = model.work.spec
     if not spec.is_transformer:
         modes = MODES_OTHER
@@ -179,8 +181,26 @@ def modes_for(model: CostModel, allowed: tuple[str, ...] | None = None, dtype: s
         modes = RECOMPUTE
     else:
         modes = MODES_MOE if getattr(spec, "num_experts", 0) else MODES_TRANSFORMER
-    return tuple(u for u in modes if (allowed is None or u in allowed)
-                 and (u != "norm+act" or norm_act_refusal(model.work, dtype) is None))
+    modes = tuple(u for u in modes if (allowed is None or u in allowed)
+                  and (u != "norm+act" or norm_act_refusal(model.work, dtype) is None))
+    return modes if lay is None else layout_modes(model, lay, modes)
+
+
+def layout_modes(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple[str, ...]:
+    """Of ``modes``, those ``lay``'s stages may use: all but where zb-v cannot recompute
+    (layout.zero_bubble_recompute_refusal: torch's weight pass recomputes a region holding weights once per
+    parameter group). Possibly none (every allowed mode refused)."""
+    if lay.schedule != "zb-v" or lay.pp == 1 or not model.work.spec.is_transformer:
+        return modes
+    return tuple(u for u in modes if zero_bubble_recompute_refusal(model.work.spec, u, lay.cp) is None)
+
+
+def no_mode_reason(model: CostModel, lay: Layout, allowed: tuple[str, ...] | None) -> str:
+    """Why ``lay`` has no recomputation mode among ``allowed`` (layout_modes refused each): the first refusal."""
+    spec = model.work.spec
+    why = next((r for u in modes_for(model, allowed, lay.dtype)
+                if (r := zero_bubble_recompute_refusal(spec, u, lay.cp))), None)
+    return why or f"no recomputation mode of {', '.join(allowed or ())} can run {lay.short()}"
 
 
 def _exposure_expression(prob: pulp.LpProblem, items: list[Exposure], load: RankLoad, guess: RankLoad, p: int,
@@ -669,7 +689,9 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
     is — no bubble refinement, no local search (the search's heuristic mode: it cannot reach the top plans).
     Raises InvalidLayout("out of memory by X GiB") when no split fits.
     """
-    modes = modes_for(model, allowed_modes, lay.dtype)
+    modes = modes_for(model, allowed_modes, lay.dtype, lay)
+    if not modes:
+        raise InvalidLayout(no_mode_reason(model, lay, allowed_modes))
     if lay.num_stages == 1:  # one stage: no boundary to choose, only the recomputation mode
         return _single_stage(model, lay, modes)
     ilp = StageILP(model, lay, modes, time_limit_s)
@@ -814,7 +836,9 @@ def polished_quick_split(model: CostModel, lay: Layout, start: Prediction, allow
     such layouts: equal on 17, faster on 12 (up to 3.1%: the ILP does not start from a layer moved off an end
     chunk), slower on 1 (1.0%); on the 1T GPT's 4, equal; the ILPs time-limited on 28 of the 30, at 0.3 s each.
     ``plan --exhaustive`` runs the ILP."""
-    modes = modes_for(model, allowed_modes, lay.dtype)
+    modes = modes_for(model, allowed_modes, lay.dtype, lay)
+    if not modes:
+        raise InvalidLayout(no_mode_reason(model, lay, allowed_modes))
     if lay.virtual_stages > 1 and len({c.recompute for c in start.stages}) > 1:
         # memory forces recomputation on some stages, not all: a layer off an end chunk may spare it (where every
         # stage needs the same mode, one layer moved spares none)

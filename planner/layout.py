@@ -30,6 +30,29 @@ def recomputes_mlp(mode: str) -> bool:
     return mode in ("mlp", "selective+mlp")
 
 
+def zero_bubble_recompute_refusal(spec: ModelSpec, mode: str, cp: int = 1) -> str | None:
+    """Why a zb-v stage cannot recompute in ``mode`` (None: it can). torch's pipelining splits a stage's backward
+    into an input pass and a weight pass (stage_backward_weight), which asks autograd once per parameter group: a
+    checkpointed region that holds weights is recomputed once per group it holds (counted: a three-weight MLP, three
+    times), and every copy is kept until the pass ends. Traced with execute --dry-run (torch 2.13): llama-12 dp2 pp2
+    under full recomputation, the weight pass of a three-layer stage rose 2.0 GB, 7-8 times the layers' activations
+    without recomputation (the ranks 14% and 48% over the prediction); latent attention's up-projections under
+    selective recomputation and Mixtral's experts under mlp, 13% and 16% over. So zb-v recomputes only where no
+    weight is checkpointed: the attention core alone (selective), on models without a weighted prologue (Qwen3's
+    query/key norms, latent attention's up-projections; under context parallelism they are not recomputed)."""
+    if mode == "none":
+        return None
+    if mode == "selective" and not ((getattr(spec, "qk_norm", False) or getattr(spec, "mla", False)) and cp == 1):
+        return None
+    what = {"selective": "the attention core with its query/key norms or latent up-projections", "mlp": "the MLP",
+            "selective+mlp": "the MLP", "norm+act": "the norms", "full": "whole layers"}.get(mode, mode)
+    return (f"zb-v with {mode} recomputation: torch's weight pass recomputes a checkpointed region ({what}) once per "
+            "parameter group it holds and keeps every copy until the pass ends (llama-12 under full recomputation: "
+            "7-8 times a layer's activations per layer); use " + ("no recomputation" if mode == "selective" else
+                                                                  "selective or no recomputation")
+            + " with zb-v, or another schedule")
+
+
 def recomputes_norm_act(mode: str) -> bool:
     """Does recomputation ``mode`` rerun the separate norms and the routed experts' activation ("norm+act":
     Megatron-Core's recompute_modules layernorm and moe_act, output-discarding checkpoints, as NVIDIA's GPT-OSS
@@ -236,6 +259,10 @@ class Layout:
             # pass runs: torch 2.13 then computes wrong weight gradients (caught by tests/test_executor*.py).
             raise InvalidLayout("zb-v with ZeRO 3 is not supported by torch's pipelining (weights resharded before "
                                 "the weight-gradient pass); use zero 2 or interleaved-1f1b", "zb-v with ZeRO 3")
+        if self.pp > 1 and self.schedule == "zb-v" and isinstance(spec, TransformerSpec):
+            why = zero_bubble_recompute_refusal(spec, self.recompute, self.cp)
+            if why:
+                raise InvalidLayout(why, f"zb-v with {self.recompute} recomputation")
         if self.num_stages > num_blocks:
             raise InvalidLayout(f"pp x virtual stages = {self.num_stages} exceeds the model's {num_blocks} blocks",
                                 "more stages than blocks")

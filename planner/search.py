@@ -42,7 +42,15 @@ from .costmodel import CostModel, Prediction, grads_meet_peak
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
 from .gc_pause import without_gc_pauses
-from .ilp import EXHAUSTIVE_TIME_LIMIT_S, SOLVER_TIME_LIMIT_S, best_partition, modes_for, polished_quick_split
+from .ilp import (
+    EXHAUSTIVE_TIME_LIMIT_S,
+    SOLVER_TIME_LIMIT_S,
+    best_partition,
+    layout_modes,
+    modes_for,
+    no_mode_reason,
+    polished_quick_split,
+)
 from .layout import Layout
 from .memory import FRAGMENTATION, state_bytes, untracked_bytes
 from .placement import layout_placement
@@ -1050,6 +1058,9 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     modes = modes_for(model, allowed_modes, dtype)
     layouts = layouts if layouts is not None else enumerate_layouts(work, gpus, dtype)
     candidates = _validated(model, layouts)
+    for cand in candidates:  # zb-v refuses some recomputation modes (layout_modes): all those allowed, here
+        if cand.status != "invalid" and cand.layout.schedule == "zb-v" and not layout_modes(model, cand.layout, modes):
+            cand.status, cand.reason = "invalid", no_mode_reason(model, cand.layout, allowed_modes)
     valid = [c for c in candidates if c.status != "invalid"]
     capacity = work.cluster.gpu.memory_bytes
     # Every layout gets a cheap bound (its pipeline's time alone, time_bound) and waits in a heap; the full first-pass
@@ -1078,15 +1089,16 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         if len(kth) >= top_k and cand.lower_bound_s >= -kth[0]:
             break
         heapq.heappop(waiting)
+        mine = layout_modes(model, cand.layout, modes)
         if stage == 0:
-            bound, mem_by_mode = lower_bound(model, cand.layout, modes, forced_recomputation=False,
+            bound, mem_by_mode = lower_bound(model, cand.layout, mine, forced_recomputation=False,
                                              data_parallel_wait=False, capacity=capacity)
             cand.lower_bound_s, cand.memory_checked = max(bound, cand.lower_bound_s), True
-            cand.no_fit = frozenset(u for u in modes if mem_by_mode[u] > capacity)
+            cand.no_fit = frozenset(u for u in mine if mem_by_mode[u] > capacity)
             lb_mem = min(mem_by_mode.values())
             if lb_mem > capacity:
                 cand.status = "oom"
-                alone = model.bound_parts[(cand.layout, modes)].states_alone
+                alone = model.bound_parts[(cand.layout, mine)].states_alone
                 cand.reason = (f"out of memory by at least {(lb_mem - capacity) / 2**30:.1f} GiB "
                                f"(needs {lb_mem / 2**30:.1f} GiB per GPU "
                                + ("for its model states alone)" if alone else "with the least-memory split)"))
@@ -1094,11 +1106,11 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
                 heapq.heappush(waiting, (cand.lower_bound_s, idx, 1, cand))
             continue
         if stage == 1 and len(kth) >= top_k:  # the tighter bound, for layouts the first one let through
-            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, modes, beat=-kth[0])[0])
+            cand.lower_bound_s = max(cand.lower_bound_s, lower_bound(model, cand.layout, mine, beat=-kth[0])[0])
             heapq.heappush(waiting, (cand.lower_bound_s, idx, 2, cand))
             continue
         alive.append(cand)
-        pred = quick_price(model, cand.layout, modes, cand.no_fit)
+        pred = quick_price(model, cand.layout, mine, cand.no_fit)
         if pred is None:
             quick.append((float("inf"), len(alive) - 1))
             continue

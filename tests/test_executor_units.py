@@ -229,3 +229,45 @@ def test_diagnosis_names_the_rank_that_caused_the_failure():
     remote = Outcome(1, {0: _st(0, "peer", message="RuntimeError: Connection reset by peer"),
                          1: _st(1, "peer", message="RuntimeError: Connection reset by peer")}, "", world_size=4)
     assert diagnose(remote).startswith("a rank on another node (one of ranks 2, 3) failed; rank 0 here saw")
+
+
+def _weight_pass(mode: str) -> tuple[int, int]:
+    """A middle zb-v stage of llama-tiny (its layers, the head and the loss, from a hidden state that needs a
+    gradient) under recomputation ``mode``: torch's input pass, then its weight pass traced; (attention cores the
+    weight pass runs, bytes it rises by)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from paraplan.executor.trace import RankTrace
+
+    spec = load_model_spec("llama-tiny")
+    model = build_model(spec, "cpu")
+    initialize(model, spec, 0)
+    apply_ac(model, mode)
+    x, y = BatchSource(spec=spec, seed=0, global_batch=2, seq_length=16).batch(0)
+    hidden = model.embed(x).detach().requires_grad_()  # (b, s, h)
+    out = hidden
+    for name in model.layers:
+        out = model.layers[name](out)
+    loss = loss_function(spec)(model.head(out), y)
+    stage = [*model.layers.parameters(), *model.head.parameters()]
+    _, groups = stage_backward_input([loss], None, [hidden], iter(stage))
+    with _CountOps() as counter, RankTrace() as trace:
+        before = trace.total
+        stage_backward_weight(iter(stage), groups)
+        rise = trace.peak - before
+    return counter.ops.get("aten._scaled_dot_product_flash_attention_for_cpu", 0), rise
+
+
+def test_zero_bubble_weight_pass_recomputes_checkpointed_layers_once_per_parameter_group():
+    """Why zb-v refuses recomputation that checkpoints weights (layout.zero_bubble_recompute_refusal): torch's
+    weight pass (stage_backward_weight) asks autograd once per parameter group, so a fully recomputed llama layer
+    reruns its forward (its attention core) once per weight it holds — nine times, where the plain backward reruns
+    it once — and keeps the copies until the pass ends: the pass rises above its rise without recomputation by more
+    than everything no recomputation keeps. Should torch change this, this test fails and the refusal can go."""
+    spec = load_model_spec("llama-tiny")
+    model = build_model(spec, "cpu")
+    per_layer = len(list(model.layers["0"].parameters()))  # two norms, q, k, v, o and the MLP's three
+    cores, rise = _weight_pass("full")
+    cores_none, rise_none = _weight_pass("none")
+    assert per_layer == 9 and cores == per_layer * spec.num_layers and cores_none == 0, (cores, per_layer)
+    assert rise - rise_none > _kept_bytes("llama-tiny", "none"), (rise, rise_none)

@@ -43,7 +43,7 @@ def brute_force(model: CostModel, lay: Layout) -> float:
     """Every contiguous split (with balanced chunks when v > 1) x every recomputation mode per stage (the
     chunks of one rank may differ), priced exactly."""
     n = len(model.work.profile(lay.dtype).layers)
-    modes = modes_for(model)
+    modes = modes_for(model, lay=lay)  # (zb-v: not the modes it refuses)
     best = float("inf")
     for stages in _partitions(n, lay.num_stages):
         if lay.virtual_stages > 1 and not chunks_balanced(stages, n, model.repeated_blocks(lay)):
@@ -111,11 +111,12 @@ def test_binary_formulation_equals_brute_force(write):
     assert _ilp_against_brute_force(Workload.create(spec, write("tight.yaml", TIGHT), 32), 4) > 20
 
 
-@pytest.mark.parametrize("short", ["dp1 tp2 pp4 mb2 zb-vx2 sp", "dp1 tp2 pp4 mb2 interleaved-1f1bx2 sp"])
+@pytest.mark.parametrize("short", ["dp1 tp2 pp4 mb2 interleaved-1f1bx2 sp"])
 def test_chunks_of_one_rank_recompute_apart(small, short):
     """Where memory binds on a rank holding several chunks, recomputing only the chunks that hold the most
     micro-batches at the rank's peak beats recomputing all of them: the ILP's split equals brute force over
-    every split and mode per stage, and is faster than the best with one mode per pipeline rank."""
+    every split and mode per stage, and is faster than the best with one mode per pipeline rank. (zb-v showed it
+    too with full recomputation, which zb-v no longer runs: layout.zero_bubble_recompute_refusal.)"""
     model = CostModel(small)
     lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == short)
     n = len(small.profile("bf16").layers)
@@ -123,7 +124,7 @@ def test_chunks_of_one_rank_recompute_apart(small, short):
     per_rank = float("inf")
     for stages in _partitions(n, lay.num_stages):
         if chunks_balanced(stages, n, model.repeated_blocks(lay)):
-            for modes in itertools.product(modes_for(model), repeat=lay.pp):
+            for modes in itertools.product(modes_for(model, lay=lay), repeat=lay.pp):
                 pred = model.evaluate(lay, stages, [modes[r] for r in rank_of])
                 per_rank = min(per_rank, pred.iteration_time_s if pred.fits else per_rank)
     part = best_partition(model, lay)
@@ -140,7 +141,8 @@ def test_least_recompute_fits_each_rank_recomputing_its_fullest_chunks_first(sma
     from paraplan.planner.schedules import in_flight, rank_stages
 
     model = CostModel(small)
-    lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == "dp1 tp2 pp4 mb2 zb-vx2 sp")
+    # (zb-v showed it too with full recomputation, which it no longer runs: layout.zero_bubble_recompute_refusal)
+    lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == "dp1 tp2 pp4 mb2 interleaved-1f1bx2")
     modes = modes_for(model)
     stages = even_stages(model, lay)
     got = model.least_recompute(lay, stages, modes)
@@ -1133,3 +1135,40 @@ def test_memory_repair_passes_blocks_down_from_an_overflowing_last_rank():
         False]
     repaired = memory_repaired_stages(model, lay, even, "none")
     assert [len(s) for s in repaired] == [12, 11, 11, 8] and all(model.ranks_fit(lay, repaired, ["none"] * 4))
+
+
+def test_zero_bubble_never_recomputes_a_region_that_holds_weights(small):
+    """torch's zb-v weight pass recomputes a checkpointed region once per parameter group it holds
+    (tests/test_executor_units.py): a zb-v layout may recompute the attention core alone (selective) where no
+    weight sits in it, never whole layers or the MLP. Layout.validate says why for a layout asked for by name; the
+    search gives no zb-v stage a refused mode, and where every allowed mode is refused the layout is invalid."""
+    from paraplan.models import load_model_spec
+
+    def refused(model: str, mode: str, schedule: str = "zb-v") -> str | None:
+        v = 2 if schedule == "zb-v" else 1
+        lay = Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=8, schedule=schedule, virtual_stages=v,
+                     recompute=mode)
+        try:
+            lay.validate(load_model_spec(model), 64)
+        except InvalidLayout as e:
+            return str(e)
+        return None
+
+    assert "zb-v with full recomputation" in refused("llama-tiny", "full")
+    assert "zb-v with mlp recomputation" in refused("mixtral-tiny", "mlp")
+    assert refused("llama-tiny", "selective") is None and refused("llama-tiny", "none") is None
+    assert "query/key norms or latent up-projections" in refused("deepseek-tiny", "selective")  # MLA's prologue
+    assert "query/key norms" in refused("qwen3-30b-a3b", "selective")  # Qwen3's query/key norms
+    assert refused("llama-tiny", "full", "1f1b") is None
+    result = search(small, 8, top_k=3)
+    zbv = [c for c in result.candidates if c.layout.schedule == "zb-v" and c.status == "ok"]
+    assert zbv and all(m in ("none", "selective") for c in zbv for m in c.stage_recompute or [c.layout.recompute])
+    def name(c) -> str:
+        return c.layout.replace(recompute="none").short()
+
+    runnable = {name(c) for c in result.candidates if c.layout.schedule == "zb-v" and c.status != "invalid"}
+    only_full = search(small, 8, top_k=3, allowed_modes=("full",))
+    zbv = [c for c in only_full.candidates if name(c) in runnable]
+    assert len(zbv) == len(runnable) > 0
+    assert all(c.status == "invalid" and "zb-v with full recomputation" in c.reason for c in zbv)
+    assert only_full.best is not None and only_full.best.layout.schedule != "zb-v"
