@@ -39,9 +39,9 @@ def dp_layout_cells(d) -> list[str]:
             _s(d.traffic_s), f"{d.exposed_s:.3g} ({share})"]
 
 
-DP_LAYOUT_COLUMNS = ["strategy", "layout", "data-parallel group", "sync", "gradients per GPU", "kept after sync",
+DP_LAYOUT_COLUMNS = ["strategy", "layout", "data-parallel group", "sync", "gradients a GPU reduces", "kept after sync",
                      "collective bytes per iteration", "sync s if not overlapped", "exposed s (of the iteration)"]
-DP_OPT_COLUMNS = ["setting", "samples per optimizer step", "gradients per GPU", "sync s if not overlapped",
+DP_OPT_COLUMNS = ["setting", "samples per optimizer step", "gradients a GPU reduces", "sync s if not overlapped",
                   "exposed s per iteration", "exposed ms per 1k samples"]
 
 
