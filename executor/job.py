@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from paraplan.models import ModelSpec, TransformerSpec, block_names, load_model_spec, spec_from_mapping
 from paraplan.planner.errors import PlanError
-from paraplan.planner.layout import Layout, zero_bubble_recompute_refusal
+from paraplan.planner.layout import Layout
 from paraplan.planner.plan import Plan
 
 from .errors import ExecutionError
@@ -121,11 +121,10 @@ class Job:
             raise ExecutionError(f"{src}: recompute norm+act (Megatron-Core's recompute_modules layernorm and moe_act) "
                                  "is priced for Megatron-Core, not executed: this executor recomputes none, selective, "
                                  "mlp, selective+mlp or full; export the plan --to megatron, or plan with those")
-        if lay.pp > 1 and lay.schedule == "zb-v" and isinstance(spec, TransformerSpec):
-            why = next((r for m in plan.stage_recompute or [] if (r := zero_bubble_recompute_refusal(spec, m, lay.cp))),
-                       None)
-            if why:  # the layout's own mode was checked by lay.validate; a stage's here
-                raise ExecutionError(f"{src}: stage_recompute: {why}")
+        try:  # the layout's own mode was checked by lay.validate; each stage's here
+            lay.validate_stage_recompute(spec, plan.stage_recompute)
+        except PlanError as e:
+            raise ExecutionError(f"{src}: stage_recompute: {e}") from None
         if lay.dtype == "fp16":
             raise ExecutionError(f"{src}: fp16 training needs loss scaling, which the executor does not do; "
                                  "use bf16 (or fp32)")

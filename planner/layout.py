@@ -270,6 +270,14 @@ class Layout:
             raise InvalidLayout("parameter servers hold the optimizer themselves: use zero 0 with --dp-mode ps",
                                 "ps with zero")
 
+    def validate_stage_recompute(self, spec: ModelSpec, modes: list[str] | None) -> None:
+        """Raise InvalidLayout if a stage's recomputation mode cannot run with this layout's schedule (zb-v:
+        zero_bubble_recompute_refusal); :meth:`validate` checks the layout's own (its heaviest stage's) mode."""
+        if self.pp > 1 and self.schedule == "zb-v" and isinstance(spec, TransformerSpec):
+            why = next((r for m in modes or [] if (r := zero_bubble_recompute_refusal(spec, m, self.cp))), None)
+            if why:
+                raise InvalidLayout(why, "zb-v with a stage's recomputation")
+
     def _validate_cp_ep(self, spec: ModelSpec) -> None:
         """Context and expert parallelism: what the model and the other degrees must allow."""
         if self.cp > 1:

@@ -93,3 +93,19 @@ def test_this_executor_refuses_a_norm_act_plan_in_one_line(tmp_path):
                 "--recompute", "norm+act", "--write-plan", str(plan))
     assert p.returncode == 0, p.stderr
     assert_one_line_error(run_cli("execute", "--plan", str(plan)), "norm+act", "--to megatron")
+
+
+def test_this_executor_refuses_a_zero_bubble_stage_that_recomputes_weights_in_one_line(tmp_path):
+    """A zb-v plan whose stage recomputes a region holding weights (an edited plan.json: simulate refuses to write
+    one) is refused before any rank starts, naming the field (layout.zero_bubble_recompute_refusal)."""
+    import json
+
+    plan = tmp_path / "zbv.json"
+    p = run_cli("simulate", "--model", "llama-tiny", "--cluster", "local", "--global-batch", "8", "--dp", "1",
+                "--tp", "1", "--pp", "2", "--micro-batch", "1", "--schedule", "zb-v", "--virtual-stages", "2",
+                "--recompute", "selective", "--write-plan", str(plan))
+    assert p.returncode == 0, p.stderr
+    data = json.loads(plan.read_text())
+    data["stage_recompute"] = ["selective", "full", "selective", "selective"]
+    plan.write_text(json.dumps(data))
+    assert_one_line_error(run_cli("execute", "--plan", str(plan)), "stage_recompute", "zb-v with full recomputation")

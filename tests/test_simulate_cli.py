@@ -57,6 +57,11 @@ def test_parameter_server_mode():
     (["--dp", "1", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--sequence-parallel"], "needs tp > 1"),
     (["--dp", "1", "--tp", "1", "--pp", "2", "--micro-batch", "1", "--schedule", "zb-v"], "exactly two stages"),
     (["--dp", "0", "--tp", "1", "--pp", "1", "--micro-batch", "1"], "must be positive"),
+    # torch's zb-v weight pass reruns a checkpointed region once per weight (layout.zero_bubble_recompute_refusal)
+    (["--dp", "1", "--tp", "1", "--pp", "2", "--micro-batch", "1", "--schedule", "zb-v", "--virtual-stages", "2",
+      "--recompute", "full"], "zb-v with full recomputation"),
+    (["--dp", "1", "--tp", "1", "--pp", "2", "--micro-batch", "1", "--schedule", "zb-v", "--virtual-stages", "2",
+      "--stage-recompute", "none,mlp,none,none"], "zb-v with mlp recomputation"),
 ])
 def test_invalid_layouts_are_one_line_errors(args, fragment):
     assert_one_line_error(run_cli(*BASE, *args), fragment)

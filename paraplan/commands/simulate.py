@@ -110,6 +110,7 @@ def run(args) -> int:
             raise PlanError(f"--recompute {args.recompute} disagrees with --stage-recompute, whose heaviest mode is "
                             f"{summary_mode(modes)} (the layout's label): give one of them")
         lay = lay.replace(recompute=summary_mode(modes))
+        lay.validate_stage_recompute(work.spec, modes)
     work = ensure_calibrated(args, work)
     pred, plan = simulate(work, lay, stages, modes, keep_timeline=bool(args.gantt),
                           event_sim=True if args.event_sim else None)
