@@ -267,18 +267,20 @@ def test_interleaved_zero2_counts_every_chunks_reduce_buffer(tmp_path, monkeypat
         assert predicted / rank["tensor_peak_gib"] - 1 == pytest.approx(0, abs=0.04), rank["rank"]
 
 
-def test_zero_bubble_counts_the_gradients_kept_for_the_weight_backward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recompute,within", [("none", 0.04), ("selective", 0.05)])
+def test_zero_bubble_counts_the_gradients_kept_for_the_weight_backward(tmp_path, monkeypatch, recompute, within):
     """Under ZB-V torch's input backward keeps each weight-carrying op's output gradient until the deferred weight
     backward (StageCost.dw_pending): llama-tiny dp2 pp2 x2 ZeRO-2 traced 17,779,736 and 12,337,912 B of tensors on
     its two ranks, priced 4.9% and 9.2% below without them, within 4% with them. At scale (llama2-70b dp2 tp4 pp8
     x2 ZeRO-2 SP) the last three ranks traced 7-19% above the price without them; with them and the 16-bit weight
     gradients held only from a stage's W to its next B (StateBytes.unfolded, none on the first stage), every rank
-    within 0.8%."""
-    flags = "--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2"
+    within 0.8%. With selective recomputation, the one zb-v runs on this model (layout.zero_bubble_recompute_refusal:
+    full recomputation traced 43% and 47% above), 4.7% and 3.0% below."""
+    flags = f"--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2 --recompute {recompute}"
     job = Job.load(_local_plan(tmp_path, monkeypatch, "llama-tiny", flags))
     for rank in dry_run(job, "cpu").to_dict()["ranks"]:
         predicted = rank["predicted_memory_gib"] - rank["predicted_memory_breakdown_gib"]["other"]
-        assert predicted / rank["tensor_peak_gib"] - 1 == pytest.approx(0, abs=0.04), rank["rank"]
+        assert predicted / rank["tensor_peak_gib"] - 1 == pytest.approx(0, abs=within), rank["rank"]
 
 
 @pytest.mark.parametrize("sp", ["", "--sequence-parallel"])
