@@ -3,11 +3,13 @@
 Each plan goes through ``paraplan simulate --write-plan`` and ``paraplan execute --dry-run --json``, as a
 user would run them; the script prints, per traced rank, the peak memory traced (tensors, and with the
 allowance both sides add) beside the cost model's prediction, and the worst error over the kinds of
-traffic. Run: .venv/bin/python benchmarks/bench_dry_run.py [--quick] [--big] [--moe]
+traffic. Run: .venv/bin/python benchmarks/bench_dry_run.py [--quick] [--big] [--moe] [--grid MODEL]
 
 --quick runs the spread the tests assert (tests/test_dry_run.py); --big adds the README's llama2-70b plan
 on 64 H100s, a 70B ZeRO-3 plan and Mixtral 8x7B with ep8 (minutes each on a 2-core machine); --moe runs only
-the mixture-of-experts plans, Mixtral 8x7B included.
+the mixture-of-experts plans, Mixtral 8x7B included. --grid MODEL crosses every schedule with every recomputation
+mode and ZeRO stage on 4 ranks (dp2 pp2, and tp2 pp2 with SP), printing the refusal where the planner refuses the
+combination (the sweep that found zb-v's recomputation, layout.zero_bubble_recompute_refusal): a few minutes a model.
 """
 
 from __future__ import annotations
@@ -82,6 +84,30 @@ SPREAD += MOE
 BIG += MOE_BIG
 
 
+def grid(model: str) -> list[tuple[str, int, str]]:
+    """--grid: every schedule x recomputation mode x ZeRO stage at dp2 pp2 (global batch 8, micro-batch 1), then
+    1F1B and ZB-V at tp2 pp2 with sequence parallelism under each of none, selective and full recomputation."""
+    out = []
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)):
+        for mode in ("none", "selective", "mlp", "full"):
+            for zero in (1, 2, 3):
+                out.append((model, 8, f"--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule {schedule} "
+                                      f"--virtual-stages {v} --zero {zero} --recompute {mode}"))
+    for mode in ("none", "selective", "full"):
+        for schedule, v in (("1f1b", 1), ("zb-v", 2)):
+            out.append((model, 8, f"--dp 1 --tp 2 --pp 2 --micro-batch 1 --schedule {schedule} --virtual-stages {v} "
+                                  f"--sequence-parallel --recompute {mode}"))
+    return out
+
+
+def _compact(flags: str) -> str:
+    """simulate's flags, shorter (the table's first column has 70 characters)."""
+    for long, short in (("--micro-batch ", "mb"), ("--schedule ", ""), ("--virtual-stages ", "v"), ("--zero ", "z"),
+                        ("--recompute ", "rc "), ("--sequence-parallel", "sp"), ("--", "")):
+        flags = flags.replace(long, short)
+    return flags
+
+
 def dry_run(model: str, batch: int, flags: str, folder: str) -> dict:
     plan = os.path.join(folder, "plan.json")
     cmd = [*CLI, "simulate", "--model", model, "--cluster", "dgx-h100", "--global-batch", str(batch),
@@ -113,19 +139,26 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts plans (Mixtral 8x7B included)")
+    ap.add_argument("--grid", metavar="MODEL", help="every schedule x recomputation x ZeRO stage of MODEL instead")
     args = ap.parse_args()
     cases = [(m, b, f) for m, b, f in SPREAD] + (BIG if args.big else [])
     if args.moe:
         cases = MOE + MOE_BIG
+    if args.grid:
+        cases = grid(args.grid)
     print(f"{'plan':70s} {'rank':>5s} {'traced':>8s} {'pred':>8s} {'peak':>7s} {'tensors':>8s} {'traffic':>8s} "
           f"{'FLOPs':>7s} {'secs':>5s}")
     worst = [0.0, 0.0, 0.0, 0.0]
     with tempfile.TemporaryDirectory() as tmp:
         for model, batch, flags in cases:
             t0 = time.perf_counter()
-            result = dry_run(model, batch, flags, tmp)
+            name = f"{Path(model).stem} {_compact(flags)}"
+            try:
+                result = dry_run(model, batch, flags, tmp)
+            except subprocess.CalledProcessError as e:  # the planner refuses it (one line on stderr)
+                print(f"{name[:70]:70s} refused: {e.stderr.strip().splitlines()[-1][:200]}", flush=True)
+                continue
             secs = time.perf_counter() - t0
-            name = f"{Path(model).stem} {flags}"
             for r in result["ranks"]:
                 peak, tensors, traffic, flops = errors(r)
                 worst = [max(w, abs(x)) for w, x in zip(worst, (peak, tensors, traffic, flops), strict=True)]
