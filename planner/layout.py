@@ -259,10 +259,8 @@ class Layout:
             # pass runs: torch 2.13 then computes wrong weight gradients (caught by tests/test_executor*.py).
             raise InvalidLayout("zb-v with ZeRO 3 is not supported by torch's pipelining (weights resharded before "
                                 "the weight-gradient pass); use zero 2 or interleaved-1f1b", "zb-v with ZeRO 3")
-        if self.pp > 1 and self.schedule == "zb-v" and isinstance(spec, TransformerSpec):
-            why = zero_bubble_recompute_refusal(spec, self.recompute, self.cp)
-            if why:
-                raise InvalidLayout(why, f"zb-v with {self.recompute} recomputation")
+        if self.schedule == "zb-v":  # the layout's own (heaviest stage's) mode; tested first: the search validates
+            self.validate_stage_recompute(spec, [self.recompute])  # up to a million layouts
         if self.num_stages > num_blocks:
             raise InvalidLayout(f"pp x virtual stages = {self.num_stages} exceeds the model's {num_blocks} blocks",
                                 "more stages than blocks")
@@ -274,9 +272,10 @@ class Layout:
         """Raise InvalidLayout if a stage's recomputation mode cannot run with this layout's schedule (zb-v:
         zero_bubble_recompute_refusal); :meth:`validate` checks the layout's own (its heaviest stage's) mode."""
         if self.pp > 1 and self.schedule == "zb-v" and isinstance(spec, TransformerSpec):
-            why = next((r for m in modes or [] if (r := zero_bubble_recompute_refusal(spec, m, self.cp))), None)
-            if why:
-                raise InvalidLayout(why, "zb-v with a stage's recomputation")
+            for mode in modes or []:
+                why = zero_bubble_recompute_refusal(spec, mode, self.cp)
+                if why:
+                    raise InvalidLayout(why, f"zb-v with {mode} recomputation")
 
     def _validate_cp_ep(self, spec: ModelSpec) -> None:
         """Context and expert parallelism: what the model and the other degrees must allow."""
