@@ -19,6 +19,7 @@ torchrun restarts the job after a failure, resume by itself from the latest comp
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     status = StatusWriter.from_env(rank)
     if not args.debug:
         _redirect_output(rank, os.environ.get(STATUS_DIR_ENV))
+    # a native crash (a segfault in a collective library) writes every thread's Python stack to the rank's log, so
+    # the launcher's "died with SIGSEGV" points somewhere
+    faulthandler.enable()
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         import torch.distributed as dist
