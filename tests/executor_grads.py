@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from executor_cases import SEQ, Case, reference_model
+from spawned_rank import exit_passed_rank
 
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-7  # for gradients that are zero but for rounding (a key bias under softmax: ~1e-10)
@@ -45,6 +46,7 @@ def _grad_worker(rank: int, world: int, port: int, plans: list[str], outs: list[
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_passed_rank()  # not the interpreter's finalization, where gloo's teardown can crash (spawned_rank.py)
 
 
 class _Capture:
