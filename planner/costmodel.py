@@ -48,7 +48,9 @@ from .memory import (
     pending_weight_grad_bytes,
     rank_memory,
     staged_unit_params,
+    start_bytes,
     state_bytes,
+    untracked_bytes,
 )
 from .placement import Placement, consecutive_group, layout_placement
 from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_matrices, rank_stages, stage_rank
@@ -954,9 +956,9 @@ class CostModel:
                                    grads_at_peak, unfolded)
 
     def _rank_bytes_at(self, costs: list[StageCost], stages: tuple[int, ...], activations: float, states: tuple,
-                       grads_at_peak: bool, unfolded: float = 0.0) -> dict[str, float]:
+                       grads_at_peak: bool, unfolded: float = 0.0, start_moment: bool = True) -> dict[str, float]:
         """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included), and the
-        ``unfolded`` 16-bit gradients then (zb-v: peak_parts')."""
+        ``unfolded`` 16-bit gradients then (zb-v: peak_parts'); ``start_moment``: memory.rank_memory's."""
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
@@ -965,7 +967,7 @@ class CostModel:
         return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, activations,
                            self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
                            root_params=sum(costs[s].root_params for s in stages), staged_params=staged,
-                           unfolded_grads=unfolded)
+                           unfolded_grads=unfolded, start_moment=start_moment)
 
     def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
                             holding, states: tuple, cap_gib: float) -> Callable[[], bool]:
@@ -975,10 +977,16 @@ class CostModel:
         states), priced once, plus 1 + FRAGMENTATION times its activations, priced at each test (the allocator's
         share of every tensor byte: memory.untracked_bytes); tests/test_planner.py checks it against
         :meth:`_rank_bytes`."""
-        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True).values())
+        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True, start_moment=False).values())
         room = cap_gib * GiB
         per_byte = 1 + FRAGMENTATION
         unfolded = unfolded_bytes(costs, stages, states)  # what recomputation does not change
+        if states[0].start_weights or states[1].start_weights:  # the step's first moment: no mode changes it
+            experts = sum(costs[s].experts for s in stages)
+            first = sum(start_bytes(states[0], sum(costs[s].params for s in stages) - experts, experts,
+                                    states[1]).values())
+            if first + untracked_bytes(self.work.cluster.gpu, first) > room:
+                return lambda: False
 
         def fits() -> bool:  # (unfolded gradients, when held at the peak, priced as tensors alike)
             acts = held_activations(costs, stages, flights, holding, unfolded) + \

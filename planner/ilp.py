@@ -520,6 +520,10 @@ class StageILP:
                 + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
             prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
+            if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)
+                first = (states.weights + states.start_weights + states.optimizer) * load.params \
+                    + (expert_states.weights + expert_states.start_weights + expert_states.optimizer) * load.experts
+                prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_start_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
         scale = 1.0 / max(self._rough_time(), 1e-12)
         prob += (z + o) * scale

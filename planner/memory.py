@@ -31,6 +31,7 @@ from paraplan.hardware_specs import GPUSpec
 from paraplan.profiler import LayerProfile
 
 from .layout import recomputes_mlp
+from .schedules import RUNTIME_ACTIVE_CHUNKS, runtime_pending_chunks
 
 GiB = 2**30
 # Allowance for the framework: CUDA context, cuBLAS/NCCL workspaces and buffers (~1-2 GiB is what
@@ -161,6 +162,9 @@ class StateBytes:
     # writes, which FSDP2 folds into the fp32 sums at the stage's next input backward (post-backward's
     # accumulate_unsharded_grad_if_needed); held where the stage's last backward task was a W (schedules.unfolded_key)
     unfolded: float = 0.0
+    # per parameter, besides ``weights``, what the step's first moment holds: torch's multi-stage runtime gathers its
+    # first chunks at once before any activation exists (ZeRO 3, interleaved: _state_bytes); gradients are None then
+    start_weights: float = 0.0
 
     @property
     def per_param(self) -> float:
@@ -189,8 +193,11 @@ def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
         replicated = lay.data_ranks > 1 and not _data_parallel_alone(lay)
     else:
         replicated = lay.ep > 1 and (lay.data_ranks > 1 or data_ranks > 1)
+    v = lay.virtual_stages
+    pending = runtime_pending_chunks(lay.pp, v, lay.num_micro_batches) \
+        if lay.zero == 3 and lay.schedule == "interleaved-1f1b" and lay.pp > 1 and v > RUNTIME_ACTIVE_CHUNKS else 0
     return _state_bytes(framework, lay.data_ranks if data_ranks is None else data_ranks, lay.zero, lay.dp_mode,
-                        lay.dtype, lay.pp, lay.schedule, replicated)
+                        lay.dtype, lay.pp, lay.schedule, replicated, v, pending)
 
 
 def ddp_buckets(framework, lay) -> bool:
@@ -209,7 +216,7 @@ def _data_parallel_alone(lay) -> bool:
 
 @lru_cache(maxsize=4096)
 def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: int, schedule: str,
-                 replicated: bool = False) -> StateBytes:
+                 replicated: bool = False, virtual_stages: int = 1, pending_chunks: int = 0) -> StateBytes:
     if dp_mode == "ps":
         zero = 0
     fp8 = framework.fp8_weight_bytes if dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
@@ -226,17 +233,27 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     master = framework.master_bytes if mixed else 4
     weights = master / dp if sharded else float(master)
     copy = 2.0 if mixed else 4.0  # what FSDP2 gathers for compute
-    unit = root = 0.0
+    unit = root = start = 0.0
     if zero == 3 and dp > 1:
         unit, root = 2 * copy, copy
         if pp > 1 and schedule == "interleaved-1f1b":
-            # torch's multi-stage pipeline runtime unshards each chunk itself (UNSHARD/RESHARD actions, up to three
-            # chunks active: torch/distributed/pipelining/schedules.py, _add_unshard_reshard), so gathered copies
-            # can outlive the forward. The dry run of llama2-70b dp16 tp2 pp2 traced 22-29 GiB more than priced
-            # without this on stage 0 (v = 2 full recomputation, v = 6 selective and full; ZeRO-1 within 1-6%).
-            # A stopgap on the safe side, not a model: priced as ZeRO-2's copy kept for the step, 9-13 GiB over
-            # those traces, and 30 GiB (25%) over v = 2-3 selective, which traced within 2-4% without it.
-            weights += copy
+            # torch's multi-stage runtime unshards whole chunks itself (_PipelineScheduleRuntime's UNSHARD actions,
+            # torch/distributed/pipelining/schedules.py _add_unshard_reshard): before each action it issues the
+            # all-gathers of every unit of the next three distinct chunks the rank computes that are not yet
+            # active, and each all-gather's output stays until that chunk's next compute waits on it (FSDP2's
+            # unshard(async_op=True)); the compute's own hooks then gather and free one unit at a time as before.
+            # With v <= 3 chunks a rank never evicts one: all its chunks are gathered at the step's first action,
+            # before any activation or gradient exists, and not again (start_weights). With v > 3 chunks keep
+            # entering the window, and schedules.runtime_pending_chunks of them are pending near the activation
+            # peak: that share of the rank's weights, for chunks of about equal size (the chunk rule).
+            # Traced (executor/trace.py: the live tensors at the peak), llama2-70b dp16 tp2 pp2 full recomputation:
+            # v = 2, the 40 layers' all-gather outputs of the rank (34.2 GB) at the first action; v = 4, 20-21
+            # pending at the peak; v = 6, 22. (Priced before as ZeRO-2's copy kept all step: 9-30 GiB over.)
+            if virtual_stages <= RUNTIME_ACTIVE_CHUNKS:
+                start = copy
+            else:
+                weights += copy * pending_chunks / virtual_stages
+                start = copy * max(0, RUNTIME_ACTIVE_CHUNKS - pending_chunks) / virtual_stages
     elif sharded or (mixed and master > 2):
         weights += copy
     elif replicated and dp_mode != "ps":
@@ -271,7 +288,8 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     during_backward = (sharded and not unsharded_sums) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root,
-                      staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded)
+                      staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded,
+                      start_weights=start)
 
 
 def sums_unsharded(framework, pp: int, schedule: str) -> bool:
@@ -284,11 +302,13 @@ def sums_unsharded(framework, pp: int, schedule: str) -> bool:
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
                 grads_arrive_after: float | None = None, *, staged_params: float, experts: float = 0.0,
                 expert_states: StateBytes | None = None, root_params: float = 0.0,
-                unfolded_grads: float = 0.0) -> dict[str, float]:
+                unfolded_grads: float = 0.0, start_moment: bool = True) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
-    what no tensor shows — the framework allowance and the allocator's fragmentation (``other``).
+    what no tensor shows — the framework allowance and the allocator's fragmentation (``other``). Where the step's
+    first moment holds more (StateBytes.start_weights: chunks gathered before any activation), that moment's bytes
+    instead, unless ``start_moment`` is False (the activation peak's alone: :func:`start_bytes` is the other).
 
     ``staged_params``: the parameters whose gradients sit in reduce-scatter buffers at the peak (states.unit_grads
     bytes each): :func:`staged_unit_params`.
@@ -310,8 +330,22 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
            "grads": grads + staged_params * states.unit_grads + unfolded_grads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}
+    if start_moment and (states.start_weights or es.start_weights):
+        first = start_bytes(states, params, experts, es)
+        if sum(first.values()) > sum(out.values()):
+            out = first
     out["other"] = untracked_bytes(gpu, sum(out.values()))
     return out
+
+
+def start_bytes(states: StateBytes, params: float, experts: float = 0.0,
+                expert_states: StateBytes | None = None) -> dict[str, float]:
+    """Tensor bytes by kind at the step's first moment where torch's runtime gathers whole chunks then
+    (StateBytes.start_weights): weights with those gathers and optimizer states; no gradient (the last step's
+    were set to None) and no activation yet."""
+    es = expert_states or states
+    return {"params": params * (states.weights + states.start_weights) + experts * (es.weights + es.start_weights),
+            "grads": 0.0, "optimizer": params * states.optimizer + experts * es.optimizer, "activations": 0.0}
 
 
 def staged_unit_params(states: StateBytes, largest_layer_unit: float, root_units: list[float]) -> float:

@@ -179,6 +179,51 @@ def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
     return (first + (m - start) // pp * (second - first)) / (pp * v)
 
 
+@lru_cache(maxsize=1024)
+def runtime_pending_chunks(pp: int, v: int, m: int) -> int:
+    """Chunks whose all-gathers torch's multi-stage runtime has issued and no compute has waited on yet, near a rank's
+    activation peak, under FSDP2 ZeRO-3 interleaved 1F1B (memory._state_bytes): the runtime unshards the next
+    RUNTIME_ACTIVE_CHUNKS distinct chunks before each op (runtime_unshards), and each gather's output stays until
+    its chunk's next op starts. The most over the ranks and over the moments (before each op) that hold at least
+    one micro-batch fewer than the rank's most: one chunk's activations of a micro-batch weigh less than a chunk's
+    gathered weights, so those moments may be the peak. The step's first op, whose window is gathered before any
+    activation, is memory.start_bytes' moment, left out. After the warm-up the held micro-batches stay within one of
+    their most and the order repeats each round, so the walk stops two rounds past the warm-up; and where m is a
+    multiple of pp, from 3·pp micro-batches on the count no longer changes (pp 2-16, v 4-8, m up to 33·pp: tests).
+    llama2-70b dp16 tp2 pp2 (m 32), traced: 20-21 layers pending at the peak with v = 4 (this: 2 chunks of 10),
+    22 with v = 6 (3 chunks of 6-7)."""
+    import numpy as np
+
+    if pp == 1 or v <= 1:
+        return 0
+    if m % pp == 0 and m > 3 * pp:
+        return runtime_pending_chunks(pp, v, 3 * pp)
+    most = 0
+    per_round = m // max(1, m // pp)
+    for kind, stage, _ in rank_order_arrays("interleaved-1f1b", pp, v, m):
+        held_after = np.cumsum(np.where(kind == 0, 1, -1))  # (ops,)
+        warm = int(np.argmax(held_after)) + 1  # the first op reaching the most held
+        end = min(len(stage), warm + 4 * v * per_round)
+        ahead = stage[:end + 3 * v * per_round].tolist()  # the window looks past the walk's end
+        held = np.concatenate([[0], held_after[:-1]])[:end].tolist()  # (end,): held before each op
+        top = max(held)
+        active: list[int] = []
+        pending: set[int] = set()
+        for i in range(end):
+            window: list[int] = []
+            for chunk in ahead[i:]:
+                if chunk not in window:
+                    window.append(chunk)
+                    if len(window) == RUNTIME_ACTIVE_CHUNKS:
+                        break
+            pending.update(c for c in window if c not in active)
+            active = window
+            if i and held[i] >= top - 1:
+                most = max(most, len(pending))
+            pending.discard(ahead[i])
+    return most
+
+
 @lru_cache(maxsize=512)
 def _unshards_walked(schedule: str, pp: int, v: int, m: int) -> int:
     """runtime_unshards' gathers summed over the ranks and their chunks, by walking each rank's order: before each op

@@ -407,10 +407,13 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
         return [params * (held + per.grads if g else held) + experts * (held_e + per_e.grads if g else held_e)
                 for (g, _), _ in kinds]
 
+    first = per.start_weights or per_e.start_weights  # chunks gathered at the step's first moment (memory.start_bytes)
     if capacity is not None:  # the model states alone (no activations, no working set) over the GPU: every mode
         base = _state_class(model, lay, place)  # is out of memory, known without pricing the modes' block tables
         held_alone = states_of(base.params, base.experts)
         alone = _equalised_bytes(held_alone, least, counts, [0.0])[0] if min(held_alone) > 0 else 0.0
+        if first:
+            alone = max(alone, _start_floor(per, per_e, base.params, base.experts, p))
         alone += untracked_bytes(gpu, alone)
         if alone > capacity:
             return _BoundParts(total=base.total, fullest=base.table.fullest_rank(p), bwd_weight=base.bwd_weight,
@@ -425,9 +428,10 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
     # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
     equalised = _equalised_bytes(states, least, counts, [acts[u] for u in modes])
+    floor = _start_floor(per, per_e, params, experts, p) if first else 0.0
     memory = {}
     for u, held_bytes in zip(modes, equalised, strict=True):
-        tensors = held_bytes + cls.working[u]
+        tensors = max(held_bytes + cls.working[u], floor)
         memory[u] = tensors + untracked_bytes(gpu, tensors)
     if capacity is not None and min(memory.values()) > capacity:  # out of memory on any split: time parts left out
         return _BoundParts(total=cls.total, fullest=cls.table.fullest_rank(p), bwd_weight=cls.totals["none"][
@@ -449,6 +453,13 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
     return _BoundParts(total=cls.total + sends, fullest=cls.table.fullest_rank(p) + least_sends,
                        bwd_weight=cls.totals["none"]["bwd_weight"], opt=opt, memory=memory, forcing=forcing,
                        coupling=coupling, waiting=waiting, sends=sends, least_sends=least_sends)
+
+
+def _start_floor(per, per_e, params: float, experts: float, p: int) -> float:
+    """The tensor bytes of the step's first moment (memory.start_bytes) on the most loaded of ``p`` ranks, at least:
+    their mean."""
+    return (params * (per.weights + per.start_weights + per.optimizer)
+            + experts * (per_e.weights + per_e.start_weights + per_e.optimizer)) / p
 
 
 def _send_floor(model: CostModel, lay: Layout, place, table) -> tuple[float, float]:

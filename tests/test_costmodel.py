@@ -721,22 +721,70 @@ def test_mlp_recomputation_of_an_moe_block_repeats_its_all_to_alls():
     assert full.act_bytes < mlp.act_bytes < none.act_bytes and mlp.recompute < full.recompute
 
 
-def test_executor_interleaved_zero3_keeps_its_gathered_copy():
-    """Under this executor's interleaved schedule (torch's multi-stage runtime, which unshards each chunk itself)
-    ZeRO-3's 16-bit copy outlives the forward: priced as ZeRO-2 keeps it, 2 B per parameter beside the sharded fp32
-    weights (4/dp B); 1F1B's ZeRO-3 gathers a unit at a time (none kept), and other stacks keep ZeRO's accounting."""
+def test_executor_interleaved_zero3_prices_the_runtimes_pending_gathers():
+    """Under this executor's interleaved schedule torch's multi-stage runtime issues the all-gathers of whole chunks
+    (UNSHARD actions, three chunks active) and each output stays until the chunk's next op: with v <= 3 chunks a rank
+    gathers all of them at the step's first op, before any activation or gradient (start_weights: 2 B per parameter
+    in bf16, then; none later), with v > 3 runtime_pending_chunks of them are pending near the activation peak all
+    step (2 B x k / v per parameter beside the sharded fp32 weights, 4/dp B). 1F1B's ZeRO-3 gathers a unit at a time,
+    and other stacks keep ZeRO's accounting."""
     from paraplan.planner.framework import framework
-    from paraplan.planner.memory import state_bytes
+    from paraplan.planner.memory import rank_memory, state_bytes
+    from paraplan.planner.schedules import runtime_pending_chunks
 
     fw = framework("paraplan")
     lay = Layout(dp=16, tp=2, pp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b", virtual_stages=6,
                  zero=3)
-    interleaved, one_f_one_b = state_bytes(fw, lay), state_bytes(fw, lay.replace(schedule="1f1b", virtual_stages=1))
-    assert interleaved.weights == pytest.approx(4 / 16 + 2) and one_f_one_b.weights == pytest.approx(4 / 16)
-    assert interleaved.unit_weights == one_f_one_b.unit_weights == 4.0
+    one_f_one_b = state_bytes(fw, lay.replace(schedule="1f1b", virtual_stages=1))
+    assert one_f_one_b.weights == pytest.approx(4 / 16) and one_f_one_b.start_weights == 0.0
+    k = runtime_pending_chunks(2, 6, 32)
+    assert k == 3  # traced at llama2-70b's scale: 22 of a rank's 40 layers pending at the peak (chunks of 6-7)
+    six = state_bytes(fw, lay)
+    assert six.weights == pytest.approx(4 / 16 + 2 * k / 6) and six.start_weights == pytest.approx(2 * (3 - k) / 6)
+    assert six.unit_weights == one_f_one_b.unit_weights == 4.0
+    two = state_bytes(fw, lay.replace(virtual_stages=2))
+    assert two.weights == pytest.approx(4 / 16) and two.start_weights == 2.0
+    # the step's first moment: weights with every chunk gathered, the optimizer's states; no gradient, no activation
+    gpu = load_cluster("dgx-h100").gpu
+    params = 1e9
+    first = rank_memory(two, params, 0.0, 1e6, gpu, staged_params=0.0)
+    assert first["params"] == pytest.approx(params * (4 / 16 + 2)) and first["grads"] == 0.0
+    assert first["activations"] == 0.0 and first["optimizer"] == pytest.approx(params * two.optimizer)
+    busy = rank_memory(two, params, 0.0, 40e9, gpu, staged_params=0.0)  # activations beyond the gathers: that moment
+    assert busy["activations"] == 40e9 and busy["params"] == pytest.approx(params * 4 / 16)
     megatron = framework("megatron-core")
     assert state_bytes(megatron, lay).weights == state_bytes(megatron, lay.replace(schedule="1f1b",
                                                                                    virtual_stages=1)).weights
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 4, 32), (2, 6, 32), (4, 4, 16), (2, 5, 12), (4, 6, 8), (8, 4, 24),
+                                    (3, 5, 7), (2, 6, 64), (4, 8, 40)])  # the last two capped at 3·pp
+def test_runtime_pending_chunks_follow_torchs_own_lowering(pp, v, m):
+    """schedules.runtime_pending_chunks walks the runtime's window itself; here torch's own lowering
+    (_add_unshard_reshard on ScheduleInterleaved1F1B's order) is walked: an UNSHARD leaves its chunk's gathers
+    pending until the chunk's next compute. The most pending before a compute (the step's first left out) among
+    those holding at least one micro-batch fewer than the rank's most, over the ranks, is the same."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from paraplan.planner.schedules import runtime_pending_chunks
+
+    sched = object.__new__(torch_schedules.ScheduleInterleaved1F1B)  # its order alone: no stages, no process group
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, m
+    sched.number_of_rounds = max(1, m // pp)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    most = 0
+    for r in range(pp):
+        moments, pending, held = [], set(), 0
+        for a in torch_schedules._add_unshard_reshard(sched._calculate_single_rank_operations(r)):
+            if a.computation_type == torch_schedules.UNSHARD:
+                pending.add(a.stage_index)
+            elif a.computation_type in (torch_schedules.FORWARD, torch_schedules.FULL_BACKWARD):
+                moments.append((held, len(pending)))
+                pending.discard(a.stage_index)
+                held += 1 if a.computation_type == torch_schedules.FORWARD else -1
+        top = max(h for h, _ in moments)
+        most = max([most] + [n for h, n in moments[1:] if h >= top - 1])
+    assert runtime_pending_chunks(pp, v, m) == most
 
 
 def test_pipelined_zero2_holds_one_reduce_buffer_per_chunk():
