@@ -1172,3 +1172,32 @@ def test_zero_bubble_never_recomputes_a_region_that_holds_weights(small):
     assert len(zbv) == len(runnable) > 0
     assert all(c.status == "invalid" and "zb-v with full recomputation" in c.reason for c in zbv)
     assert only_full.best is not None and only_full.best.layout.schedule != "zb-v"
+
+
+def test_interleaved_zero3_first_moment_is_priced_in_every_form():
+    """Interleaved ZeRO-3 with two chunks a rank gathers both at the step's first op, before any activation
+    (memory.start_bytes): llama2-70b dp4 tp2 pp2 then holds 5 B per parameter of its 17 billion (1 B of sharded fp32
+    weights, 2 of Adam's moments, the 2 B gathered copy) = ~80 GiB of tensors, so no recomputation fits it, which
+    only that moment shows (later the copy is gone, the 1 B of sharded gradients and the full recomputation's
+    activations take ~64 GiB). The exact price, the least recomputation, the search's bound and the ILP all say so;
+    ZeRO-2, whose copy the steady state holds too, agrees with itself as before."""
+    from paraplan.planner.costmodel import default_stages
+    from paraplan.planner.memory import state_bytes
+
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    model = CostModel(work)
+    lay = Layout(dp=4, tp=2, pp=2, micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=2,
+                 zero=3, recompute="full", sequence_parallel=True)
+    assert state_bytes(work.framework, lay).start_weights == 2.0
+    stages = default_stages(model, lay)
+    pred = model.evaluate(lay, stages, ["full"] * lay.num_stages)
+    assert not pred.fits
+    for rank in pred.rank_memory_breakdown_gib:  # every rank's peak is its first moment
+        assert rank["grads"] == 0.0 and rank["activations"] == 0.0
+        assert rank["params"] + rank["optimizer"] + rank["other"] > 80
+    modes = modes_for(model, None, "bf16")
+    assert model.least_recompute(lay, stages, modes) is None
+    capacity = work.cluster.gpu.memory_bytes
+    assert min(lower_bound(model, lay, modes, capacity=capacity)[1].values()) > capacity
+    with pytest.raises(InvalidLayout):
+        best_partition(model, lay)
