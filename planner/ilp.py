@@ -62,7 +62,7 @@ from .costmodel import (
 )
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout
-from .layout import RECOMPUTE, Layout, zero_bubble_recompute_refusal
+from .layout import RECOMPUTE, Layout
 from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
 from .schedules import (
@@ -190,16 +190,15 @@ def layout_modes(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> tuple
     """Of ``modes``, those ``lay``'s stages may use: all but where zb-v cannot recompute
     (layout.zero_bubble_recompute_refusal: torch's weight pass recomputes a region holding weights once per
     parameter group). Possibly none (every allowed mode refused)."""
-    if lay.schedule != "zb-v" or lay.pp == 1 or not model.work.spec.is_transformer:
+    if lay.schedule != "zb-v":  # the search asks for every layout it pops: the others at once
         return modes
-    return tuple(u for u in modes if zero_bubble_recompute_refusal(model.work.spec, u, lay.cp) is None)
+    return tuple(u for u in modes if lay.recompute_refusal(model.work.spec, u) is None)
 
 
 def no_mode_reason(model: CostModel, lay: Layout, allowed: tuple[str, ...] | None) -> str:
     """Why ``lay`` has no recomputation mode among ``allowed`` (layout_modes refused each): the first refusal."""
     spec = model.work.spec
-    why = next((r for u in modes_for(model, allowed, lay.dtype)
-                if (r := zero_bubble_recompute_refusal(spec, u, lay.cp))), None)
+    why = next((r for u in modes_for(model, allowed, lay.dtype) if (r := lay.recompute_refusal(spec, u))), None)
     return why or f"no recomputation mode of {', '.join(allowed or ())} can run {lay.short()}"
 
 
@@ -521,8 +520,7 @@ class StageILP:
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
             prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
             if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)
-                first = (states.weights + states.start_weights + states.optimizer) * load.params \
-                    + (expert_states.weights + expert_states.start_weights + expert_states.optimizer) * load.experts
+                first = states.start_per_param * load.params + expert_states.start_per_param * load.experts
                 prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_start_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
         scale = 1.0 / max(self._rough_time(), 1e-12)

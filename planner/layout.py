@@ -268,14 +268,20 @@ class Layout:
             raise InvalidLayout("parameter servers hold the optimizer themselves: use zero 0 with --dp-mode ps",
                                 "ps with zero")
 
-    def validate_stage_recompute(self, spec: ModelSpec, modes: list[str] | None) -> None:
-        """Raise InvalidLayout if a stage's recomputation mode cannot run with this layout's schedule (zb-v:
-        zero_bubble_recompute_refusal); :meth:`validate` checks the layout's own (its heaviest stage's) mode."""
+    def recompute_refusal(self, spec: ModelSpec, mode: str) -> str | None:
+        """Why a stage of this layout cannot recompute in ``mode`` with its schedule (None: it can): zb-v's
+        zero_bubble_recompute_refusal, for a pipeline of transformer layers."""
         if self.pp > 1 and self.schedule == "zb-v" and isinstance(spec, TransformerSpec):
-            for mode in modes or []:
-                why = zero_bubble_recompute_refusal(spec, mode, self.cp)
-                if why:
-                    raise InvalidLayout(why, f"zb-v with {mode} recomputation")
+            return zero_bubble_recompute_refusal(spec, mode, self.cp)
+        return None
+
+    def validate_stage_recompute(self, spec: ModelSpec, modes: list[str] | None) -> None:
+        """Raise InvalidLayout if a stage's recomputation mode cannot run with this layout's schedule
+        (:meth:`recompute_refusal`); :meth:`validate` checks the layout's own (its heaviest stage's) mode."""
+        for mode in modes or []:
+            why = self.recompute_refusal(spec, mode)
+            if why:
+                raise InvalidLayout(why, f"zb-v with {mode} recomputation")
 
     def _validate_cp_ep(self, spec: ModelSpec) -> None:
         """Context and expert parallelism: what the model and the other degrees must allow."""

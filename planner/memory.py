@@ -170,6 +170,11 @@ class StateBytes:
     def per_param(self) -> float:
         return self.weights + self.grads + self.optimizer
 
+    @property
+    def start_per_param(self) -> float:
+        """Bytes per parameter at the step's first moment (start_bytes): weights with their start gathers, optimizer."""
+        return self.weights + self.start_weights + self.optimizer
+
 
 def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
     """Model-state bytes per parameter for ``lay`` under ``framework`` (planner/framework.py).

@@ -458,8 +458,7 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
 def _start_floor(per, per_e, params: float, experts: float, p: int) -> float:
     """The tensor bytes of the step's first moment (memory.start_bytes) on the most loaded of ``p`` ranks, at least:
     their mean."""
-    return (params * (per.weights + per.start_weights + per.optimizer)
-            + experts * (per_e.weights + per_e.start_weights + per_e.optimizer)) / p
+    return (params * per.start_per_param + experts * per_e.start_per_param) / p
 
 
 def _send_floor(model: CostModel, lay: Layout, place, table) -> tuple[float, float]:
