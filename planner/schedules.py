@@ -207,15 +207,16 @@ def runtime_pending_chunks(pp: int, v: int, m: int) -> int:
         ahead = stage[:end + 3 * v * per_round].tolist()  # the window looks past the walk's end
         held = np.concatenate([[0], held_after[:-1]])[:end].tolist()  # (end,): held before each op
         top = max(held)
+        windows: list[list[int]] = [[]] * end  # before op i: the next RUNTIME_ACTIVE_CHUNKS distinct chunks
+        window: list[int] = []
+        for i in range(len(ahead) - 1, -1, -1):  # each window from the next op's, as in _unshards_walked
+            window = [ahead[i]] + [c for c in window if c != ahead[i]][:RUNTIME_ACTIVE_CHUNKS - 1]
+            if i < end:
+                windows[i] = window
         active: list[int] = []
         pending: set[int] = set()
         for i in range(end):
-            window: list[int] = []
-            for chunk in ahead[i:]:
-                if chunk not in window:
-                    window.append(chunk)
-                    if len(window) == RUNTIME_ACTIVE_CHUNKS:
-                        break
+            window = windows[i]
             pending.update(c for c in window if c not in active)
             active = window
             if i and held[i] >= top - 1:
