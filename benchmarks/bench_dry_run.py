@@ -61,7 +61,7 @@ BIG = [
 # interleaved ZeRO-3: torch's runtime gathers whole chunks ahead (memory._state_bytes): with two chunks a rank all of
 # them at the step's first op, with six the pending chunks near the activation peak
 INTERLEAVED_ZERO3 = [("llama2-70b", 512, f"--nodes 8 --dp 16 --tp 2 --pp 2 --micro-batch 1 --schedule interleaved-1f1b "
-                                         f"--virtual-stages {v} --zero 3 --recompute full") for v in (2, 6)]
+                                         f"--virtual-stages {v} --zero 3 --recompute full") for v in (2, 4, 6)]
 BIG += INTERLEAVED_ZERO3
 # mixtures of experts (planner/moe.py): experts over dp ranks (edp = 1), over dp and tp with sequence
 # parallelism in a pipeline (ZeRO 2, tp-summed router), a pipeline with full recomputation (the all-to-alls

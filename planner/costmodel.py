@@ -42,6 +42,7 @@ from .layout import Layout, recomputes_core, recomputes_mlp, recomputes_norm_act
 from .memory import (
     FRAGMENTATION,
     GiB,
+    StateBytes,
     ddp_buckets,
     layer_activation_bytes,
     loss_bytes,
@@ -462,30 +463,83 @@ def unfolded_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tupl
             for s in stages}
 
 
+def gathered_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple) -> dict[int, float] | None:
+    """Per stage the bytes its chunk's whole-chunk gathers hold while pending (ZeRO-3 interleaved of more chunks a rank
+    than torch's runtime keeps active: StateBytes.chunk_gather of ``states``, the layout's (state_bytes,
+    moe.expert_states)), its root unit left out (StateBytes.root_weights prices it); None where there are none."""
+    plain, experts = states[0].chunk_gather, states[1].chunk_gather
+    if not plain and not experts:
+        return None
+    return {s: plain * (costs[s].params - costs[s].experts - costs[s].root_params) + experts * costs[s].experts
+            for s in stages}
+
+
 def _unfolded_list(framework, lay: Layout, costs: list[StageCost]) -> list[float] | None:
     """unfolded_bytes of every stage, in order (the event simulation's)."""
-    states = (state_bytes(framework, lay), moe.expert_states(framework, lay))
+    states = layout_states(framework, lay)
     got = unfolded_bytes(costs, tuple(range(len(costs))), states)
     return None if got is None else [got[s] for s in range(len(costs))]
 
 
+def layout_states(framework, lay: Layout) -> tuple[StateBytes, StateBytes]:
+    """The layout's model-state bytes per parameter: its own (memory.state_bytes) and its experts'
+    (moe.expert_states)."""
+    return state_bytes(framework, lay), moe.expert_states(framework, lay)
+
+
+def _without_gradients(states: tuple) -> tuple[StateBytes, StateBytes]:
+    """``states`` (state_bytes, moe.expert_states) before a rank's first backward: no gradient, no reduce buffer."""
+    return tuple(dataclasses.replace(x, grads=0.0, unit_grads=0.0) for x in states)
+
+
+def _gathers(states: tuple) -> bool:
+    """Do the layout's states (state_bytes, moe.expert_states) price pending whole-chunk gathers per moment
+    (peak_matrices' ``gathers``)?"""
+    return bool(states[0].chunk_gather or states[1].chunk_gather)
+
+
+def gather_peaks(costs: list[StageCost], holding, gathered: dict[int, float] | None
+                 ) -> tuple[tuple[float, float], tuple[float, float] | None]:
+    """A rank's peaks under ZeRO-3 interleaved with whole-chunk gathers (``holding``: schedules.peak_matrices' entry
+    with ``gathers``), as (activations, pending gathers' bytes): among the moments after its first backward, and
+    among those before (None: none), which hold no gradient and no reduce buffer yet (the last step's were freed)."""
+    order, held = holding
+    k = len(order)
+    acts = held[:, :k] @ np.array([costs[s].act_bytes for s in order])  # (moments,)
+    weights = held[:, k:2 * k] @ np.array([gathered[s] for s in order]) if gathered else np.zeros(len(held))
+    out = []
+    for moments in (held[:, 2 * k] > 0, held[:, 2 * k] == 0):  # late, early
+        if not moments.any():
+            out.append(None)
+            continue
+        i = int(np.flatnonzero(moments)[(acts[moments] + weights[moments]).argmax()])
+        out.append((float(acts[i]), float(weights[i])))
+    late, early = out
+    return late or (0.0, 0.0), early
+
+
 def peak_parts(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
-               unfolded: dict[int, float] | None = None) -> tuple[float, float]:
-    """:func:`held_activations` in two parts at the rank's peak moment: (activations, unfolded gradients)."""
+               unfolded: dict[int, float] | None = None, gathered: dict[int, float] | None = None
+               ) -> tuple[float, float, float]:
+    """:func:`held_activations` in three parts at the rank's peak moment: (activations, unfolded gradients, pending
+    chunk gathers); with whole-chunk gathers, among the moments after the rank's first backward (gather_peaks)."""
     if holding is not None and (len(holding[1]) > 1 or holding[1].shape[1] > len(holding[0])):
         order, held = holding
         k = len(order)
         per = [costs[s].act_bytes for s in order]
+        if held.shape[1] == 2 * k + 1:  # ZeRO-3 interleaved: the moments after the rank's first backward
+            late = gather_peaks(costs, holding, gathered)[0]
+            return late[0], 0.0, late[1]
         if held.shape[1] > k:  # zb-v: then per stage its micro-batches between B and W, and its unfolded gradients
             per += [costs[s].dw_pending for s in order]
             if unfolded:
                 grads = held[:, 2 * k:] @ np.array([unfolded.get(s, 0.0) for s in order])  # (moments,)
                 acts = held[:, :2 * k] @ np.array(per)  # (moments,)
                 i = int((acts + grads).argmax())
-                return float(acts[i]), float(grads[i])
+                return float(acts[i]), float(grads[i]), 0.0
             held = held[:, :2 * k]
-        return float((held @ np.array(per)).max()), 0.0  # (moments,) -> peak
-    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages), 0.0
+        return float((held @ np.array(per)).max()), 0.0, 0.0  # (moments,) -> peak
+    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages), 0.0, 0.0
 
 
 class CostModel:
@@ -932,7 +986,7 @@ class CostModel:
         the rank's peak — the most over ``holdings`` (schedules.peak_matrices, per rank its stages and the
         micro-batches each holds at every moment that may be the peak; default: ``flights``' one moment), or the
         simulated peak — and the largest working set. A rank's memory depends only on its own stages."""
-        states = (state_bytes(self.work.framework, lay), moe.expert_states(self.work.framework, lay))
+        states = layout_states(self.work.framework, lay)
         out = []
         for r, stages in enumerate(ranks):
             simulated = (sim.peak_activation_bytes[r], sim.peak_unfolded_bytes[r] if sim.peak_unfolded_bytes else 0.0) \
@@ -949,16 +1003,29 @@ class CostModel:
         """Bytes by kind on one pipeline rank (rank_memory_breakdowns' per rank): ``holding`` its peak moments
         (schedules.peak_matrices' entry, or None for ``flights``' one), ``states`` the layout's (state_bytes,
         moe.expert_states), ``grads_at_peak`` grads_at_activation_peak of the rank, ``simulated`` its simulated
-        peak where there is one (activations, unfolded gradients: SimResult's)."""
+        peak where there is one (activations, unfolded gradients: SimResult's). With whole-chunk gathers (ZeRO-3
+        interleaved: gather_peaks) the larger of the peaks after the rank's first backward and before it, the latter
+        without gradients."""
+        working = max(costs[s].act_working for s in stages)
+        if holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1:  # whole-chunk gathers
+            # the moments are exact walks of the rank's order (the event simulation's peak is one of them)
+            late, early = gather_peaks(costs, holding, gathered_bytes(costs, stages, states))
+            out = self._rank_bytes_at(costs, stages, late[0] + working, states, True, gathered=late[1])
+            if early is not None:
+                before = self._rank_bytes_at(costs, stages, early[0] + working, _without_gradients(states), True,
+                                             gathered=early[1])
+                out = before if sum(before.values()) > sum(out.values()) else out
+            return out
         acts, unfolded = simulated if simulated is not None else \
-            peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))
-        return self._rank_bytes_at(costs, stages, acts + max(costs[s].act_working for s in stages), states,
-                                   grads_at_peak, unfolded)
+            peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))[:2]
+        return self._rank_bytes_at(costs, stages, acts + working, states, grads_at_peak, unfolded)
 
     def _rank_bytes_at(self, costs: list[StageCost], stages: tuple[int, ...], activations: float, states: tuple,
-                       grads_at_peak: bool, unfolded: float = 0.0, start_moment: bool = True) -> dict[str, float]:
+                       grads_at_peak: bool, unfolded: float = 0.0, start_moment: bool = True, gathered: float = 0.0
+                       ) -> dict[str, float]:
         """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included), and the
-        ``unfolded`` 16-bit gradients then (zb-v: peak_parts'); ``start_moment``: memory.rank_memory's."""
+        ``unfolded`` 16-bit gradients then (zb-v: peak_parts') and the ``gathered`` chunks' bytes (ZeRO-3
+        interleaved: peak_parts'); ``start_moment``: memory.rank_memory's."""
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
@@ -967,7 +1034,7 @@ class CostModel:
         return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, activations,
                            self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
                            root_params=sum(costs[s].root_params for s in stages), staged_params=staged,
-                           unfolded_grads=unfolded, start_moment=start_moment)
+                           unfolded_grads=unfolded, start_moment=start_moment, gathered_weights=gathered)
 
     def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
                             holding, states: tuple, cap_gib: float) -> Callable[[], bool]:
@@ -988,6 +1055,19 @@ class CostModel:
             if first + untracked_bytes(self.work.cluster.gpu, first) > room:
                 return lambda: False
 
+        if holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1:  # whole-chunk gathers
+            gathered = gathered_bytes(costs, stages, states)
+            early_base = sum(self._rank_bytes_at(costs, stages, 0.0, _without_gradients(states), True,
+                                                 start_moment=False).values())
+
+            def fits_gathers() -> bool:  # each peak's pending gathers priced as tensors alike
+                late, early = gather_peaks(costs, holding, gathered)
+                working = max(costs[s].act_working for s in stages)
+                return base + per_byte * (sum(late) + working) <= room and \
+                    (early is None or early_base + per_byte * (sum(early) + working) <= room)
+
+            return fits_gathers
+
         def fits() -> bool:  # (unfolded gradients, when held at the peak, priced as tensors alike)
             acts = held_activations(costs, stages, flights, holding, unfolded) + \
                 max(costs[s].act_working for s in stages)
@@ -1007,11 +1087,11 @@ class CostModel:
         schedule = lay.schedule if p > 1 else "1f1b"
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
-        holdings = peak_matrices(schedule, p, v, lay.num_micro_batches)
+        states = layout_states(self.work.framework, lay)
+        holdings = peak_matrices(schedule, p, v, lay.num_micro_batches, _gathers(states))
         by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
         chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
         cap = self.work.cluster.gpu.memory_GiB
-        states = (state_bytes(self.work.framework, lay), moe.expert_states(self.work.framework, lay))
         grads_at_peak = [self.grads_at_activation_peak(lay, ranks[r], flights[r]) for r in range(p)]
 
         def fits_by_breakdown(r: int) -> Callable[[], bool]:  # where its first backward frees activations
@@ -1053,7 +1133,7 @@ class CostModel:
         costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
         cap = self.work.cluster.gpu.memory_GiB
-        held = peak_matrices(schedule, p, v, lay.num_micro_batches)
+        held = peak_matrices(schedule, p, v, lay.num_micro_batches, _gathers(layout_states(self.work.framework, lay)))
         return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(
             lay, costs, ranks, [flights[r] for r in asked], holdings=[held[r] for r in asked])]
 
@@ -1172,8 +1252,9 @@ class CostModel:
                   "ep_comm": ep_comm, "host": host}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
+        gathers = _gathers(layout_states(work.framework, lay))
         breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim,
-                                                 holdings=list(peak_matrices(schedule, p, v, m)))
+                                                 holdings=list(peak_matrices(schedule, p, v, m, gathers)))
         rank_mem = [sum(b.values()) for b in breakdowns]
         worst = max(range(p), key=lambda r: rank_mem[r])
         peak = rank_mem[worst]

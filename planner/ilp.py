@@ -67,7 +67,9 @@ from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
 from .schedules import (
     closed_form_makespan,
+    gathered_key,
     in_flight,
+    late_key,
     linear_makespan,
     peak_holdings,
     pending_key,
@@ -467,6 +469,13 @@ class StageILP:
                 extra[pending_key(s, p, v)] = G[s]
                 if s and (states.unfolded or expert_states.unfolded):
                     extra[unfolded_key(s, p, v)] = states.unfolded * (P[s] - X[s]) + expert_states.unfolded * X[s]
+        # ZeRO-3 interleaved of more chunks a rank than torch's runtime keeps active: whether each stage's chunk has
+        # whole-chunk gathers pending (gathered_key; costmodel.gathered_bytes)
+        gathers = bool(states.chunk_gather or expert_states.chunk_gather)
+        if gathers:
+            for s in range(S):
+                extra[gathered_key(s, p, v)] = states.chunk_gather * (P[s] - X[s] - Root[s]) \
+                    + expert_states.chunk_gather * X[s]
         drain = 0
         for r in range(p):
             rank_b = pulp.lpSum(B[s] for s in ranks[r])
@@ -484,24 +493,30 @@ class StageILP:
             # memory of rank r (memory.rank_memory, linear)
             flights = in_flight(self.schedule, p, v, m)[r]
             # activations at the rank's peak: the most over every moment that may be it (schedules.peak_holdings)
-            held = peak_holdings(self.schedule, p, v, m)[r]
+            held = peak_holdings(self.schedule, p, v, m, gathers)[r]
+            # with whole-chunk gathers, the moments before the rank's first backward (no gradient yet) apart
+            early = [h for h in held if not h.get(late_key(p, v))] if gathers else []
+            held = [h for h in held if h.get(late_key(p, v))] if gathers else held
 
             def at(h: dict[int, int], r: int = r):  # a moment's bytes: its activations, and zb-v's extra keys
                 return pulp.lpSum([h.get(s, 0) * A[s] for s in ranks[r]]
                                   + [n * extra[key] for key, n in h.items() if key in extra])
 
-            if len(held) == 1:
-                acts = at(held[0])
-            else:  # in GiB, as the memory rows (bytes beside the other rows' units leave the solvers badly scaled)
-                peak_gib = pulp.LpVariable(f"activations_at_peak_rank_{r}_GiB", lowBound=0)
-                for k, h in enumerate(held):
-                    prob += peak_gib >= at(h) * (1 / 2**30), f"activations_rank_{r}_moment_{k}"
-                acts = peak_gib * 2**30
+            def peak_of(moments: list[dict[int, int]], name: str, prob: pulp.LpProblem = prob):
+                if len(moments) == 1:
+                    return at(moments[0])
+                # in GiB, as the memory rows (bytes beside the other rows' units leave the solvers badly scaled)
+                peak_gib = pulp.LpVariable(f"{name}_GiB", lowBound=0)
+                for k, h in enumerate(moments):
+                    prob.addConstraint(peak_gib >= at(h) * (1 / 2**30), f"{name}_moment_{k}")
+                return peak_gib * 2**30
+
+            acts = peak_of(held, f"activations_at_peak_rank_{r}")
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:
                 prob += working >= work_vars[s], f"working_rank_{r}_stage_{s}"
             grads = states.grads * load.params + expert_states.grads * load.experts
-            if not self.model.grads_at_activation_peak(lay, ranks[r], flights):
+            if not gathers and not self.model.grads_at_activation_peak(lay, ranks[r], flights):  # gathers: late
                 arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
                 prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
                 grads = arriving
@@ -519,6 +534,10 @@ class StageILP:
                 + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
             prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
+            if early:  # before the first backward: no gradient, no reduce buffer (costmodel.gather_peaks)
+                before = tensors - acts - grads - states.unit_grads * staged + peak_of(early, f"early_peak_rank_{r}")
+                prob += (before + untracked_bytes(gpu, before)) * (1 / 2**30) <= gpu.memory_GiB, \
+                    f"mem_early_rank_{r}"
             if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)
                 first = states.start_per_param * load.params + expert_states.start_per_param * load.experts
                 prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_start_rank_{r}"

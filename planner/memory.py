@@ -31,7 +31,7 @@ from paraplan.hardware_specs import GPUSpec
 from paraplan.profiler import LayerProfile
 
 from .layout import recomputes_mlp
-from .schedules import RUNTIME_ACTIVE_CHUNKS, runtime_pending_chunks
+from .schedules import RUNTIME_ACTIVE_CHUNKS
 
 GiB = 2**30
 # Allowance for the framework: CUDA context, cuBLAS/NCCL workspaces and buffers (~1-2 GiB is what
@@ -165,6 +165,9 @@ class StateBytes:
     # per parameter, besides ``weights``, what the step's first moment holds: torch's multi-stage runtime gathers its
     # first chunks at once before any activation exists (ZeRO 3, interleaved: _state_bytes); gradients are None then
     start_weights: float = 0.0
+    # per parameter of a chunk whose whole-chunk gathers are pending (ZeRO 3, interleaved with more chunks a rank than
+    # the runtime keeps active: schedules.gathered_key's moments), outside its root unit (root_weights)
+    chunk_gather: float = 0.0
 
     @property
     def per_param(self) -> float:
@@ -198,11 +201,8 @@ def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
         replicated = lay.data_ranks > 1 and not _data_parallel_alone(lay)
     else:
         replicated = lay.ep > 1 and (lay.data_ranks > 1 or data_ranks > 1)
-    v = lay.virtual_stages
-    pending = runtime_pending_chunks(lay.pp, v, lay.num_micro_batches) \
-        if lay.zero == 3 and lay.schedule == "interleaved-1f1b" and lay.pp > 1 and v > RUNTIME_ACTIVE_CHUNKS else 0
     return _state_bytes(framework, lay.data_ranks if data_ranks is None else data_ranks, lay.zero, lay.dp_mode,
-                        lay.dtype, lay.pp, lay.schedule, replicated, v, pending)
+                        lay.dtype, lay.pp, lay.schedule, replicated, lay.virtual_stages)
 
 
 def ddp_buckets(framework, lay) -> bool:
@@ -221,7 +221,7 @@ def _data_parallel_alone(lay) -> bool:
 
 @lru_cache(maxsize=4096)
 def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: int, schedule: str,
-                 replicated: bool = False, virtual_stages: int = 1, pending_chunks: int = 0) -> StateBytes:
+                 replicated: bool = False, virtual_stages: int = 1) -> StateBytes:
     if dp_mode == "ps":
         zero = 0
     fp8 = framework.fp8_weight_bytes if dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
@@ -238,7 +238,7 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     master = framework.master_bytes if mixed else 4
     weights = master / dp if sharded else float(master)
     copy = 2.0 if mixed else 4.0  # what FSDP2 gathers for compute
-    unit = root = start = 0.0
+    unit = root = start = chunk = 0.0
     if zero == 3 and dp > 1:
         unit, root = 2 * copy, copy
         if pp > 1 and schedule == "interleaved-1f1b":
@@ -249,16 +249,18 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
             # unshard(async_op=True)); the compute's own hooks then gather and free one unit at a time as before.
             # With v <= 3 chunks a rank never evicts one: all its chunks are gathered at the step's first action,
             # before any activation or gradient exists, and not again (start_weights). With v > 3 chunks keep
-            # entering the window, and schedules.runtime_pending_chunks of them are pending near the activation
-            # peak: that share of the rank's weights, for chunks of about equal size (the chunk rule).
+            # entering the window: the first action gathers three (start_weights, for chunks of about equal size:
+            # the chunk rule), and each later moment holds the chunks schedules.runtime_gathers has pending then
+            # (chunk_gather per parameter of each, priced per moment with its activations: peak_holdings' gathers).
             # Traced (executor/trace.py: the live tensors at the peak), llama2-70b dp16 tp2 pp2 full recomputation:
-            # v = 2, the 40 layers' all-gather outputs of the rank (34.2 GB) at the first action; v = 4, 20-21
-            # pending at the peak; v = 6, 22. (Priced before as ZeRO-2's copy kept all step: 9-30 GiB over.)
+            # v = 2, the 40 layers' all-gather outputs of the rank (34.2 GB) at the first action; v = 4, rank 0's
+            # peak in the cool-down, three chunks gathered (one copied out, 20 layers' outputs pending) beside six
+            # chunk micro-batches of its most nine. (Priced before as ZeRO-2's copy kept all step: 9-30 GiB over;
+            # then as the chunks pending near the most micro-batches: v = 4's rank 0 5.6% under.)
             if virtual_stages <= RUNTIME_ACTIVE_CHUNKS:
                 start = copy
             else:
-                weights += copy * pending_chunks / virtual_stages
-                start = copy * max(0, RUNTIME_ACTIVE_CHUNKS - pending_chunks) / virtual_stages
+                start, chunk = copy * RUNTIME_ACTIVE_CHUNKS / virtual_stages, copy
     elif sharded or (mixed and master > 2):
         weights += copy
     elif replicated and dp_mode != "ps":
@@ -294,7 +296,7 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root,
                       staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded,
-                      start_weights=start)
+                      start_weights=start, chunk_gather=chunk)
 
 
 def sums_unsharded(framework, pp: int, schedule: str) -> bool:
@@ -307,7 +309,8 @@ def sums_unsharded(framework, pp: int, schedule: str) -> bool:
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
                 grads_arrive_after: float | None = None, *, staged_params: float, experts: float = 0.0,
                 expert_states: StateBytes | None = None, root_params: float = 0.0,
-                unfolded_grads: float = 0.0, start_moment: bool = True) -> dict[str, float]:
+                unfolded_grads: float = 0.0, start_moment: bool = True, gathered_weights: float = 0.0
+                ) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
@@ -325,13 +328,14 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
 
     ``experts``: expert-parallel parameters held besides ``params``, with their own ``expert_states`` (ZeRO
     shards them over the expert-data-parallel group: planner/moe.py). ``unfolded_grads``: bytes of 16-bit gradients not
-    yet folded into their sums at the peak (StateBytes.unfolded: ZB-V's stages whose last backward task was a W)."""
+    yet folded into their sums at the peak (StateBytes.unfolded: ZB-V's stages whose last backward task was a W).
+    ``gathered_weights``: bytes of whole chunks whose gathers are pending at the peak (StateBytes.chunk_gather)."""
     es = expert_states or states
     grads = params * states.grads + experts * es.grads
     if grads_arrive_after is not None:
         grads = max(0.0, grads - grads_arrive_after)
     out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
-           + root_params * states.root_weights,
+           + root_params * states.root_weights + gathered_weights,
            "grads": grads + staged_params * states.unit_grads + unfolded_grads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}

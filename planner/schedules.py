@@ -179,50 +179,45 @@ def runtime_unshards(schedule: str, pp: int, v: int, m: int) -> float:
     return (first + (m - start) // pp * (second - first)) / (pp * v)
 
 
-@lru_cache(maxsize=1024)
-def runtime_pending_chunks(pp: int, v: int, m: int) -> int:
-    """Chunks whose all-gathers torch's multi-stage runtime has issued and no compute has waited on yet, near a rank's
-    activation peak, under FSDP2 ZeRO-3 interleaved 1F1B (memory._state_bytes): the runtime unshards the next
-    RUNTIME_ACTIVE_CHUNKS distinct chunks before each op (runtime_unshards), and each gather's output stays until
-    its chunk's next op starts. The most over the ranks and over the moments (before each op) that hold at least
-    one micro-batch fewer than the rank's most: one chunk's activations of a micro-batch weigh less than a chunk's
-    gathered weights, so those moments may be the peak. The step's first op, whose window is gathered before any
-    activation, is memory.start_bytes' moment, left out. After the warm-up the held micro-batches stay within one of
-    their most and the order repeats each round, so the walk stops two rounds past the warm-up; and where m is a
-    multiple of pp, from 3·pp micro-batches on the count no longer changes (pp 2-16, v 4-8, m up to 33·pp: tests).
-    llama2-70b dp16 tp2 pp2 (m 32), traced: 20-21 layers pending at the peak with v = 4 (this: 2 chunks of 10),
-    22 with v = 6 (3 chunks of 6-7)."""
+def gathers_whole_chunks(schedule: str, pp: int, v: int) -> bool:
+    """Does torch's multi-stage runtime keep evicting and gathering again whole chunks of a rank under FSDP2 ZeRO-3
+    (interleaved 1F1B of more than RUNTIME_ACTIVE_CHUNKS chunks a rank)? With fewer a rank gathers all its chunks
+    at the step's first op and never evicts one (memory.StateBytes.start_weights)."""
+    return schedule == "interleaved-1f1b" and pp > 1 and v > RUNTIME_ACTIVE_CHUNKS
+
+
+@lru_cache(maxsize=512)
+def runtime_gathers(pp: int, v: int, m: int) -> tuple[Any, ...]:
+    """Per rank of an interleaved 1F1B schedule, a (ops, v) 0/1 array: before each op, which of the rank's chunks
+    (rank_stages order) have whole-chunk gathers pending under FSDP2 ZeRO-3 in torch's multi-stage runtime
+    (_PipelineScheduleRuntime, torch/distributed/pipelining/schedules.py _add_unshard_reshard). Before each op the
+    runtime unshards (async all-gathers of every unit) the chunks among the next RUNTIME_ACTIVE_CHUNKS distinct ones
+    the rank runs (its window, this op's first) that the last window lacked, and reshards the others. An
+    all-gather's output stays until that chunk's next op waits on it — FSDP2's reshard leaves a pending
+    all-gather result alone (_fsdp_param_group.py) — and is then copied out into the chunk's unsharded weights,
+    which its units' hooks free one at a time; so before an op its own chunk counts where it is pending.
+    Row 0 is the step's first op (memory.start_bytes' moment). Each window comes from the next op's, walked
+    backwards (as _unshards_walked)."""
     import numpy as np
 
-    if pp == 1 or v <= 1:
-        return 0
-    if m % pp == 0 and m > 3 * pp:
-        return runtime_pending_chunks(pp, v, 3 * pp)
-    most = 0
-    per_round = m // max(1, m // pp)
-    for kind, stage, _ in rank_order_arrays("interleaved-1f1b", pp, v, m):
-        held_after = np.cumsum(np.where(kind == 0, 1, -1))  # (ops,)
-        warm = int(np.argmax(held_after)) + 1  # the first op reaching the most held
-        end = min(len(stage), warm + 4 * v * per_round)
-        ahead = stage[:end + 3 * v * per_round].tolist()  # the window looks past the walk's end
-        held = np.concatenate([[0], held_after[:-1]])[:end].tolist()  # (end,): held before each op
-        top = max(held)
-        windows: list[list[int]] = [[]] * end  # before op i: the next RUNTIME_ACTIVE_CHUNKS distinct chunks
+    out = []
+    for r, (_, stage, _) in enumerate(rank_order_arrays("interleaved-1f1b", pp, v, m)):
+        chunks = ((stage - r) // pp).tolist()  # (ops,): each op's chunk on the rank
+        windows: list[list[int]] = [[]] * len(chunks)
         window: list[int] = []
-        for i in range(len(ahead) - 1, -1, -1):  # each window from the next op's, as in _unshards_walked
-            window = [ahead[i]] + [c for c in window if c != ahead[i]][:RUNTIME_ACTIVE_CHUNKS - 1]
-            if i < end:
-                windows[i] = window
+        for i in range(len(chunks) - 1, -1, -1):
+            window = [chunks[i]] + [c for c in window if c != chunks[i]][:RUNTIME_ACTIVE_CHUNKS - 1]
+            windows[i] = window
+        flags = np.zeros((len(chunks), v))
         active: list[int] = []
         pending: set[int] = set()
-        for i in range(end):
-            window = windows[i]
+        for i, window in enumerate(windows):
             pending.update(c for c in window if c not in active)
             active = window
-            if i and held[i] >= top - 1:
-                most = max(most, len(pending))
-            pending.discard(ahead[i])
-    return most
+            flags[i, list(pending)] = 1.0
+            pending.discard(chunks[i])
+        out.append(flags)
+    return tuple(out)
 
 
 @lru_cache(maxsize=512)
@@ -270,7 +265,8 @@ def in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[dict[int, int], .
     return _in_flight_at_warm_up(schedule, pp, v, m)
 
 
-def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
+def peak_holdings(schedule: str, pp: int, v: int, m: int, gathers: bool = False
+                  ) -> tuple[tuple[dict[int, int], ...], ...]:
     """Per rank, the micro-batches of each stage holding activations at every moment that could be its
     activation peak: the holdings that no other moment of the rank's order matches or exceeds stage by stage.
     Where a rank's stages keep different bytes per micro-batch (uneven chunks, or a chunk recomputed and another
@@ -284,7 +280,18 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[in
     it (StageCost.dw_pending): a moment's dict counts those micro-batches under the key ``pending_key(stage)``
     beside the stage's own; and under ``unfolded_key(stage)`` 1 where the stage's last backward task was a W, whose
     16-bit weight gradients FSDP2 keeps until the stage's next B folds them into its fp32 sums
-    (memory.StateBytes.unfolded)."""
+    (memory.StateBytes.unfolded).
+
+    ``gathers`` (FSDP2 ZeRO-3 where :func:`gathers_whole_chunks`): the moments are each op's start after the step's
+    first (:func:`runtime_gathers`, ``gathered_key(stage)`` 1 where the stage's chunk is pending) and each op's end
+    (its own chunk no longer pending), ``late_key(pp, v)`` 1 where the rank's first backward has run (gradients and
+    reduce buffers exist from then on): a chunk's gathered weights outweigh many micro-batches' activations, so the
+    peak may hold fewer micro-batches than the most (llama2-70b dp16 tp2 pp2 v = 4, traced: rank 0's peak holds 6
+    chunk micro-batches of its most 9, in the cool-down, with three chunks gathered)."""
+    if gathers and gathers_whole_chunks(schedule, pp, v):
+        if m % pp == 0 and m >= 3 * pp:
+            m = 3 * pp  # the same moments from there on (tests)
+        return _gather_holdings(pp, v, m)
     if schedule != "zb-v" and v == 1:
         return tuple((d,) for d in in_flight(schedule, pp, v, m))
     if schedule == "interleaved-1f1b" and m % pp == 0 and m >= 3 * pp:
@@ -292,6 +299,43 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[dict[in
     elif schedule == "zb-v" and m > 2 * pp:
         m = 2 * pp + 1  # from 2p + 1 micro-batches on, the same moments (the unfolded gradients' too)
     return _peak_holdings(schedule, pp, v, m)
+
+
+def gathered_key(stage: int, pp: int, v: int) -> int:
+    """peak_holdings' key for whether ``stage``'s chunk has whole-chunk gathers pending (ZeRO-3 interleaved): 1 or
+    absent."""
+    return 3 * pp * v + stage
+
+
+def late_key(pp: int, v: int) -> int:
+    """peak_holdings' key (with ``gathers``) for whether the moment comes after the rank's first backward: 1 or
+    absent."""
+    return 4 * pp * v
+
+
+@lru_cache(maxsize=256)
+def _gather_holdings(pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
+    """peak_holdings with ``gathers``: per rank, walking its order beside runtime_gathers' flags."""
+    import numpy as np
+
+    out = []
+    for r, ((kind, stage, _), flags) in enumerate(zip(rank_order_arrays("interleaved-1f1b", pp, v, m),
+                                                      runtime_gathers(pp, v, m), strict=True)):
+        stages = list(rank_stages("interleaved-1f1b", r, pp, v))
+        chunks = ((stage - r) // pp).tolist()
+        held = [0] * v
+        late = 0
+        tops: set[tuple[int, ...]] = set()
+        for i, (k, c) in enumerate(zip(kind.tolist(), chunks, strict=True)):
+            pending = flags[i].astype(np.int64).tolist()
+            if i:  # the step's first op: memory.start_bytes
+                tops.add((*held, *pending, late))
+            held[c] += 1 if k == 0 else -1
+            late = late or k
+            pending[c] = 0
+            tops.add((*held, *pending, late))
+        out.append(_not_dominated(stages + [gathered_key(s, pp, v) for s in stages] + [late_key(pp, v)], tops))
+    return tuple(out)
 
 
 def pending_key(stage: int, pp: int, v: int) -> int:
@@ -305,19 +349,24 @@ def unfolded_key(stage: int, pp: int, v: int) -> int:
 
 
 @lru_cache(maxsize=1024)
-def peak_matrices(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], Any], ...]:
+def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
+                  ) -> tuple[tuple[tuple[int, ...], Any], ...]:
     """:func:`peak_holdings` as arrays: per rank its stages and a (moments, stages) matrix of the micro-batches each
     holds, so that a rank's activation peak is one matrix-vector product (the cost model asks thousands of times).
     In zb-v the matrix is (moments, 3 x stages): after the stages' columns, the micro-batches each has between its
     input and its weight backward (:func:`pending_key`), then whether it holds unfolded gradients
-    (:func:`unfolded_key`)."""
+    (:func:`unfolded_key`). With ``gathers`` (ZeRO-3, :func:`gathers_whole_chunks`) (moments, 2 x stages + 1): then
+    whether each stage's chunk has gathers pending (:func:`gathered_key`), and last whether the moment comes after
+    the rank's first backward (:func:`late_key`)."""
     import numpy as np
 
+    gathers = gathers and gathers_whole_chunks(schedule, pp, v)
     out = []
-    for r, held in enumerate(peak_holdings(schedule, pp, v, m)):
+    for r, held in enumerate(peak_holdings(schedule, pp, v, m, gathers)):
         stages = rank_stages(schedule, r, pp, v)
         keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
-                               if schedule == "zb-v" else [])
+                               if schedule == "zb-v" else
+                               [gathered_key(s, pp, v) for s in stages] + [late_key(pp, v)] if gathers else [])
         out.append((stages, np.array([[h.get(k, 0) for k in keys] for h in held], dtype=float)))
     return tuple(out)
 

@@ -725,25 +725,24 @@ def test_executor_interleaved_zero3_prices_the_runtimes_pending_gathers():
     """Under this executor's interleaved schedule torch's multi-stage runtime issues the all-gathers of whole chunks
     (UNSHARD actions, three chunks active) and each output stays until the chunk's next op: with v <= 3 chunks a rank
     gathers all of them at the step's first op, before any activation or gradient (start_weights: 2 B per parameter
-    in bf16, then; none later), with v > 3 runtime_pending_chunks of them are pending near the activation peak all
-    step (2 B x k / v per parameter beside the sharded fp32 weights, 4/dp B). 1F1B's ZeRO-3 gathers a unit at a time,
-    and other stacks keep ZeRO's accounting."""
+    in bf16, then; none later); with v > 3 the first op gathers three of them (2 x 3 / v B per parameter), and each
+    later moment the chunks pending then, 2 B per parameter of each (chunk_gather, priced per moment: the weights
+    stay the sharded fp32, 4/dp B). 1F1B's ZeRO-3 gathers a unit at a time, and other stacks keep ZeRO's
+    accounting."""
     from paraplan.planner.framework import framework
     from paraplan.planner.memory import rank_memory, state_bytes
-    from paraplan.planner.schedules import runtime_pending_chunks
 
     fw = framework("paraplan")
     lay = Layout(dp=16, tp=2, pp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b", virtual_stages=6,
                  zero=3)
     one_f_one_b = state_bytes(fw, lay.replace(schedule="1f1b", virtual_stages=1))
     assert one_f_one_b.weights == pytest.approx(4 / 16) and one_f_one_b.start_weights == 0.0
-    k = runtime_pending_chunks(2, 6, 32)
-    assert k == 3  # traced at llama2-70b's scale: 22 of a rank's 40 layers pending at the peak (chunks of 6-7)
     six = state_bytes(fw, lay)
-    assert six.weights == pytest.approx(4 / 16 + 2 * k / 6) and six.start_weights == pytest.approx(2 * (3 - k) / 6)
+    assert six.weights == pytest.approx(4 / 16) and six.start_weights == pytest.approx(2 * 3 / 6)
+    assert six.chunk_gather == 2.0 and one_f_one_b.chunk_gather == 0.0
     assert six.unit_weights == one_f_one_b.unit_weights == 4.0
     two = state_bytes(fw, lay.replace(virtual_stages=2))
-    assert two.weights == pytest.approx(4 / 16) and two.start_weights == 2.0
+    assert two.weights == pytest.approx(4 / 16) and two.start_weights == 2.0 and two.chunk_gather == 0.0
     # the step's first moment: weights with every chunk gathered, the optimizer's states; no gradient, no activation
     gpu = load_cluster("dgx-h100").gpu
     params = 1e9
@@ -755,36 +754,85 @@ def test_executor_interleaved_zero3_prices_the_runtimes_pending_gathers():
     megatron = framework("megatron-core")
     assert state_bytes(megatron, lay).weights == state_bytes(megatron, lay.replace(schedule="1f1b",
                                                                                    virtual_stages=1)).weights
+    assert state_bytes(megatron, lay).chunk_gather == 0.0
 
 
-@pytest.mark.parametrize("pp,v,m", [(2, 4, 32), (2, 6, 32), (4, 4, 16), (2, 5, 12), (4, 6, 8), (8, 4, 24),
-                                    (3, 5, 7), (2, 6, 64), (4, 8, 40)])  # the last two capped at 3·pp
-def test_runtime_pending_chunks_follow_torchs_own_lowering(pp, v, m):
-    """schedules.runtime_pending_chunks walks the runtime's window itself; here torch's own lowering
-    (_add_unshard_reshard on ScheduleInterleaved1F1B's order) is walked: an UNSHARD leaves its chunk's gathers
-    pending until the chunk's next compute. The most pending before a compute (the step's first left out) among
-    those holding at least one micro-batch fewer than the rank's most, over the ranks, is the same."""
+def _torch_interleaved_lowering(pp: int, v: int, m: int, r: int):
+    """Rank r's actions under torch's multi-stage runtime: ScheduleInterleaved1F1B's order lowered by
+    _add_unshard_reshard (its order alone: no stages, no process group)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from paraplan.planner.schedules import runtime_pending_chunks
-
-    sched = object.__new__(torch_schedules.ScheduleInterleaved1F1B)  # its order alone: no stages, no process group
+    sched = object.__new__(torch_schedules.ScheduleInterleaved1F1B)
     sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, m
     sched.number_of_rounds = max(1, m // pp)
     sched.microbatches_per_round = m // sched.number_of_rounds
-    most = 0
-    for r in range(pp):
-        moments, pending, held = [], set(), 0
-        for a in torch_schedules._add_unshard_reshard(sched._calculate_single_rank_operations(r)):
+    return torch_schedules, torch_schedules._add_unshard_reshard(sched._calculate_single_rank_operations(r))
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 4, 32), (2, 6, 32), (4, 4, 16), (2, 5, 12), (4, 6, 8), (8, 4, 24),
+                                    (3, 5, 7), (2, 6, 64), (4, 8, 40), (3, 4, 9)])
+def test_runtime_gathers_follow_torchs_own_lowering(pp, v, m):
+    """schedules.runtime_gathers walks the runtime's window itself; here torch's own lowering (_add_unshard_reshard
+    on ScheduleInterleaved1F1B's order) is walked: an UNSHARD leaves its chunk's gathers pending until the chunk's
+    next compute (a RESHARD leaves a pending all-gather's output alone). Before every compute op, the same chunks
+    are pending."""
+    from paraplan.planner.schedules import runtime_gathers
+
+    for r, flags in enumerate(runtime_gathers(pp, v, m)):
+        torch_schedules, actions = _torch_interleaved_lowering(pp, v, m, r)
+        pending, theirs = set(), []
+        for a in actions:
             if a.computation_type == torch_schedules.UNSHARD:
                 pending.add(a.stage_index)
             elif a.computation_type in (torch_schedules.FORWARD, torch_schedules.FULL_BACKWARD):
-                moments.append((held, len(pending)))
+                theirs.append(sorted((s - r) // pp for s in pending))
                 pending.discard(a.stage_index)
-                held += 1 if a.computation_type == torch_schedules.FORWARD else -1
-        top = max(h for h, _ in moments)
-        most = max([most] + [n for h, n in moments[1:] if h >= top - 1])
-    assert runtime_pending_chunks(pp, v, m) == most
+        assert [[c for c in range(v) if row[c]] for row in flags.tolist()] == theirs, r
+
+
+def test_gather_moments_find_the_traced_peaks():
+    """llama2-70b dp16 tp2 pp2, interleaved 1F1B with v = 4 chunks of 10 layers a rank, 32 micro-batches, ZeRO-3, full
+    recomputation, traced (executor/trace.py's live tensors at each rank's peak): rank 0's peak came in the cool-down
+    holding 6 chunk micro-batches of its most 9, with three chunks gathered (10 layers copied out, 20 layers'
+    all-gather outputs pending); rank 1's with two chunks' gathers, its three-chunk moments all in the warm-up,
+    before any gradient exists. With a chunk's gathered weights (8.56 GB) worth ~13 chunk micro-batches of
+    checkpoints (0.67 GB each), schedules.peak_holdings' moments say the same; and from 3·pp micro-batches on
+    (m a multiple of pp) the moments no longer change."""
+    from paraplan.planner.schedules import _gather_holdings, gathered_key, late_key, peak_holdings
+
+    pp, v, m = 2, 4, 32
+    chunk, micro = 8.56, 0.67
+
+    def heaviest(moments, late):
+        return max((h for h in moments if bool(h.get(late_key(pp, v))) == late),
+                   key=lambda h: sum(micro * h.get(s, 0) + chunk * h.get(gathered_key(s, pp, v), 0)
+                                     for s in range(pp * v)))
+
+    def counts(h):
+        return (sum(h.get(s, 0) for s in range(pp * v)), sum(h.get(gathered_key(s, pp, v), 0) for s in range(pp * v)))
+
+    rank0, rank1 = peak_holdings("interleaved-1f1b", pp, v, m, gathers=True)
+    assert counts(heaviest(rank0, late=True)) == (6, 3)
+    assert max(counts(h)[0] for h in rank0) == 9
+    assert counts(heaviest(rank1, late=True))[1] == 2
+    assert counts(heaviest(rank1, late=False))[1] == 3
+    for p, chunks in ((2, 4), (3, 5), (4, 6), (8, 4)):
+        assert all(_gather_holdings(p, chunks, k * p) == _gather_holdings(p, chunks, 3 * p) for k in (4, 5, 7))
+    # the cost model's price of that plan: the sharded fp32 weights, two gathered layer units and the root unit
+    # (memory.rank_memory), and at the peak three gathered chunks on rank 0, two on rank 1 (2 B per parameter)
+    model = CostModel(Workload.create("llama2-70b", "dgx-h100", 512))
+    lay = Layout(dp=16, tp=2, pp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b", virtual_stages=v,
+                 zero=3, recompute="full")
+    stages = default_stages(model, lay)
+    costs = model.stage_costs(lay, stages, ["full"] * lay.num_stages)
+    pred = model.evaluate(lay, stages, ["full"] * lay.num_stages)
+    for r, gathered in ((0, 3), (1, 2)):
+        mine = [costs[s] for s in range(r, pp * v, pp)]
+        assert len({c.params - c.root_params for c in mine}) == 1  # chunks of 10 layers, the roots apart
+        fixed = sum(c.params for c in mine) * 4 / 16 + 2 * 2 * max(c.largest_unit for c in mine) \
+            + 2 * sum(c.root_params for c in mine)
+        params = pred.rank_memory_breakdown_gib[r]["params"] * 2**30
+        assert params == pytest.approx(fixed + 2 * gathered * (mine[1].params - mine[1].root_params), rel=1e-9)
 
 
 def test_pipelined_zero2_holds_one_reduce_buffer_per_chunk():

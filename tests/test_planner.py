@@ -1174,6 +1174,43 @@ def test_zero_bubble_never_recomputes_a_region_that_holds_weights(small):
     assert only_full.best is not None and only_full.best.layout.schedule != "zb-v"
 
 
+def test_interleaved_zero3_gather_moments_bind_the_ilp_as_brute_force(small, monkeypatch):
+    """Interleaved ZeRO-3 with four chunks a rank: each moment's pending whole-chunk gathers are priced with its
+    activations (schedules.peak_holdings' gathers), before the first backward without gradients; the ILP's rows
+    (one per moment) give the split brute force over every split and mode finds, and the gathers change the
+    answer of some of these layouts (without them one more fits, another recomputes less)."""
+    import dataclasses
+
+    import paraplan.planner.memory as memory
+
+    def outcomes(model):
+        out = {}
+        for lay in enumerate_layouts(small, 8, "bf16"):
+            if lay.schedule != "interleaved-1f1b" or lay.virtual_stages != 4 or lay.zero != 3 or lay.dp != 2:
+                continue
+            try:
+                validate_layout(model, lay)
+            except InvalidLayout:
+                continue
+            out[lay.short()] = brute_force(model, lay)
+        return out
+
+    model = CostModel(small)
+    exact = outcomes(model)
+    assert len(exact) >= 4
+    for short, best in exact.items():
+        lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == short)
+        try:
+            got = best_partition(model, lay).prediction.iteration_time_s
+        except InvalidLayout:
+            got = float("inf")
+        assert got == pytest.approx(best, rel=1e-9), short
+    plain = memory._state_bytes
+    monkeypatch.setattr(memory, "_state_bytes", lambda *a, **k: dataclasses.replace(plain(*a, **k), chunk_gather=0.0))
+    lean = outcomes(CostModel(small))
+    assert any(lean[k] < exact[k] for k in exact)
+
+
 def test_interleaved_zero3_first_moment_is_priced_in_every_form():
     """Interleaved ZeRO-3 with two chunks a rank gathers both at the step's first op, before any activation
     (memory.start_bytes): llama2-70b dp4 tp2 pp2 then holds 5 B per parameter of its 17 billion (1 B of sharded fp32
