@@ -519,27 +519,24 @@ def gather_peaks(costs: list[StageCost], holding, gathered: dict[int, float] | N
 
 
 def peak_parts(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
-               unfolded: dict[int, float] | None = None, gathered: dict[int, float] | None = None
-               ) -> tuple[float, float, float]:
-    """:func:`held_activations` in three parts at the rank's peak moment: (activations, unfolded gradients, pending
-    chunk gathers); with whole-chunk gathers, among the moments after the rank's first backward (gather_peaks)."""
+               unfolded: dict[int, float] | None = None) -> tuple[float, float]:
+    """:func:`held_activations` in two parts at the rank's peak moment: (activations, unfolded gradients). Holdings
+    with whole-chunk gathers take :func:`gather_peaks` instead."""
     if holding is not None and (len(holding[1]) > 1 or holding[1].shape[1] > len(holding[0])):
         order, held = holding
         k = len(order)
         per = [costs[s].act_bytes for s in order]
-        if held.shape[1] == 2 * k + 1:  # ZeRO-3 interleaved: the moments after the rank's first backward
-            late = gather_peaks(costs, holding, gathered)[0]
-            return late[0], 0.0, late[1]
+        assert held.shape[1] != 2 * k + 1, "whole-chunk gathers: gather_peaks prices their moments"
         if held.shape[1] > k:  # zb-v: then per stage its micro-batches between B and W, and its unfolded gradients
             per += [costs[s].dw_pending for s in order]
             if unfolded:
                 grads = held[:, 2 * k:] @ np.array([unfolded.get(s, 0.0) for s in order])  # (moments,)
                 acts = held[:, :2 * k] @ np.array(per)  # (moments,)
                 i = int((acts + grads).argmax())
-                return float(acts[i]), float(grads[i]), 0.0
+                return float(acts[i]), float(grads[i])
             held = held[:, :2 * k]
-        return float((held @ np.array(per)).max()), 0.0, 0.0  # (moments,) -> peak
-    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages), 0.0, 0.0
+        return float((held @ np.array(per)).max()), 0.0  # (moments,) -> peak
+    return sum(flights.get(s, 0) * costs[s].act_bytes for s in stages), 0.0
 
 
 class CostModel:
@@ -1017,7 +1014,7 @@ class CostModel:
                 out = before if sum(before.values()) > sum(out.values()) else out
             return out
         acts, unfolded = simulated if simulated is not None else \
-            peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))[:2]
+            peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))
         return self._rank_bytes_at(costs, stages, acts + working, states, grads_at_peak, unfolded)
 
     def _rank_bytes_at(self, costs: list[StageCost], stages: tuple[int, ...], activations: float, states: tuple,
@@ -1025,7 +1022,7 @@ class CostModel:
                        ) -> dict[str, float]:
         """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included), and the
         ``unfolded`` 16-bit gradients then (zb-v: peak_parts') and the ``gathered`` chunks' bytes (ZeRO-3
-        interleaved: peak_parts'); ``start_moment``: memory.rank_memory's."""
+        interleaved: gather_peaks'); ``start_moment``: memory.rank_memory's."""
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
