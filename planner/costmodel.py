@@ -463,15 +463,13 @@ def unfolded_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tupl
             for s in stages}
 
 
-def gathered_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple) -> dict[int, float] | None:
-    """Per stage the bytes its chunk's whole-chunk gathers hold while pending (ZeRO-3 interleaved of more chunks a rank
-    than torch's runtime keeps active: StateBytes.chunk_gather of ``states``, the layout's (state_bytes,
-    moe.expert_states)), its root unit left out (StateBytes.root_weights prices it); None where there are none."""
+def gathered_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple):
+    """(stages,) array: per stage of ``stages`` the bytes its chunk's whole-chunk gathers hold while pending (ZeRO-3
+    interleaved of more chunks a rank than torch's runtime keeps active: StateBytes.chunk_gather of ``states``, the
+    layout's (state_bytes, moe.expert_states)), its root unit left out (StateBytes.root_weights prices it)."""
     plain, experts = states[0].chunk_gather, states[1].chunk_gather
-    if not plain and not experts:
-        return None
-    return {s: plain * (costs[s].params - costs[s].experts - costs[s].root_params) + experts * costs[s].experts
-            for s in stages}
+    return np.array([plain * (costs[s].params - costs[s].experts - costs[s].root_params) + experts * costs[s].experts
+                     for s in stages])
 
 
 def _unfolded_list(framework, lay: Layout, costs: list[StageCost]) -> list[float] | None:
@@ -498,24 +496,29 @@ def _gathers(states: tuple) -> bool:
     return bool(states[0].chunk_gather or states[1].chunk_gather)
 
 
-def gather_peaks(costs: list[StageCost], holding, gathered: dict[int, float] | None
-                 ) -> tuple[tuple[float, float], tuple[float, float] | None]:
+def gather_peaks(costs: list[StageCost], holding, gathered, parts: bool = True) -> tuple:
     """A rank's peaks under ZeRO-3 interleaved with whole-chunk gathers (``holding``: schedules.peak_matrices' entry
-    with ``gathers``), as (activations, pending gathers' bytes): among the moments after its first backward, and
-    among those before (None: none), which hold no gradient and no reduce buffer yet (the last step's were freed)."""
+    with ``gathers``, its moments after the rank's first backward first; ``gathered``: gathered_bytes of its stages),
+    among the moments after its first backward, and among those before (None: none), which hold no gradient and no
+    reduce buffer yet (the last step's were freed): each (activations, pending gathers' bytes), or with ``parts``
+    False their sum (least_recompute asks thousands of times)."""
     order, held = holding
     k = len(order)
-    acts = held[:, :k] @ np.array([costs[s].act_bytes for s in order])  # (moments,)
-    weights = held[:, k:2 * k] @ np.array([gathered[s] for s in order]) if gathered else np.zeros(len(held))
+    acts = np.array([costs[s].act_bytes for s in order])
+    totals = held[:, :2 * k] @ np.concatenate([acts, gathered])  # (moments,)
+    late = int(held[:, 2 * k].sum())  # the first ``late`` moments
     out = []
-    for moments in (held[:, 2 * k] > 0, held[:, 2 * k] == 0):  # late, early
-        if not moments.any():
+    for lo, hi in ((0, late), (late, len(held))):
+        if lo == hi:
             out.append(None)
             continue
-        i = int(np.flatnonzero(moments)[(acts[moments] + weights[moments]).argmax()])
-        out.append((float(acts[i]), float(weights[i])))
-    late, early = out
-    return late or (0.0, 0.0), early
+        i = lo + int(totals[lo:hi].argmax())
+        if parts:
+            activations = float(held[i, :k] @ acts)
+            out.append((activations, float(totals[i]) - activations))
+        else:
+            out.append(float(totals[i]))
+    return tuple(out)
 
 
 def peak_parts(costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int], holding,
@@ -1006,7 +1009,7 @@ class CostModel:
         working = max(costs[s].act_working for s in stages)
         if holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1:  # whole-chunk gathers
             # the moments are exact walks of the rank's order (the event simulation's peak is one of them)
-            late, early = gather_peaks(costs, holding, gathered_bytes(costs, stages, states))
+            late, early = gather_peaks(costs, holding, gathered_bytes(costs, holding[0], states))
             out = self._rank_bytes_at(costs, stages, late[0] + working, states, True, gathered=late[1])
             if early is not None:
                 before = self._rank_bytes_at(costs, stages, early[0] + working, _without_gradients(states), True,
@@ -1053,15 +1056,15 @@ class CostModel:
                 return lambda: False
 
         if holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1:  # whole-chunk gathers
-            gathered = gathered_bytes(costs, stages, states)
+            gathered = gathered_bytes(costs, holding[0], states)  # no recomputation mode changes them
             early_base = sum(self._rank_bytes_at(costs, stages, 0.0, _without_gradients(states), True,
                                                  start_moment=False).values())
 
             def fits_gathers() -> bool:  # each peak's pending gathers priced as tensors alike
-                late, early = gather_peaks(costs, holding, gathered)
+                late, early = gather_peaks(costs, holding, gathered, parts=False)
                 working = max(costs[s].act_working for s in stages)
-                return base + per_byte * (sum(late) + working) <= room and \
-                    (early is None or early_base + per_byte * (sum(early) + working) <= room)
+                return base + per_byte * (late + working) <= room and \
+                    (early is None or early_base + per_byte * (early + working) <= room)
 
             return fits_gathers
 

@@ -200,23 +200,30 @@ def runtime_gathers(pp: int, v: int, m: int) -> tuple[Any, ...]:
     backwards (as _unshards_walked)."""
     import numpy as np
 
+    return tuple((np.array(masks)[:, None] >> np.arange(v)) & 1  # (ops, v)
+                 for masks in _pending_masks(pp, v, m))
+
+
+@lru_cache(maxsize=512)
+def _pending_masks(pp: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """runtime_gathers' flags per rank as one bit mask per op (bit c: chunk c pending)."""
     out = []
     for r, (_, stage, _) in enumerate(rank_order_arrays("interleaved-1f1b", pp, v, m)):
         chunks = ((stage - r) // pp).tolist()  # (ops,): each op's chunk on the rank
-        windows: list[list[int]] = [[]] * len(chunks)
+        windows = [0] * len(chunks)  # each op's window as a mask
         window: list[int] = []
         for i in range(len(chunks) - 1, -1, -1):
-            window = [chunks[i]] + [c for c in window if c != chunks[i]][:RUNTIME_ACTIVE_CHUNKS - 1]
-            windows[i] = window
-        flags = np.zeros((len(chunks), v))
-        active: list[int] = []
-        pending: set[int] = set()
-        for i, window in enumerate(windows):
-            pending.update(c for c in window if c not in active)
+            c = chunks[i]
+            window = [c] + [x for x in window if x != c][:RUNTIME_ACTIVE_CHUNKS - 1]
+            windows[i] = sum(1 << x for x in window)
+        masks = []
+        active = pending = 0
+        for c, window in zip(chunks, windows, strict=True):
+            pending |= window & ~active
             active = window
-            flags[i, list(pending)] = 1.0
-            pending.discard(chunks[i])
-        out.append(flags)
+            masks.append(pending)
+            pending &= ~(1 << c)
+        out.append(tuple(masks))
     return tuple(out)
 
 
@@ -283,8 +290,8 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     (memory.StateBytes.unfolded).
 
     ``gathers`` (FSDP2 ZeRO-3 where :func:`gathers_whole_chunks`): the moments are each op's start after the step's
-    first (:func:`runtime_gathers`, ``gathered_key(stage)`` 1 where the stage's chunk is pending) and each op's end
-    (its own chunk no longer pending), ``late_key(pp, v)`` 1 where the rank's first backward has run (gradients and
+    first (:func:`runtime_gathers`, ``gathered_key(stage)`` 1 where the stage's chunk is pending; an op's end holds
+    no more than the next op's start), ``late_key(pp, v)`` 1 where the rank's first backward has run (gradients and
     reduce buffers exist from then on): a chunk's gathered weights outweigh many micro-batches' activations, so the
     peak may hold fewer micro-batches than the most (llama2-70b dp16 tp2 pp2 v = 4, traced: rank 0's peak holds 6
     chunk micro-batches of its most 9, in the cool-down, with three chunks gathered)."""
@@ -316,24 +323,23 @@ def late_key(pp: int, v: int) -> int:
 @lru_cache(maxsize=256)
 def _gather_holdings(pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
     """peak_holdings with ``gathers``: per rank, walking its order beside runtime_gathers' flags."""
-    import numpy as np
-
     out = []
-    for r, ((kind, stage, _), flags) in enumerate(zip(rank_order_arrays("interleaved-1f1b", pp, v, m),
-                                                      runtime_gathers(pp, v, m), strict=True)):
+    for r, ((kind, stage, _), masks) in enumerate(zip(rank_order_arrays("interleaved-1f1b", pp, v, m),
+                                                      _pending_masks(pp, v, m), strict=True)):
         stages = list(rank_stages("interleaved-1f1b", r, pp, v))
         chunks = ((stage - r) // pp).tolist()
         held = [0] * v
         late = 0
-        tops: set[tuple[int, ...]] = set()
-        for i, (k, c) in enumerate(zip(kind.tolist(), chunks, strict=True)):
-            pending = flags[i].astype(np.int64).tolist()
-            if i:  # the step's first op: memory.start_bytes
-                tops.add((*held, *pending, late))
+        # (held, pending mask, late) before each op but the step's first (memory.start_bytes'); an op's end is
+        # matched by the next op's start, which holds as much, its pending chunks and more (the window's new ones)
+        moments: set[tuple[tuple[int, ...], int, int]] = set()
+        for i, (k, c, mask) in enumerate(zip(kind.tolist(), chunks, masks, strict=True)):
+            if i:
+                moments.add((tuple(held), mask, late))
             held[c] += 1 if k == 0 else -1
             late = late or k
-            pending[c] = 0
-            tops.add((*held, *pending, late))
+        moments.add((tuple(held), 0, late))  # the last op's end
+        tops = {(*h, *((mask >> c) & 1 for c in range(v)), late) for h, mask, late in moments}
         out.append(_not_dominated(stages + [gathered_key(s, pp, v) for s in stages] + [late_key(pp, v)], tops))
     return tuple(out)
 
@@ -357,7 +363,7 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     input and its weight backward (:func:`pending_key`), then whether it holds unfolded gradients
     (:func:`unfolded_key`). With ``gathers`` (ZeRO-3, :func:`gathers_whole_chunks`) (moments, 2 x stages + 1): then
     whether each stage's chunk has gathers pending (:func:`gathered_key`), and last whether the moment comes after
-    the rank's first backward (:func:`late_key`)."""
+    the rank's first backward (:func:`late_key`), those moments first."""
     import numpy as np
 
     gathers = gathers and gathers_whole_chunks(schedule, pp, v)
@@ -367,7 +373,10 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
         keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
                                if schedule == "zb-v" else
                                [gathered_key(s, pp, v) for s in stages] + [late_key(pp, v)] if gathers else [])
-        out.append((stages, np.array([[h.get(k, 0) for k in keys] for h in held], dtype=float)))
+        rows = [[h.get(k, 0) for k in keys] for h in held]
+        if gathers:
+            rows.sort(key=lambda row: -row[-1])  # the moments after the first backward first (stable)
+        out.append((stages, np.array(rows, dtype=float)))
     return tuple(out)
 
 
