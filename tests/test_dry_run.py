@@ -161,10 +161,11 @@ def test_interleaved_zero3_gathers_whole_chunks_ahead(tmp_path, case):
     all-gathers whole chunks ahead of their ops (memory._state_bytes). With two chunks a rank the peak is the step's
     first op, every layer of the rank gathered (34 GB) and no activation yet; with more, a moment whose pending
     gathers and activations together are the most (schedules.peak_holdings' gathers: v = 4's rank 0 in the
-    cool-down, three chunks gathered beside 6 chunk micro-batches of its most 9). Each traced rank from 3% under to
-    7% over its prediction (measured: -1.8% and -1.9%; +6.3% and +1.6%, the first over by reduce buffers priced for
-    four chunks where two were held; +2.7% and +3.7%). Priced before as ZeRO-2's copy kept all step: 9-13 GiB over
-    these traces; then with the chunks pending near the most micro-batches: v = 4's rank 0 5.6% under."""
+    cool-down, three chunks gathered beside 6 chunk micro-batches of its most 9). Each traced rank's peak from 3%
+    under to 7% over its prediction (its tensors measured: -1.8% and -1.9%; +6.3% and +1.6%, the first over by
+    reduce buffers priced for four chunks where three were held, one of them the embedding's; +2.7% and +3.7%).
+    Priced before as ZeRO-2's copy kept all step: 9-13 GiB over these traces; then with the chunks pending near the
+    most micro-batches: v = 4's rank 0 5.6% under."""
     model, batch, flags = case
     result = dry_run(Job.load(_plan(tmp_path, model, batch, flags)), "cuda").to_dict()
     for rank in result["ranks"]:
