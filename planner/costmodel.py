@@ -490,10 +490,16 @@ def _without_gradients(states: tuple) -> tuple[StateBytes, StateBytes]:
     return tuple(dataclasses.replace(x, grads=0.0, unit_grads=0.0) for x in states)
 
 
-def _gathers(states: tuple) -> bool:
+def prices_chunk_gathers(states: tuple) -> bool:
     """Do the layout's states (state_bytes, moe.expert_states) price pending whole-chunk gathers per moment
     (peak_matrices' ``gathers``)?"""
     return bool(states[0].chunk_gather or states[1].chunk_gather)
+
+
+def _gather_moments(holding) -> bool:
+    """Is ``holding`` (a rank's schedules.peak_matrices entry) one with whole-chunk gathers: (moments, 2 x stages +
+    1), priced by :func:`gather_peaks`?"""
+    return holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1
 
 
 def gather_peaks(costs: list[StageCost], holding, gathered, parts: bool = True) -> tuple:
@@ -529,7 +535,7 @@ def peak_parts(costs: list[StageCost], stages: tuple[int, ...], flights: dict[in
         order, held = holding
         k = len(order)
         per = [costs[s].act_bytes for s in order]
-        assert held.shape[1] != 2 * k + 1, "whole-chunk gathers: gather_peaks prices their moments"
+        assert not _gather_moments(holding), "whole-chunk gathers: gather_peaks prices their moments"
         if held.shape[1] > k:  # zb-v: then per stage its micro-batches between B and W, and its unfolded gradients
             per += [costs[s].dw_pending for s in order]
             if unfolded:
@@ -1007,7 +1013,7 @@ class CostModel:
         interleaved: gather_peaks) the larger of the peaks after the rank's first backward and before it, the latter
         without gradients."""
         working = max(costs[s].act_working for s in stages)
-        if holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1:  # whole-chunk gathers
+        if _gather_moments(holding):
             # the moments are exact walks of the rank's order (the event simulation's peak is one of them)
             late, early = gather_peaks(costs, holding, gathered_bytes(costs, holding[0], states))
             out = self._rank_bytes_at(costs, stages, late[0] + working, states, True, gathered=late[1])
@@ -1055,7 +1061,7 @@ class CostModel:
             if first + untracked_bytes(self.work.cluster.gpu, first) > room:
                 return lambda: False
 
-        if holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1:  # whole-chunk gathers
+        if _gather_moments(holding):
             gathered = gathered_bytes(costs, holding[0], states)  # no recomputation mode changes them
             early_base = sum(self._rank_bytes_at(costs, stages, 0.0, _without_gradients(states), True,
                                                  start_moment=False).values())
@@ -1088,7 +1094,7 @@ class CostModel:
         ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
         states = layout_states(self.work.framework, lay)
-        holdings = peak_matrices(schedule, p, v, lay.num_micro_batches, _gathers(states))
+        holdings = peak_matrices(schedule, p, v, lay.num_micro_batches, prices_chunk_gathers(states))
         by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
         chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
         cap = self.work.cluster.gpu.memory_GiB
@@ -1133,7 +1139,8 @@ class CostModel:
         costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
         cap = self.work.cluster.gpu.memory_GiB
-        held = peak_matrices(schedule, p, v, lay.num_micro_batches, _gathers(layout_states(self.work.framework, lay)))
+        held = peak_matrices(schedule, p, v, lay.num_micro_batches,
+                             prices_chunk_gathers(layout_states(self.work.framework, lay)))
         return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(
             lay, costs, ranks, [flights[r] for r in asked], holdings=[held[r] for r in asked])]
 
@@ -1252,7 +1259,7 @@ class CostModel:
                   "ep_comm": ep_comm, "host": host}
         # ---- memory and traffic per rank ----
         flights = list(in_flight(schedule, p, v, m))
-        gathers = _gathers(layout_states(work.framework, lay))
+        gathers = prices_chunk_gathers(layout_states(work.framework, lay))
         breakdowns = self.rank_memory_breakdowns(lay, costs, ranks, flights, sim,
                                                  holdings=list(peak_matrices(schedule, p, v, m, gathers)))
         rank_mem = [sum(b.values()) for b in breakdowns]

@@ -58,6 +58,7 @@ from .costmodel import (
     lighter_end_stages,
     norm_act_refusal,
     pipeline_makespan,
+    prices_chunk_gathers,
     stages_from_counts,
 )
 from .dp_sync import optimizer_step
@@ -471,7 +472,7 @@ class StageILP:
                     extra[unfolded_key(s, p, v)] = states.unfolded * (P[s] - X[s]) + expert_states.unfolded * X[s]
         # ZeRO-3 interleaved of more chunks a rank than torch's runtime keeps active: whether each stage's chunk has
         # whole-chunk gathers pending (gathered_key; costmodel.gathered_bytes)
-        gathers = bool(states.chunk_gather or expert_states.chunk_gather)
+        gathers = prices_chunk_gathers((states, expert_states))
         if gathers:
             for s in range(S):
                 extra[gathered_key(s, p, v)] = states.chunk_gather * (P[s] - X[s] - Root[s]) \
