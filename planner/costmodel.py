@@ -472,6 +472,20 @@ def gathered_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tupl
                      for s in stages])
 
 
+def reduce_buffer_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple):
+    """(stages,) array: per stage of ``stages`` the bytes of the reduce buffer its chunk keeps between backwards
+    (memory.staged_unit_params: its last unit reduced, its root unit where it has one — embedding, final norm and
+    head — else its first layer): peak_matrices' ``buffer_key`` columns (ZeRO-3 interleaved of more chunks a rank
+    than torch's runtime keeps active), priced at each op's start (the unit a backward reduces meanwhile is its
+    working set's share). Traced, llama2-70b dp16 tp2 pp2 v = 4, rank 0 at the start of a cool-down backward: three
+    buffers, the embedding's 0.5 GB one of them, its last chunk's gone after its last backward (four of a layer
+    unit or more were priced: 6.3% over). Priced also as the unit a backward reduces at its start (its largest),
+    an 8-layer Mixtral-style model's dp2 pp2 ep2 v = 4 came 3.2% and 4.3% over its trace, against 0.3% and 1.4%."""
+    per = states[0].unit_grads
+    layer = max(costs[s].largest_reduce_unit for s in stages)
+    return np.array([per * (costs[s].root_params or layer) for s in stages])
+
+
 def _unfolded_list(framework, lay: Layout, costs: list[StageCost]) -> list[float] | None:
     """unfolded_bytes of every stage, in order (the event simulation's)."""
     states = layout_states(framework, lay)
@@ -497,22 +511,30 @@ def prices_chunk_gathers(states: tuple) -> bool:
 
 
 def _gather_moments(holding) -> bool:
-    """Is ``holding`` (a rank's schedules.peak_matrices entry) one with whole-chunk gathers: (moments, 2 x stages +
+    """Is ``holding`` (a rank's schedules.peak_matrices entry) one with whole-chunk gathers: (moments, 3 x stages +
     1), priced by :func:`gather_peaks`?"""
-    return holding is not None and holding[1].shape[1] == 2 * len(holding[0]) + 1
+    return holding is not None and holding[1].shape[1] == 3 * len(holding[0]) + 1
 
 
-def gather_peaks(costs: list[StageCost], holding, gathered, parts: bool = True) -> tuple:
+def moment_state_bytes(costs: list[StageCost], stages: tuple[int, ...], states: tuple):
+    """(2 x stages,) array: what a gather moment (schedules.peak_matrices with ``gathers``) holds per flag beside its
+    activations: each chunk's pending gathers (gathered_bytes), then its reduce buffers (reduce_buffer_bytes). No
+    recomputation mode changes them."""
+    return np.concatenate([gathered_bytes(costs, stages, states), reduce_buffer_bytes(costs, stages, states)])
+
+
+def gather_peaks(costs: list[StageCost], holding, flagged, parts: bool = True) -> tuple:
     """A rank's peaks under ZeRO-3 interleaved with whole-chunk gathers (``holding``: schedules.peak_matrices' entry
-    with ``gathers``, its moments after the rank's first backward first; ``gathered``: gathered_bytes of its stages),
-    among the moments after its first backward, and among those before (None: none), which hold no gradient and no
-    reduce buffer yet (the last step's were freed): each (activations, pending gathers' bytes), or with ``parts``
-    False their sum (least_recompute asks thousands of times)."""
+    with ``gathers``, its moments after the rank's first backward first; ``flagged``: moment_state_bytes of its
+    stages), among the moments after its first backward, and among those before (None: none), which hold no
+    gradient yet (the last step's reduce buffers were freed by its last backwards): each (activations, pending
+    gathers' bytes, reduce buffers' bytes), or with ``parts`` False their sum (least_recompute asks thousands of
+    times)."""
     order, held = holding
     k = len(order)
     acts = np.array([costs[s].act_bytes for s in order])
-    totals = held[:, :2 * k] @ np.concatenate([acts, gathered])  # (moments,)
-    late = int(held[:, 2 * k].sum())  # the first ``late`` moments
+    totals = held[:, :3 * k] @ np.concatenate([acts, flagged])  # (moments,)
+    late = int(held[:, 3 * k].sum())  # the first ``late`` moments
     out = []
     for lo, hi in ((0, late), (late, len(held))):
         if lo == hi:
@@ -521,7 +543,8 @@ def gather_peaks(costs: list[StageCost], holding, gathered, parts: bool = True) 
         i = lo + int(totals[lo:hi].argmax())
         if parts:
             activations = float(held[i, :k] @ acts)
-            out.append((activations, float(totals[i]) - activations))
+            buffers = float(held[i, 2 * k:3 * k] @ flagged[k:])
+            out.append((activations, float(totals[i]) - activations - buffers, buffers))
         else:
             out.append(float(totals[i]))
     return tuple(out)
@@ -1015,11 +1038,12 @@ class CostModel:
         working = max(costs[s].act_working for s in stages)
         if _gather_moments(holding):
             # the moments are exact walks of the rank's order (the event simulation's peak is one of them)
-            late, early = gather_peaks(costs, holding, gathered_bytes(costs, holding[0], states))
-            out = self._rank_bytes_at(costs, stages, late[0] + working, states, True, gathered=late[1])
+            late, early = gather_peaks(costs, holding, moment_state_bytes(costs, holding[0], states))
+            out = self._rank_bytes_at(costs, stages, late[0] + working, states, True, gathered=late[1],
+                                      buffers=late[2])
             if early is not None:
                 before = self._rank_bytes_at(costs, stages, early[0] + working, _without_gradients(states), True,
-                                             gathered=early[1])
+                                             gathered=early[1], buffers=early[2])
                 out = before if sum(before.values()) > sum(out.values()) else out
             return out
         acts, unfolded = simulated if simulated is not None else \
@@ -1027,20 +1051,22 @@ class CostModel:
         return self._rank_bytes_at(costs, stages, acts + working, states, grads_at_peak, unfolded)
 
     def _rank_bytes_at(self, costs: list[StageCost], stages: tuple[int, ...], activations: float, states: tuple,
-                       grads_at_peak: bool, unfolded: float = 0.0, start_moment: bool = True, gathered: float = 0.0
-                       ) -> dict[str, float]:
+                       grads_at_peak: bool, unfolded: float = 0.0, start_moment: bool = True, gathered: float = 0.0,
+                       buffers: float | None = None) -> dict[str, float]:
         """:meth:`_rank_bytes` with the rank's ``activations`` at its peak given (working sets included), and the
-        ``unfolded`` 16-bit gradients then (zb-v: peak_parts') and the ``gathered`` chunks' bytes (ZeRO-3
-        interleaved: gather_peaks'); ``start_moment``: memory.rank_memory's."""
+        ``unfolded`` 16-bit gradients then (zb-v: peak_parts'), the ``gathered`` chunks' bytes and the reduce
+        ``buffers``' (ZeRO-3 interleaved: gather_peaks'; None: memory.staged_unit_params' per chunk);
+        ``start_moment``: memory.rank_memory's."""
         unit = max(costs[s].largest_unit for s in stages)
         first_freed = None if grads_at_peak else sum(costs[s].act_bytes for s in stages)
         experts = sum(costs[s].experts for s in stages)
-        staged = staged_unit_params(states[0], max(costs[s].largest_reduce_unit for s in stages),
-                                    [costs[s].root_params for s in stages])
+        staged = 0.0 if buffers is not None else staged_unit_params(
+            states[0], max(costs[s].largest_reduce_unit for s in stages), [costs[s].root_params for s in stages])
         return rank_memory(states[0], sum(costs[s].params for s in stages) - experts, unit, activations,
                            self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
                            root_params=sum(costs[s].root_params for s in stages), staged_params=staged,
-                           unfolded_grads=unfolded, start_moment=start_moment, gathered_weights=gathered)
+                           unfolded_grads=unfolded, start_moment=start_moment, gathered_weights=gathered,
+                           staged_bytes=buffers or 0.0)
 
     def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
                             holding, states: tuple, cap_gib: float) -> Callable[[], bool]:
@@ -1062,12 +1088,14 @@ class CostModel:
                 return lambda: False
 
         if _gather_moments(holding):
-            gathered = gathered_bytes(costs, holding[0], states)  # no recomputation mode changes them
+            flagged = moment_state_bytes(costs, holding[0], states)  # no recomputation mode changes them
+            # the reduce buffers are the moments' (gather_peaks)
+            base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True, start_moment=False, buffers=0.0).values())
             early_base = sum(self._rank_bytes_at(costs, stages, 0.0, _without_gradients(states), True,
-                                                 start_moment=False).values())
+                                                 start_moment=False, buffers=0.0).values())
 
-            def fits_gathers() -> bool:  # each peak's pending gathers priced as tensors alike
-                late, early = gather_peaks(costs, holding, gathered, parts=False)
+            def fits_gathers() -> bool:  # each peak's pending gathers and reduce buffers priced as tensors alike
+                late, early = gather_peaks(costs, holding, flagged, parts=False)
                 working = max(costs[s].act_working for s in stages)
                 return base + per_byte * (late + working) <= room and \
                     (early is None or early_base + per_byte * (early + working) <= room)

@@ -67,6 +67,7 @@ from .layout import RECOMPUTE, Layout
 from .memory import state_bytes, untracked_bytes
 from .placement import layout_placement
 from .schedules import (
+    buffer_key,
     closed_form_makespan,
     gathered_key,
     in_flight,
@@ -512,6 +513,20 @@ class StageILP:
                     prob.addConstraint(peak_gib >= at(h) * (1 / 2**30), f"{name}_moment_{k}")
                 return peak_gib * 2**30
 
+            staged = big_reduce  # the reduce buffers' units (memory.staged_unit_params): per chunk where held
+            if states.staging_held and states.unit_grads:
+                staged = 0
+                for s in ranks[r]:
+                    unit_s = pulp.LpVariable(f"staged_unit_stage_{s}", lowBound=0)
+                    prob += unit_s >= big_reduce, f"staged_unit_stage_{s}_layers"
+                    prob += unit_s >= Root[s], f"staged_unit_stage_{s}_root"
+                    staged += unit_s
+                    if gathers:  # each moment's own (costmodel.reduce_buffer_bytes): the root unit's, else a layer's
+                        # a stage's root unit is a number in the repeated-layers form (the ends'); otherwise the larger
+                        kept = (Root[s] or big_reduce) if isinstance(Root[s], (int, float)) else unit_s
+                        extra[buffer_key(s, p, v)] = states.unit_grads * kept
+                if gathers:  # priced in the moments (peak_of) instead
+                    staged = 0
             acts = peak_of(held, f"activations_at_peak_rank_{r}")
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:
@@ -521,22 +536,14 @@ class StageILP:
                 arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
                 prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
                 grads = arriving
-            staged = big_reduce  # the reduce buffers' units (memory.staged_unit_params): per chunk where held
-            if states.staging_held and states.unit_grads:
-                staged = 0
-                for s in ranks[r]:
-                    unit_s = pulp.LpVariable(f"staged_unit_stage_{s}", lowBound=0)
-                    prob += unit_s >= big_reduce, f"staged_unit_stage_{s}_layers"
-                    prob += unit_s >= Root[s], f"staged_unit_stage_{s}_root"
-                    staged += unit_s
             units = states.unit_weights * big_params + states.unit_grads * staged \
                 + states.root_weights * pulp.lpSum(Root[s] for s in ranks[r])
             tensors = (states.weights + states.optimizer) * load.params + units + grads \
                 + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
             prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
-            if early:  # before the first backward: no gradient, no reduce buffer (costmodel.gather_peaks)
-                before = tensors - acts - grads - states.unit_grads * staged + peak_of(early, f"early_peak_rank_{r}")
+            if early:  # before the first backward: no gradient (costmodel.gather_peaks)
+                before = tensors - acts - grads + peak_of(early, f"early_peak_rank_{r}")
                 prob += (before + untracked_bytes(gpu, before)) * (1 / 2**30) <= gpu.memory_GiB, \
                     f"mem_early_rank_{r}"
             if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)

@@ -309,8 +309,8 @@ def sums_unsharded(framework, pp: int, schedule: str) -> bool:
 def rank_memory(states: StateBytes, params: float, unit_params: float, activations: float, gpu: GPUSpec,
                 grads_arrive_after: float | None = None, *, staged_params: float, experts: float = 0.0,
                 expert_states: StateBytes | None = None, root_params: float = 0.0,
-                unfolded_grads: float = 0.0, start_moment: bool = True, gathered_weights: float = 0.0
-                ) -> dict[str, float]:
+                unfolded_grads: float = 0.0, start_moment: bool = True, gathered_weights: float = 0.0,
+                staged_bytes: float = 0.0) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
@@ -319,7 +319,8 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
     instead, unless ``start_moment`` is False (the activation peak's alone: :func:`start_bytes` is the other).
 
     ``staged_params``: the parameters whose gradients sit in reduce-scatter buffers at the peak (states.unit_grads
-    bytes each): :func:`staged_unit_params`.
+    bytes each): :func:`staged_unit_params`; ``staged_bytes``: reduce buffers' bytes given as such instead (ZeRO-3
+    interleaved with whole-chunk gathers: each moment's own, costmodel.reduce_buffer_bytes).
 
     ``grads_arrive_after``: when the activation peak comes before the rank's first backward has produced
     gradients (one micro-batch, or the pipeline's warm-up peak), the bytes of activations that first backward
@@ -336,7 +337,7 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
         grads = max(0.0, grads - grads_arrive_after)
     out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
            + root_params * states.root_weights + gathered_weights,
-           "grads": grads + staged_params * states.unit_grads + unfolded_grads,
+           "grads": grads + staged_params * states.unit_grads + staged_bytes + unfolded_grads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}
     if start_moment and (states.start_weights or es.start_weights):

@@ -291,10 +291,12 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int, gathers: bool = False
 
     ``gathers`` (FSDP2 ZeRO-3 where :func:`gathers_whole_chunks`): the moments are each op's start after the step's
     first (:func:`runtime_gathers`, ``gathered_key(stage)`` 1 where the stage's chunk is pending; an op's end holds
-    no more than the next op's start), ``late_key(pp, v)`` 1 where the rank's first backward has run (gradients and
-    reduce buffers exist from then on): a chunk's gathered weights outweigh many micro-batches' activations, so the
-    peak may hold fewer micro-batches than the most (llama2-70b dp16 tp2 pp2 v = 4, traced: rank 0's peak holds 6
-    chunk micro-batches of its most 9, in the cool-down, with three chunks gathered)."""
+    no more than the next op's start), ``buffer_key(stage)`` 1 where the stage's chunk keeps its last reduce buffer
+    (FSDP2's per-chunk reduce-scatter state: from its first backward to its last, which frees it), and
+    ``late_key(pp, v)`` 1 where the rank's first backward has run (gradients exist from then on): a chunk's gathered
+    weights outweigh many micro-batches' activations, so the peak may hold fewer micro-batches than the most
+    (llama2-70b dp16 tp2 pp2 v = 4, traced: rank 0's peak holds 6 chunk micro-batches of its most 9, in the
+    cool-down, with three chunks gathered and three reduce buffers: its last chunk past its last backward)."""
     if gathers and gathers_whole_chunks(schedule, pp, v):
         if m % pp == 0 and m >= 3 * pp:
             m = 3 * pp  # the same moments from there on (tests)
@@ -329,19 +331,32 @@ def _gather_holdings(pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...
         stages = list(rank_stages("interleaved-1f1b", r, pp, v))
         chunks = ((stage - r) // pp).tolist()
         held = [0] * v
+        backwards = [0] * v  # per chunk, its backwards run so far
         late = 0
-        # (held, pending mask, late) before each op but the step's first (memory.start_bytes'); an op's end is
-        # matched by the next op's start, which holds as much, its pending chunks and more (the window's new ones)
-        moments: set[tuple[tuple[int, ...], int, int]] = set()
+        # (held, pending mask, reduce buffers' mask, late) before each op but the step's first (memory.start_bytes');
+        # an op's end is matched by the next op's start, which holds as much, its pending chunks and more (the
+        # window's new ones); a chunk keeps its last reduce buffer from its first backward to its last
+        moments: set[tuple[tuple[int, ...], int, int, int]] = set()
         for i, (k, c, mask) in enumerate(zip(kind.tolist(), chunks, masks, strict=True)):
             if i:
-                moments.add((tuple(held), mask, late))
+                buffers = sum(1 << x for x in range(v) if 0 < backwards[x] < m)
+                moments.add((tuple(held), mask, buffers, late))
             held[c] += 1 if k == 0 else -1
+            backwards[c] += k
             late = late or k
-        moments.add((tuple(held), 0, late))  # the last op's end
-        tops = {(*h, *((mask >> c) & 1 for c in range(v)), late) for h, mask, late in moments}
-        out.append(_not_dominated(stages + [gathered_key(s, pp, v) for s in stages] + [late_key(pp, v)], tops))
+        moments.add((tuple(held), 0, 0, late))  # the last op's end: every chunk past its last backward
+        tops = {(*h, *((mask >> x) & 1 for x in range(v)), *((buffers >> x) & 1 for x in range(v)), late)
+                for h, mask, buffers, late in moments}
+        keys = [*stages, *(gathered_key(s, pp, v) for s in stages), *(buffer_key(s, pp, v) for s in stages),
+                late_key(pp, v)]
+        out.append(_not_dominated(keys, tops))
     return tuple(out)
+
+
+def buffer_key(stage: int, pp: int, v: int) -> int:
+    """peak_holdings' key (with ``gathers``) for whether ``stage``'s chunk keeps a reduce buffer at the moment (it has
+    run a backward and not yet its last, which frees it): 1 or absent."""
+    return 5 * pp * v + stage
 
 
 def pending_key(stage: int, pp: int, v: int) -> int:
@@ -361,9 +376,10 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     holds, so that a rank's activation peak is one matrix-vector product (the cost model asks thousands of times).
     In zb-v the matrix is (moments, 3 x stages): after the stages' columns, the micro-batches each has between its
     input and its weight backward (:func:`pending_key`), then whether it holds unfolded gradients
-    (:func:`unfolded_key`). With ``gathers`` (ZeRO-3, :func:`gathers_whole_chunks`) (moments, 2 x stages + 1): then
-    whether each stage's chunk has gathers pending (:func:`gathered_key`), and last whether the moment comes after
-    the rank's first backward (:func:`late_key`), those moments first."""
+    (:func:`unfolded_key`). With ``gathers`` (ZeRO-3, :func:`gathers_whole_chunks`) (moments, 3 x stages + 1): then
+    whether each stage's chunk has gathers pending (:func:`gathered_key`), keeps a reduce buffer
+    (:func:`buffer_key`), and last whether the moment comes after the rank's first backward (:func:`late_key`),
+    those moments first."""
     import numpy as np
 
     gathers = gathers and gathers_whole_chunks(schedule, pp, v)
@@ -372,7 +388,8 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
         stages = rank_stages(schedule, r, pp, v)
         keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
                                if schedule == "zb-v" else
-                               [gathered_key(s, pp, v) for s in stages] + [late_key(pp, v)] if gathers else [])
+                               [gathered_key(s, pp, v) for s in stages] + [buffer_key(s, pp, v) for s in stages]
+                               + [late_key(pp, v)] if gathers else [])
         rows = [[h.get(k, 0) for k in keys] for h in held]
         if gathers:
             rows.sort(key=lambda row: -row[-1])  # the moments after the first backward first (stable)

@@ -797,8 +797,10 @@ def test_gather_moments_find_the_traced_peaks():
     all-gather outputs pending); rank 1's with two chunks' gathers, its three-chunk moments all in the warm-up,
     before any gradient exists. With a chunk's gathered weights (8.56 GB) worth ~13 chunk micro-batches of
     checkpoints (0.67 GB each), schedules.peak_holdings' moments say the same; and from 3·pp micro-batches on
-    (m a multiple of pp) the moments no longer change."""
-    from paraplan.planner.schedules import _gather_holdings, gathered_key, late_key, peak_holdings
+    (m a multiple of pp) the moments no longer change. Rank 0 held three reduce buffers then (fp32, 4 B per parameter
+    of a unit): its first chunk's root unit's (the embedding's 0.5 GB), and a layer unit's for each of the next two
+    chunks; its last chunk, past its last backward, none."""
+    from paraplan.planner.schedules import _gather_holdings, buffer_key, gathered_key, late_key, peak_holdings
 
     pp, v, m = 2, 4, 32
     chunk, micro = 8.56, 0.67
@@ -816,6 +818,11 @@ def test_gather_moments_find_the_traced_peaks():
     assert max(counts(h)[0] for h in rank0) == 9
     assert counts(heaviest(rank1, late=True))[1] == 2
     assert counts(heaviest(rank1, late=False))[1] == 3
+    # a chunk keeps a reduce buffer from its first backward to its last: none before the first, all four at most
+    for moments in (rank0, rank1):
+        assert all(not h.get(buffer_key(s, pp, v)) for h in moments if not h.get(late_key(pp, v)) for s in range(8))
+        assert max(sum(h.get(buffer_key(s, pp, v), 0) for s in range(8)) for h in moments) == v
+    assert [c for c in range(v) if heaviest(rank0, late=True).get(buffer_key(2 * c, pp, v))] == [0, 1, 2]
     for p, chunks in ((2, 4), (3, 5), (4, 6), (8, 4)):
         assert all(_gather_holdings(p, chunks, k * p) == _gather_holdings(p, chunks, 3 * p) for k in (4, 5, 7))
     # the cost model's price of that plan: the sharded fp32 weights, two gathered layer units and the root unit
@@ -833,6 +840,12 @@ def test_gather_moments_find_the_traced_peaks():
             + 2 * sum(c.root_params for c in mine)
         params = pred.rank_memory_breakdown_gib[r]["params"] * 2**30
         assert params == pytest.approx(fixed + 2 * gathered * (mine[1].params - mine[1].root_params), rel=1e-9)
+    # rank 0's gradients: the fp32 shards (4 / dp B per parameter) and the three buffers traced
+    mine = [costs[s] for s in range(0, pp * v, pp)]
+    grads = pred.rank_memory_breakdown_gib[0]["grads"] * 2**30
+    assert mine[0].root_params and mine[1].largest_reduce_unit > mine[0].root_params  # the embedding's is smaller
+    assert grads == pytest.approx(sum(c.params for c in mine) * 4 / 16
+                                  + 4 * (mine[0].root_params + 2 * mine[1].largest_reduce_unit), rel=1e-9)
 
 
 def test_pipelined_zero2_holds_one_reduce_buffer_per_chunk():
