@@ -83,20 +83,23 @@ def from_candidate(name: str, cand: Candidate | None, valid: bool = True) -> Row
     return Row(name, cand.layout, cand.prediction, "ok", cand.stages, cand.stage_recompute)
 
 
+# Each family is what its name says and nothing more: no context parallelism in any (it is a dimension of its own,
+# in the optimum's row), and a product of two kinds only where both are used (a "data x tensor" row of tp1 is the
+# data-parallel row again; a "tensor parallel" row of tp4 cp2 is half context parallelism)
 FAMILIES = {
-    "data parallel": lambda x: x.tp == 1 and x.pp == 1 and x.head_parallel == 1,
-    "tensor parallel": lambda x: x.dp == 1 and x.pp == 1,
-    "pipeline parallel": lambda x: x.dp == 1 and x.tp == 1,
-    "data x tensor": lambda x: x.pp == 1 and x.head_parallel == 1,
+    "data parallel": lambda x: x.tp == 1 and x.pp == 1 and x.cp == 1 and x.head_parallel == 1,
+    "tensor parallel": lambda x: x.dp == 1 and x.pp == 1 and x.cp == 1,
+    "pipeline parallel": lambda x: x.dp == 1 and x.tp == 1 and x.cp == 1,
+    "data x tensor": lambda x: x.dp > 1 and x.tp > 1 and x.pp == 1 and x.cp == 1 and x.head_parallel == 1,
 }
 # mixtures of experts: the same families without expert parallelism, then with it (planner/moe.py)
 FAMILIES_MOE = {
-    "data parallel": lambda x: x.tp == 1 and x.pp == 1 and x.ep == 1,
-    "tensor parallel": lambda x: x.dp == 1 and x.pp == 1 and x.ep == 1,
-    "pipeline parallel": lambda x: x.dp == 1 and x.tp == 1,
-    "data x tensor": lambda x: x.pp == 1 and x.ep == 1,
-    "data x expert": lambda x: x.tp == 1 and x.pp == 1 and x.ep > 1,
-    "data x tensor x expert": lambda x: x.pp == 1 and x.ep > 1,
+    "data parallel": lambda x: x.tp == 1 and x.pp == 1 and x.cp == 1 and x.ep == 1,
+    "tensor parallel": lambda x: x.dp == 1 and x.pp == 1 and x.cp == 1 and x.ep == 1,
+    "pipeline parallel": lambda x: x.dp == 1 and x.tp == 1 and x.cp == 1 and x.ep == 1,
+    "data x tensor": lambda x: x.dp > 1 and x.tp > 1 and x.pp == 1 and x.cp == 1 and x.ep == 1,
+    "data x expert": lambda x: x.tp == 1 and x.pp == 1 and x.cp == 1 and x.ep > 1,
+    "data x tensor x expert": lambda x: x.tp > 1 and x.pp == 1 and x.cp == 1 and x.ep > 1,
 }
 # resnet / vgg / mlp: the trunk runs data-parallel; the question is the classifier (Krizhevsky 2014)
 FAMILIES_CLASSIFIER = {

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT, assert_one_line_error, run_cli, run_cli_json
+from paraplan.planner.workload import Workload
 
 SIM_KEYS = {"num_parameters", "iteration_time_s", "tokens_per_s", "mfu", "hfu", "fits", "peak_memory_gib",
             "memory_gib", "time_s", "plan"}
@@ -83,6 +84,20 @@ def test_compare_strategies_and_classic_comparisons(tmp_path):
     assert r["charts"] == {"table": str(quick / "comparison.md")} and not list(quick.glob("*.png"))
     assert "](" not in (quick / "comparison.md").read_text()  # no links to charts not drawn
     assert "![time breakdown](time_breakdown.png)" in (out / "comparison.md").read_text()
+
+
+def test_compare_families_are_what_their_names_say():
+    """The default rows are textbook families: "data x tensor" both kinds (once it was dp8 tp1, the data-parallel
+    row again), "tensor parallel" tensor parallelism alone (once tp4 cp2: half context parallelism), none of them
+    context parallel (the optimum's row may be)."""
+    from paraplan.planner.compare import compare
+
+    rows = {r.name: r.layout for r in compare(Workload.create("llama2-7b", "dgx-h100", 64), 8, [], "bf16")}
+    assert all(lay.cp == 1 for name, lay in rows.items() if not name.startswith("optimum"))
+    assert (rows["data parallel"].tp, rows["data parallel"].pp) == (1, 1)
+    assert (rows["tensor parallel"].tp, rows["tensor parallel"].dp) == (8, 1)
+    assert (rows["pipeline parallel"].pp, rows["pipeline parallel"].dp) == (8, 1)
+    assert rows["data x tensor"].dp > 1 and rows["data x tensor"].tp > 1 and rows["data x tensor"].pp == 1
 
 
 @pytest.mark.parametrize("strategy,fragment", [

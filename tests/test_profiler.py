@@ -196,6 +196,27 @@ def test_out_files(tmp_path, ext):
         assert len(json.loads(out.read_text())["layers"]) == 6
 
 
+def test_tensor_parallel_view_shows_in_every_output(tmp_path):
+    """``--tp T`` asks for the per-rank view: the terminal table and the table files carry it too, not only the JSON
+    (they once printed the whole-block table alone, the flag silently ignored). A layer's per-rank columns are its
+    view's (Korthikanti et al. 2022, checked above): the forward FLOPs divided by T, the four all-reduces of the
+    layer's 2sbh-byte output (Megatron's layer: two forward, two backward)."""
+    import pandas as pd
+
+    spec = load_model_spec("gpt-tiny")
+    s, h = spec.seq_length, spec.hidden_size
+    out = tmp_path / "prof.csv"
+    p = run_cli("profile", "--model", "gpt-tiny", "--device", "meta", "--dtype", "fp16", "--tp", "2", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "per rank at tensor parallelism 2" in p.stdout
+    row = pd.read_csv(out).set_index("name").loc["layers.0"]
+    assert row["tp2_fwd_flops"] == pytest.approx(row["fwd_flops"] / 2, rel=1e-6)
+    assert row["tp2_collective_bytes"] == 4 * 2 * s * h
+    assert row["tp2_activation_bytes_sp"] < row["tp2_activation_bytes"] < row["activation_bytes"]
+    plain = run_cli("profile", "--model", "gpt-tiny", "--device", "meta", "--dtype", "fp16")
+    assert "tensor parallelism" not in plain.stdout
+
+
 def test_measurements_round_trip(tmp_path):
     prof = profile_model("gpt-tiny", "cpu", micro_batch=1, warmup=0, repeats=1)
     save_measurements(prof, gpu="cpu", directory=tmp_path)
