@@ -48,11 +48,27 @@ def test_train_tokens_must_be_a_positive_number(tokens):
     assert_one_line_error(p, "--train-tokens must be a positive number")
 
 
-def test_nothing_fits_is_one_line_with_advice():
+def test_nothing_fits_is_one_line_with_advice(tmp_path):
+    """Where nothing fits, the advice is a GPU count searched, not a linear guess (llama3-405b at batch 8 once said
+    "about 60 GPUs" on 8, "about 61" on 60, "about 66" on 64: none fitted): following it, a plan fits."""
     p = run_cli("plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "16",
                 "--no-charts")
     assert_one_line_error(p, "nothing fits", "GiB")
     assert p.returncode == 2
+    p = run_cli("plan", "--model", "llama2-70b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "512",
+                "--no-charts", "--out", str(tmp_path / "one"))
+    assert_one_line_error(p, "nothing fits on 8 GPUs", "the fewest GPUs found that fit: 16 (--nodes 2)")
+    out = run_cli_json("plan", "--model", "llama2-70b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch",
+                       "512", "--no-charts", "--out", str(tmp_path / "two"))
+    assert out["best"]["peak_memory_gib"] <= 80
+
+
+def test_counts_searched_where_nothing_fits_are_whole_nodes_past_one():
+    from paraplan.planner.fitting_count import counts_to_try
+
+    assert counts_to_try(8, 8, 11) == [16, 24, 32, 48, 64, 96, 128]
+    assert counts_to_try(2, 8, 3) == [4, 8, 16, 24, 32]  # powers of two within a node
+    assert counts_to_try(64, 8, 66) == [72, 96, 128, 192, 256, 384, 512, 768, 1024]
 
 
 def test_plan_needs_the_workload_unless_no_arguments():

@@ -9,6 +9,7 @@ import sys
 from paraplan.planner.chart_guard import ChartServer
 from paraplan.planner.costmodel import CostModel
 from paraplan.planner.errors import PlanError
+from paraplan.planner.fitting_count import smallest_fitting_count
 from paraplan.planner.refine import simulate_ranked
 from paraplan.planner.report import plan_object, write_report
 from paraplan.planner.scaling import ScalingReplans
@@ -34,8 +35,9 @@ def _progress(enabled: bool):
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def nothing_fits_message(result: SearchResult) -> str:
-    """The least memory any layout needs against the GPU's, and what would make one fit."""
+def nothing_fits_message(result: SearchResult, allowed_modes: tuple[str, ...] | None = None) -> str:
+    """The least memory any layout needs against the GPU's, and what would make one fit: the fewest GPUs (whole
+    nodes) found at which a layout does (planner/fitting_count.py)."""
     gpu = result.work.cluster.gpu
     oom = [c for c in result.candidates if c.status == "oom"]
     needs = []
@@ -48,9 +50,22 @@ def nothing_fits_message(result: SearchResult) -> str:
                 f"({len(result.candidates)} candidates, all invalid); try another GPU count or global batch")
     least, cand = min(needs, key=lambda x: x[0])
     more = max(2, int(result.gpus * least / gpu.memory_GiB + 0.999))
-    return (f"nothing fits: every layout needs at least {least:.1f} GiB per GPU (the least: {cand.layout.short()}, "
-            f"with ZeRO-3 and full recomputation considered), each {gpu.name} has {gpu.memory_GiB:g} GiB; "
-            f"try about {more} GPUs (--gpus/--nodes), a smaller global batch or a GPU with more memory")
+    count, fits, searched = smallest_fitting_count(result.work, result.gpus, more, result.dtype, allowed_modes)
+    per_node = result.work.cluster.gpus_per_node
+    if fits is not None:
+        where = f"--nodes {count // per_node}" if count % per_node == 0 and count >= per_node else f"--gpus {count}"
+        hint = (f"the fewest GPUs found that fit: {count} ({where}; {', '.join(map(str, searched[:-1]))} searched "
+                "too, nothing fitted)" if len(searched) > 1 else f"the fewest GPUs found that fit: {count} ({where})")
+        hint += (f", e.g. {fits.layout.short()} at {fits.prediction.peak_memory_gib:.1f} GiB per GPU; or a smaller "
+                 "global batch, or a GPU with more memory")
+    elif searched:
+        hint = (f"nothing fits on {', '.join(map(str, searched))} GPUs either (searched); try a smaller global batch "
+                "or a GPU with more memory")
+    else:
+        hint = f"try about {more} GPUs (--gpus/--nodes), a smaller global batch or a GPU with more memory"
+    return (f"nothing fits on {result.gpus} GPUs: every layout needs at least {least:.1f} GiB per GPU (the least: "
+            f"{cand.layout.short()}, with ZeRO-3 and full recomputation considered), each {gpu.name} has "
+            f"{gpu.memory_GiB:g} GiB; {hint}")
 
 
 def run(args) -> int:
@@ -129,7 +144,7 @@ def _search_and_report(args, work: Workload, gpus: int, model: CostModel, out: s
                         refine_slack=None if args.exhaustive else 0.05, allowed_modes=args.recompute_modes)
         simulate_ranked(result, model)  # the plans shown are priced as their schedule runs (planner/refine.py)
         if result.best is None:
-            raise PlanError(nothing_fits_message(result))
+            raise PlanError(nothing_fits_message(result, args.recompute_modes))
         # what the best plan's own prediction says of itself (blocks not yet timed on this machine, ...): on the
         # console and in the report, as simulate prints it
         result.notes.extend(n for n in result.best.prediction.notes if n not in result.notes)
