@@ -1076,10 +1076,8 @@ class CostModel:
         states), priced once, plus 1 + FRAGMENTATION times its activations, priced at each test (the allocator's
         share of every tensor byte: memory.untracked_bytes); tests/test_planner.py checks it against
         :meth:`_rank_bytes`."""
-        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True, start_moment=False).values())
         room = cap_gib * GiB
         per_byte = 1 + FRAGMENTATION
-        unfolded = unfolded_bytes(costs, stages, states)  # what recomputation does not change
         if states[0].start_weights or states[1].start_weights:  # the step's first moment: no mode changes it
             experts = sum(costs[s].experts for s in stages)
             first = sum(start_bytes(states[0], sum(costs[s].params for s in stages) - experts, experts,
@@ -1101,6 +1099,9 @@ class CostModel:
                     (early is None or early_base + per_byte * (early + working) <= room)
 
             return fits_gathers
+
+        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True, start_moment=False).values())
+        unfolded = unfolded_bytes(costs, stages, states)  # what recomputation does not change
 
         def fits() -> bool:  # (unfolded gradients, when held at the peak, priced as tensors alike)
             acts = held_activations(costs, stages, flights, holding, unfolded) + \

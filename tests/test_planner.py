@@ -169,36 +169,40 @@ def test_least_recompute_fits_each_rank_recomputing_its_fullest_chunks_first(sma
 def test_least_recompute_fit_test_is_the_memory_breakdowns_verdict(small):
     """least_recompute tests a rank whose gradients meet its activation peak by its bytes without activations plus
     (1 + fragmentation) times its activations (CostModel._fit_by_activations): on random per-stage modes and
-    GPUs just above and below each rank's need, it must say what the summed breakdown (ranks_fit's) says."""
+    GPUs just above and below each rank's need, it must say what the summed breakdown (ranks_fit's) says; with
+    interleaved ZeRO-3's per-moment gathers and reduce buffers (the last layout) too."""
     import random
 
     from paraplan.planner import moe
-    from paraplan.planner.costmodel import even_stages
+    from paraplan.planner.costmodel import even_stages, prices_chunk_gathers
     from paraplan.planner.memory import GiB, state_bytes
     from paraplan.planner.schedules import in_flight, peak_matrices, rank_stages
 
     rng = random.Random(5)
     model = CostModel(small)
     modes = modes_for(model)
-    tested = 0
-    for short in ("dp1 tp2 pp4 mb2 zb-vx2 sp", "dp2 tp1 pp4 mb1 interleaved-1f1bx2 z1", "dp4 tp1 pp2 mb1 1f1b z3"):
+    tested = {False: 0, True: 0}  # without and with gathers
+    for short in ("dp1 tp2 pp4 mb2 zb-vx2 sp", "dp2 tp1 pp4 mb1 interleaved-1f1bx2 z1", "dp4 tp1 pp2 mb1 1f1b z3",
+                  "dp4 tp1 pp2 mb1 interleaved-1f1bx4 z3"):
         lay = next(x for x in enumerate_layouts(small, 8, "bf16") if x.short() == short)
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         stages = even_stages(model, lay)
-        flights, held = in_flight(lay.schedule, p, v, m), peak_matrices(lay.schedule, p, v, m)
         states = (state_bytes(small.framework, lay), moe.expert_states(small.framework, lay))
+        gathers = prices_chunk_gathers(states)
+        assert gathers == (v == 4)
+        flights, held = in_flight(lay.schedule, p, v, m), peak_matrices(lay.schedule, p, v, m, gathers)
         for _ in range(4):
             costs = model.stage_costs(lay, stages, [rng.choice(modes) for _ in stages])
             for r in range(p):
                 mine = rank_stages(lay.schedule, r, p, v)
-                if not model.grads_at_activation_peak(lay, mine, flights[r]):
+                if not gathers and not model.grads_at_activation_peak(lay, mine, flights[r]):
                     continue
                 need = sum(model._rank_bytes(costs, mine, flights[r], held[r], states, True).values()) / GiB
                 for cap in (need * (1 + 1e-9), need * (1 - 1e-9)):
                     fits = model._fit_by_activations(costs, mine, flights[r], held[r], states, cap)
                     assert fits() == (cap > need), (short, r)
-                    tested += 1
-    assert tested > 20
+                    tested[gathers] += 1
+    assert tested[False] > 20 and tested[True] == 4 * 2 * 2
 
 
 def test_polish_filters_are_what_evaluate_says(small):
