@@ -161,15 +161,15 @@ def test_interleaved_zero3_gathers_whole_chunks_ahead(tmp_path, case):
     all-gathers whole chunks ahead of their ops (memory._state_bytes). With two chunks a rank the peak is the step's
     first op, every layer of the rank gathered (34 GB) and no activation yet; with more, a moment whose pending
     gathers and activations together are the most (schedules.peak_holdings' gathers: v = 4's rank 0 in the
-    cool-down, three chunks gathered beside 6 chunk micro-batches of its most 9). Each traced rank's peak from 3%
-    under to 7% over its prediction (its tensors measured: -1.8% and -1.9%; +6.3% and +1.6%, the first over by
-    reduce buffers priced for four chunks where three were held, one of them the embedding's; +2.7% and +3.7%).
-    Priced before as ZeRO-2's copy kept all step: 9-13 GiB over these traces; then with the chunks pending near the
-    most micro-batches: v = 4's rank 0 5.6% under."""
+    cool-down, three chunks gathered beside 6 chunk micro-batches of its most 9, and three reduce buffers: a chunk
+    keeps one from its first backward to its last). Each traced rank's peak from 3% under to 4% over its prediction
+    (its tensors measured: -1.8% and -1.9%; +0.9% and -0.9%; -1.2% and +1.4%). Priced before as ZeRO-2's copy kept all
+    step: 9-13 GiB over these traces; then with the chunks pending near the most micro-batches: v = 4's rank 0 5.6%
+    under; then with a reduce buffer for every chunk all step: v = 4's rank 0 6.3% over."""
     model, batch, flags = case
     result = dry_run(Job.load(_plan(tmp_path, model, batch, flags)), "cuda").to_dict()
     for rank in result["ranks"]:
-        assert -0.03 <= bench.errors(rank)[0] <= 0.07, (rank["rank"], rank["peak_memory_gib"],
+        assert -0.03 <= bench.errors(rank)[0] <= 0.04, (rank["rank"], rank["peak_memory_gib"],
                                                          rank["predicted_memory_gib"])
 
 
