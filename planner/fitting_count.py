@@ -16,23 +16,25 @@ import time
 from paraplan.hardware_specs import HardwareSpecError
 
 from .costmodel import CostModel
+from .errors import PlanError
 from .search import Candidate, search
 from .workload import Workload
 
 # growth factors over the GPU count tried (each rounded up to a count the cluster's nodes allow), smallest first
 FACTORS = (1.5, 2, 3, 4, 6, 8, 12, 16)
+MOST_GPUS = 16384  # no count above this is searched: a search grows with the count (the 1T GPT on 3072: ~3 s)
 
 
 def counts_to_try(gpus: int, per_node: int, estimate: int) -> list[int]:
     """Larger GPU counts worth a search, smallest first: ``estimate`` (the linear hint) and ``gpus`` grown by
-    FACTORS, each rounded up to a power of two within one node or to whole nodes beyond it."""
+    FACTORS, each rounded up to a power of two within one node or to whole nodes beyond it, MOST_GPUS at most."""
 
     def allowed(x: float) -> int:
         if x <= per_node:
             return min(per_node, 1 << max(0, math.ceil(math.log2(x))))
         return per_node * math.ceil(x / per_node)
 
-    return sorted({allowed(x) for x in (estimate, *(gpus * f for f in FACTORS))} - {g for g in range(gpus + 1)})
+    return sorted(g for g in {allowed(x) for x in (estimate, *(gpus * f for f in FACTORS))} if gpus < g <= MOST_GPUS)
 
 
 def smallest_fitting_count(work: Workload, gpus: int, estimate: int, dtype: str | None,
@@ -55,7 +57,10 @@ def smallest_fitting_count(work: Workload, gpus: int, estimate: int, dtype: str 
         # the same model and GPUs (the profiles computed already serve), more of them
         grown = dataclasses.replace(work, cluster=cluster, _profiles=work._profiles, _measurements=work._measurements,
                                     _tp_calls=work._tp_calls, notes=[])
-        result = search(grown, count, top_k=1, dtype=dtype, model=CostModel(grown), allowed_modes=allowed_modes)
+        try:
+            result = search(grown, count, top_k=1, dtype=dtype, model=CostModel(grown), allowed_modes=allowed_modes)
+        except PlanError:  # a count this workload cannot take: the next may
+            continue
         searched.append(count)
         if result.best is not None:
             return count, result.best, searched
