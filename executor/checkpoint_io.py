@@ -161,12 +161,24 @@ def check_model(state: TrainerState, job: Job, folder: str) -> None:
 
 # ---- the tensors: built per rank, saved and loaded collectively -------------------------------------------------
 
+# what torch's activation-checkpoint wrapper adds to the names of the parameters it wraps (checkpoint_wrapper's
+# _CHECKPOINT_PREFIX); the model's state dict leaves it out, and so do the optimizer's checkpoint names
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name as the model's state dict has it, whatever recomputation wraps its module: a checkpoint
+    resumes under a plan of another recomputation mode (a QA pass found full -> none and none -> mlp refused with
+    "lacks optim.layers.0._checkpoint_wrapped_module....step")."""
+    return name.replace(WRAPPER_PREFIX, "")
+
+
 def _chunk_fqns(rm) -> list[tuple[list[str], torch.nn.Parameter]]:
-    """(every whole-model name, parameter) of this rank's parameters, in a fixed order."""
+    """(every whole-model name, parameter) of this rank's parameters, in a fixed order (names plain_name's)."""
     seen: dict[int, tuple[list[str], torch.nn.Parameter]] = {}
     for chunk in rm.chunks:
         for name, p in chunk.module.named_parameters(remove_duplicate=False):
-            seen.setdefault(id(p), ([], p))[0].append(name)
+            seen.setdefault(id(p), ([], p))[0].append(plain_name(name))
     return list(seen.values())
 
 
@@ -277,7 +289,10 @@ def load(rm, folder: str) -> TrainerState:
     chunks = _model_entries(rm)
     entries = {k: v for chunk in chunks for k, v in chunk.items()}
     states, kept = _optimizer_states(rm, create=True)
-    entries.update(_optimizer_entries(rm, states, kept, create=True))
+    optimizer = _optimizer_entries(rm, states, kept, create=True)
+    # checkpoints written before the names were plain carry the wrapper's prefix where the module recomputed
+    wrapped = {plain_name(k): k for k in saved if WRAPPER_PREFIX in k}
+    entries.update({k if k in saved else wrapped.get(k, k): v for k, v in optimizer.items()})
     lacking = [k for k in entries if k not in saved]
     if lacking:
         raise ExecutionError(f"checkpoint {folder} lacks {lacking[0]}")

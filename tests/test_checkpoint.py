@@ -58,7 +58,9 @@ def test_checkpoints_are_complete_step_folders(reference):
 
 @pytest.mark.parametrize("case", [Case("tp2", "gpt-tiny", tp=2, micro_batch=2),
                                   Case("pp2", "gpt-tiny", pp=2, micro_batch=2),
-                                  Case("dp2-zero1", "gpt-tiny", dp=2, zero=1, micro_batch=2)],  # whole states cut up
+                                  Case("dp2-zero1", "gpt-tiny", dp=2, zero=1, micro_batch=2),  # whole states cut up
+                                  # recomputation wraps the layers (torch's checkpoint wrapper): the names stay plain
+                                  Case("dp2-full", "gpt-tiny", dp=2, micro_batch=2, recompute="full")],
                          ids=lambda c: c.name)
 def test_a_dp2_checkpoint_resumes_under_another_plan(reference, case, tmp_path):
     ck, ref = reference

@@ -57,7 +57,8 @@ MEGATRON_FLAGS = {
     "--global-batch-size", "--bf16", "--fp16", "--fp8-format", "--use-distributed-optimizer", "--use-megatron-fsdp",
     "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
     "--recompute-num-layers", "--recompute-modules", "--train-iters", "--lr", "--save", "--load", "--save-interval",
-    "--mock-data", "--tokenizer-type", "--vocab-size", "--grad-reduce-in-bf16", "--use-precision-aware-optimizer",
+    "--mock-data", "--tokenizer-type", "--vocab-size", "--make-vocab-size-divisible-by", "--attention-dropout",
+    "--hidden-dropout", "--grad-reduce-in-bf16", "--use-precision-aware-optimizer",
     "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-grad-reduce", "--overlap-param-gather",
     "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-param-gather",
@@ -179,7 +180,11 @@ def test_megatron_3d_plan_as_pretrain_gpt_arguments(plans, tmp_path):
     assert len(layout) == lay.pp * lay.virtual_stages and layout == plan_layout(plan)
     spec = load_model_spec("llama3-8b")
     assert f["--num-layers"] == str(spec.num_layers) and f["--num-query-groups"] == str(spec.kv_heads)
-    assert f["--vocab-size"] == str(spec.vocab_size) and f["--seq-length"] == str(plan.seq_length)
+    # Megatron's NullTokenizer adds an end-of-document id, and pads to --make-vocab-size-divisible-by x tp: the
+    # plan's vocabulary exactly; no dropout (Megatron's default 0.1), as the model priced
+    assert int(f["--vocab-size"]) + 1 == spec.vocab_size and f["--seq-length"] == str(plan.seq_length)
+    assert spec.vocab_size % (int(f["--make-vocab-size-divisible-by"]) * lay.tp) == 0
+    assert f["--attention-dropout"] == f["--hidden-dropout"] == "0"
     # the data-parallel size Megatron derives: world size / (tp x pp x cp) = the plan's dp
     model_parallel = int(f["--tensor-model-parallel-size"]) * int(f["--pipeline-model-parallel-size"])
     assert lay.world_size // model_parallel == lay.dp

@@ -118,7 +118,8 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
     text = _render(plan, plan_path, spec, groups, env, place)
     flags = [flag for args in groups.values() for flag, _ in args] + ["--train-iters", "--lr", "--save", "--load",
                                                                         "--save-interval", "--mock-data",
-                                                                        "--tokenizer-type", "--vocab-size"]
+                                                                        "--tokenizer-type", "--vocab-size",
+                                                                        "--make-vocab-size-divisible-by"]
     nodes = place.nodes
     launch = ("MEGATRON_LM=/path/to/Megatron-LM" + (" RDZV_ENDPOINT=<first-node>:29500" if nodes > 1 else "")
               + " bash megatron.sh")
@@ -126,6 +127,13 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
                   where=f"on each of the {nodes} nodes" if nodes > 1 else "",
                   values={"flags": flags, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp,
                           "micro_batch": lay.micro_batch, "global_batch": lay.global_batch})
+
+
+def vocab_multiple(vocab: int, tp: int) -> int:
+    """Megatron pads the tokenizer's vocabulary to a multiple of --make-vocab-size-divisible-by x tp (default 128):
+    the largest power of two up to 128 that leaves the plan's vocabulary as it is (1 where none does: padded to a
+    multiple of tp alone, as the executor's vocab-parallel embedding pads it)."""
+    return next((g for g in (128, 64, 32, 16, 8, 4, 2) if vocab % (g * tp) == 0), 1)
 
 
 def model_args(spec, seq_length: int) -> Args:
@@ -140,6 +148,9 @@ def model_args(spec, seq_length: int) -> Args:
               ("--disable-bias-linear", None)]
     if not spec.tied:
         a.append(("--untie-embeddings-and-output-weights", None))
+    # the models here have no dropout (nor does the executor or the cost model: memory.py); Megatron's default is 0.1
+    # on attention probabilities and hidden states (its own Llama examples set both to 0 too)
+    a += [("--attention-dropout", 0), ("--hidden-dropout", 0)]
     if getattr(spec, "kv_lora_rank", None):
         a += [("--multi-latent-attention", None), ("--kv-lora-rank", spec.kv_lora_rank),
               ("--qk-head-dim", spec.qk_nope_head_dim), ("--qk-pos-emb-head-dim", spec.qk_rope_head_dim),
@@ -270,6 +281,10 @@ def training_args(plan: Plan, notes: list[str], spec=None) -> Args:
     if lay.zero == 2:
         notes.append("ZeRO-2 runs as Megatron-FSDP's optim_grads sharding (optimizer state and gradients "
                      "sharded, parameters replicated)")
+    if lay.zero >= 2 and lay.pp > 1:
+        notes.append("Megatron-FSDP documents tensor, context and expert parallelism beside it, not pipeline "
+                     "parallelism (NVIDIA/Megatron-LM issue #1455 is open): if it refuses pp > 1, re-plan with "
+                     "--zero 1 (the distributed optimizer)")
     mode, note = uniform_recompute(plan, TARGET)
     if note:
         notes.append(note)
@@ -386,8 +401,10 @@ def _render(plan: Plan, plan_path: str, spec, groups: dict[str, Args], env: list
               "    --load \"${CKPT_DIR:-checkpoints}\"",
               "    --save-interval \"${SAVE_INTERVAL:-500}\"",
               ")",
-              "# Mock data with the plan's vocabulary; for a real run: --data-path ... --tokenizer-type ...",
-              f"DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size {spec.vocab_size})", "",
+              "# Mock data with the plan's vocabulary (NullTokenizer adds an end-of-document id to --vocab-size; the",
+              "# padding multiple keeps it unpadded); for a real run: --data-path ... --tokenizer-type ...",
+              f"DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size {spec.vocab_size - 1} "
+              f"--make-vocab-size-divisible-by {vocab_multiple(spec.vocab_size, plan.layout.tp)})", "",
               "MEGATRON_ARGS=(\"${" + "[@]}\" \"${".join([*groups, "RUN_ARGS", "DATA_ARGS"]) + "[@]}\")", "",
               'if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then',
               f"    exec torchrun --nnodes \"${{NNODES:-{place.nodes}}}\" "
