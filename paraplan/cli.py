@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="spec file to write (default: hardware_specs/measurements/<cluster>.yaml, "
                                  "or $PARAPLAN_MEASUREMENTS/<cluster>.yaml)")
     p.add_argument("--ranks", type=_positive_int, default=2, help="processes for the collective measurements")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer shapes and repeats, and no fit of the framework's per-event host costs (a CPU "
+                        "cluster's predictions then leave them out)")
     _add_common(p)
 
     p = sub.add_parser("validate", help="run layouts and compare measured with predicted")

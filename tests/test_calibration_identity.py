@@ -293,3 +293,18 @@ def test_validate_runs_on_a_busy_machine_say_so():
     assert busy_note(2.0, 2, "during the runs") is None
     note = busy_note(2.0 + cores, 2, "during the runs")
     assert note is not None and "2 of them ours" in note and note.endswith("during the runs")
+
+
+def test_a_quick_calibration_to_a_file_says_what_it_left_out_and_how_to_use_it(tmp_path):
+    """``calibrate --quick`` fits no framework host costs, which the CPU cluster's step times need: it says so (a QA
+    pass found a quick calibration had replaced a full one's, a gpt-tiny dp2 pp2 step then predicted 0.083 s where the
+    full one said 0.189 s); and a spec written with --out is not the one `local` reads: the command names
+    --cluster FILE instead of claiming 'local' uses it now."""
+    out = tmp_path / "quick.yaml"
+    p = run_cli("calibrate", "--quick", "--ranks", "1", "--out", str(out),
+                env={"PARAPLAN_MEASUREMENTS": str(tmp_path / "measurements")})
+    assert p.returncode == 0, p.stderr
+    said, noted = " ".join(p.stdout.split()), " ".join(p.stderr.split())  # as the console wrapped them
+    assert f"give --cluster {out}" in said and "use it now" not in said
+    assert "--quick does not fit the framework's per-event host costs" in noted
+    assert "framework_us" not in (yaml.safe_load(out.read_text())["gpu"].get("efficiency") or {})
