@@ -143,8 +143,9 @@ def run_torchrun(plans: list[str], outs: list[str | None], opts: LaunchOptions) 
 
     try:
         why = _watch(proc, status_dir, opts.timeout_s, on_restart if opts.training.max_restarts else None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the user stopped it: its ranks and their logs go (a QA pass found 14 folders left)
         _stop(proc, status_dir)
+        shutil.rmtree(status_dir, ignore_errors=True)
         raise
     if reader is not None:
         reader.join(timeout=5)
