@@ -539,6 +539,8 @@ def test_torchtitan_reads_the_3d_and_zero3_plans(plans, tmp_path, torchtitan_con
         [sum(n.startswith("layers.") for n in s) for s in plan.stages]
     assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
     assert cfg.activation_checkpoint.mode == "selective"
+    # torchtitan's op-level policy is not the plan's selective recomputation: said, not hidden
+    assert "is not the plan's selective recomputation" in " ".join(p.stderr.split())
 
     z3, _ = plans["z3"]
     cfg, dims = parse_torchtitan(torchtitan_config, export_plan(z3, "torchtitan").text, tmp_path,
