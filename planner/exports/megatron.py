@@ -131,8 +131,8 @@ def export(plan: Plan, plan_path: str, spec: ModelSpec) -> Export:
 
 def vocab_multiple(vocab: int, tp: int) -> int:
     """Megatron pads the tokenizer's vocabulary to a multiple of --make-vocab-size-divisible-by x tp (default 128):
-    the largest power of two up to 128 that leaves the plan's vocabulary as it is (1 where none does: padded to a
-    multiple of tp alone, as the executor's vocab-parallel embedding pads it)."""
+    the largest power of two up to 128 that leaves the plan's vocabulary as it is, as the cost model prices it (it
+    pads nothing); 1 where none does (Megatron then pads to a multiple of tp alone)."""
     return next((g for g in (128, 64, 32, 16, 8, 4, 2) if vocab % (g * tp) == 0), 1)
 
 
