@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("execute", help="train a plan with torch.distributed")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by plan or simulate")
-    p.add_argument("--steps", type=_positive_int, default=5, help="training steps to run")
+    p.add_argument("--steps", type=_positive_int, default=5, help="training steps to run (default 5)")
     p.add_argument("--out", help="folder for run.json")
     p.add_argument("--nnodes", type=_positive_int, default=1, help="machines in the job")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index among them")
