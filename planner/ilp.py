@@ -520,13 +520,13 @@ class StageILP:
                     unit_s = pulp.LpVariable(f"staged_unit_stage_{s}", lowBound=0)
                     prob += unit_s >= big_reduce, f"staged_unit_stage_{s}_layers"
                     prob += unit_s >= Root[s], f"staged_unit_stage_{s}_root"
-                    staged += unit_s
-                    if gathers:  # each moment's own (costmodel.reduce_buffer_bytes): the root unit's, else a layer's
-                        # a stage's root unit is a number in the repeated-layers form (the ends'); otherwise the larger
+                    if gathers:  # each moment's own (costmodel.reduce_buffer_bytes), priced in the moments (peak_of):
+                        # the root unit's, else a layer's; a stage's root unit is a number in the repeated-layers
+                        # form (the ends'), otherwise the larger
                         kept = (Root[s] or big_reduce) if isinstance(Root[s], (int, float)) else unit_s
                         extra[buffer_key(s, p, v)] = states.unit_grads * kept
-                if gathers:  # priced in the moments (peak_of) instead
-                    staged = 0
+                    else:
+                        staged += unit_s
             acts = peak_of(held, f"activations_at_peak_rank_{r}")
             working = pulp.LpVariable(f"working_rank_{r}", lowBound=0)
             for s in ranks[r]:

@@ -347,10 +347,14 @@ def _gather_holdings(pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...
         moments.add((tuple(held), 0, 0, late))  # the last op's end: every chunk past its last backward
         tops = {(*h, *((mask >> x) & 1 for x in range(v)), *((buffers >> x) & 1 for x in range(v)), late)
                 for h, mask, buffers, late in moments}
-        keys = [*stages, *(gathered_key(s, pp, v) for s in stages), *(buffer_key(s, pp, v) for s in stages),
-                late_key(pp, v)]
-        out.append(_not_dominated(keys, tops))
+        out.append(_not_dominated([*stages, *_gather_keys(stages, pp, v)], tops))
     return tuple(out)
+
+
+def _gather_keys(stages, pp: int, v: int) -> list[int]:
+    """The keys a gather moment holds after its stages' micro-batches, in peak_matrices' column order: each stage's
+    :func:`gathered_key`, then its :func:`buffer_key`, then :func:`late_key`."""
+    return [*(gathered_key(s, pp, v) for s in stages), *(buffer_key(s, pp, v) for s in stages), late_key(pp, v)]
 
 
 def buffer_key(stage: int, pp: int, v: int) -> int:
@@ -387,9 +391,7 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     for r, held in enumerate(peak_holdings(schedule, pp, v, m, gathers)):
         stages = rank_stages(schedule, r, pp, v)
         keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
-                               if schedule == "zb-v" else
-                               [gathered_key(s, pp, v) for s in stages] + [buffer_key(s, pp, v) for s in stages]
-                               + [late_key(pp, v)] if gathers else [])
+                               if schedule == "zb-v" else _gather_keys(stages, pp, v) if gathers else [])
         rows = [[h.get(k, 0) for k in keys] for h in held]
         if gathers:
             rows.sort(key=lambda row: -row[-1])  # the moments after the first backward first (stable)
