@@ -324,30 +324,29 @@ def late_key(pp: int, v: int) -> int:
 
 @lru_cache(maxsize=256)
 def _gather_holdings(pp: int, v: int, m: int) -> tuple[tuple[dict[int, int], ...], ...]:
-    """peak_holdings with ``gathers``: per rank, walking its order beside runtime_gathers' flags."""
+    """peak_holdings with ``gathers``: per rank, walking its order beside runtime_gathers' flags (as running sums over
+    the order's arrays: the walk of thousands of ops, once per rank, in numpy)."""
+    import numpy as np
+
     out = []
     for r, ((kind, stage, _), masks) in enumerate(zip(rank_order_arrays("interleaved-1f1b", pp, v, m),
                                                       _pending_masks(pp, v, m), strict=True)):
         stages = list(rank_stages("interleaved-1f1b", r, pp, v))
-        chunks = ((stage - r) // pp).tolist()
-        held = [0] * v
-        backwards = [0] * v  # per chunk, its backwards run so far
-        late = 0
-        # (held, pending mask, reduce buffers' mask, late) before each op but the step's first (memory.start_bytes');
-        # an op's end is matched by the next op's start, which holds as much, its pending chunks and more (the
-        # window's new ones); a chunk keeps its last reduce buffer from its first backward to its last
-        moments: set[tuple[tuple[int, ...], int, int, int]] = set()
-        for i, (k, c, mask) in enumerate(zip(kind.tolist(), chunks, masks, strict=True)):
-            if i:
-                buffers = sum(1 << x for x in range(v) if 0 < backwards[x] < m)
-                moments.add((tuple(held), mask, buffers, late))
-            held[c] += 1 if k == 0 else -1
-            backwards[c] += k
-            late = late or k
-        moments.add((tuple(held), 0, 0, late))  # the last op's end: every chunk past its last backward
-        tops = {(*h, *((mask >> x) & 1 for x in range(v)), *((buffers >> x) & 1 for x in range(v)), late)
-                for h, mask, buffers, late in moments}
-        out.append(_not_dominated([*stages, *_gather_keys(stages, pp, v)], tops))
+        chunk = np.eye(v, dtype=np.int64)[(stage - r) // pp]  # (ops, v): each op's chunk, one-hot
+        # after each op: micro-batches held per chunk (a forward adds one, a backward frees one), backwards run per
+        # chunk, and whether the rank's first backward has run
+        held = np.cumsum(chunk * np.where(kind == 0, 1, -1)[:, None], axis=0)  # (ops, v)
+        backwards = np.cumsum(chunk * kind[:, None], axis=0)  # (ops, v)
+        late = np.maximum.accumulate(kind)  # (ops,)
+        # the moments: before each op but the step's first (memory.start_bytes'), i.e. after the op before, with
+        # that op's pending chunks; an op's end is matched by the next op's start, which holds as much, its pending
+        # chunks and more (the window's new ones); a chunk keeps its last reduce buffer from its first backward to
+        # its last. Then the last op's end: every chunk past its last backward, nothing pending.
+        pending = (np.array(masks[1:], dtype=np.int64)[:, None] >> np.arange(v)) & 1  # (ops - 1, v)
+        buffers = (backwards[:-1] > 0) & (backwards[:-1] < m)  # (ops - 1, v)
+        rows = np.vstack([np.hstack([held[:-1], pending, buffers, late[:-1, None]]),
+                          np.hstack([held[-1], np.zeros(2 * v, dtype=np.int64), late[-1:]])])  # (ops, 3v + 1)
+        out.append(_not_dominated_rows([*stages, *_gather_keys(stages, pp, v)], rows))
     return tuple(out)
 
 
@@ -386,17 +385,23 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     those moments first."""
     import numpy as np
 
+    from . import schedule_cache
+
     gathers = gathers and gathers_whole_chunks(schedule, pp, v)
-    out = []
-    for r, held in enumerate(peak_holdings(schedule, pp, v, m, gathers)):
-        stages = rank_stages(schedule, r, pp, v)
-        keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
-                               if schedule == "zb-v" else _gather_keys(stages, pp, v) if gathers else [])
-        rows = [[h.get(k, 0) for k in keys] for h in held]
-        if gathers:
-            rows.sort(key=lambda row: -row[-1])  # the moments after the first backward first (stable)
-        out.append((stages, np.array(rows, dtype=float)))
-    return tuple(out)
+    key = (schedule, pp, v, m, gathers)
+    matrices = schedule_cache.load(key, pp)  # kept on disk by an earlier process (schedule_cache.py), or computed:
+    if matrices is None:
+        matrices = []
+        for r, held in enumerate(peak_holdings(schedule, pp, v, m, gathers)):
+            stages = rank_stages(schedule, r, pp, v)
+            keys = list(stages) + ([pending_key(s, pp, v) for s in stages] + [unfolded_key(s, pp, v) for s in stages]
+                                   if schedule == "zb-v" else _gather_keys(stages, pp, v) if gathers else [])
+            rows = [[h.get(k, 0) for k in keys] for h in held]
+            if gathers:
+                rows.sort(key=lambda row: -row[-1])  # the moments after the first backward first (stable)
+            matrices.append(np.array(rows, dtype=float).reshape(len(rows), len(keys)))
+        schedule_cache.store(key, matrices)
+    return tuple((rank_stages(schedule, r, pp, v), held) for r, held in enumerate(matrices))
 
 
 @lru_cache(maxsize=1024)
@@ -467,11 +472,19 @@ def _not_dominated(stages: list[int], tops: set[tuple[int, ...]]) -> tuple[dict[
     at least as much of, stage by stage, as {stage: micro-batches} without zero counts; most micro-batches first."""
     import numpy as np
 
-    held = np.array(sorted(tops), dtype=float).reshape(len(tops), len(stages))  # (N, K): each distinct moment's
-    covers = (held[:, None, :] >= held[None, :, :]).all(axis=2)  # (N, N): [b, a] = b holds at least a's
+    return _not_dominated_rows(stages, np.array(sorted(tops), dtype=np.int64).reshape(len(tops), len(stages)))
+
+
+def _not_dominated_rows(stages: list[int], rows) -> tuple[dict[int, int], ...]:
+    """:func:`_not_dominated` of the holdings ``rows`` ((moments, stages) integer array; repeats allowed)."""
+    import numpy as np
+
+    held = np.unique(rows, axis=0)  # (N, K): each distinct moment's
+    small = held.astype(np.int16)
+    covers = (small[:, None, :] >= small[None, :, :]).all(axis=2)  # (N, N): [b, a] = b holds at least a's
     np.fill_diagonal(covers, False)  # distinct holdings: covering another means holding more somewhere
-    peaks = [{s: k for s, k in zip(stages, held[i].astype(int).tolist(), strict=True) if k}
-             for i in np.flatnonzero(~covers.any(axis=0))]
+    keep = np.flatnonzero(~covers.any(axis=0))
+    peaks = [{s: k for s, k in zip(stages, held[i].tolist(), strict=True) if k} for i in keep]
     peaks.sort(key=lambda d: (-sum(d.values()), sorted(d.items())))
     return tuple(peaks)
 

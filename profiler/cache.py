@@ -28,7 +28,8 @@ _FORMAT = 10  # 5: block signatures hashed with sha1 (stable across processes); 
 # outputs (LayerProfile.weight_output_bytes)
 
 
-def _folder() -> Path | None:
+def cache_folder() -> Path | None:
+    """The folder of the on-disk caches (PARAPLAN_CACHE), or None where they are off."""
     where = os.environ.get("PARAPLAN_CACHE", "")
     if where.lower() in ("off", "0", "false", "no"):
         return None
@@ -78,7 +79,7 @@ def cache_key(spec: dict[str, Any], micro_batch: int, seq_length: int | None, dt
 
 
 def load(key: str) -> ModelProfile | None:
-    folder = _folder()
+    folder = cache_folder()
     if folder is None:
         return None
     try:
@@ -89,7 +90,7 @@ def load(key: str) -> ModelProfile | None:
 
 
 def store(key: str, profile: ModelProfile) -> None:
-    folder = _folder()
+    folder = cache_folder()
     if folder is None:
         return
     try:
