@@ -1155,6 +1155,22 @@ class CostModel:
                 return None
         return chosen, current
 
+    def closed_form_floor(self, lay: Layout, costs: list[StageCost]) -> float:
+        """A lower bound on :meth:`evaluate`'s closed-form iteration time for these stage costs, never above it even
+        in floating point: evaluate ends at the latest rank's end (its closed-form finish plus its exposed
+        data-parallel wait) plus the slowest rank's optimizer step, and pipeline rank 0 finishes at the makespan;
+        this is rank 0's end plus that step, by the same operations. The polish tries hundreds of neighbouring
+        splits whose pipeline is no slower than the best's but whose price is the same (the demo: 156 of its 202
+        full prices); this rejects them without their memory breakdowns and the other ranks' waits."""
+        p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
+        ranks, rank_fwd, _, rank_w, rank_time = _rank_times(lay, costs)
+        makespan = closed_form_makespan(lay.schedule if p > 1 else "1f1b", p, v, m, rank_time, rank_fwd, rank_w)
+        loads = [self.rank_load(lay, costs, ranks[r], makespan) for r in range(p)]
+        step, expert_step = optimizer_step(self, lay), moe.expert_optimizer_step(self, lay)
+        items = self.dp_items(lay, layout_placement(self.work.cluster, lay), costs, ranks[0], 0)
+        return (makespan - 0.0 + exposed_seconds(items, loads[0])) + max(step.at(ld) + expert_step.at(ld)
+                                                                         for ld in loads)
+
     def ranks_fit(self, lay: Layout, stages: list[list[int]], stage_recompute: list[str] | None = None,
                   costs: list[StageCost] | None = None, only: list[int] | None = None) -> list[bool]:
         """Does each pipeline rank fit its GPU with these stages (closed-form in-flight counts)? The memory
@@ -1229,9 +1245,7 @@ class CostModel:
         place = layout_placement(cluster, lay)
         costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
-        ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
-        rank_fwd, rank_b, rank_w = _rank_phase_times(costs, ranks, v)
-        rank_time = [f + b + w for f, b, w in zip(rank_fwd, rank_b, rank_w, strict=True)]
+        ranks, rank_fwd, rank_b, rank_w, rank_time = _rank_times(lay, costs)
         sim = None
         schedule = lay.schedule if p > 1 else "1f1b"
         if simulate:
@@ -1242,7 +1256,7 @@ class CostModel:
             makespan, finish = sim.makespan, sim.rank_finish
             method = "event simulation"
         else:
-            makespan = closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)
+            makespan = closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)  # as closed_form_floor
             drain = 0.0
             finish = []
             for r in range(p):  # backwards drain from the last rank to rank 0, which finishes last
@@ -1350,6 +1364,14 @@ class CostModel:
             traffic_of=lambda: [self.rank_traffic(lay, costs, ranks[r], dp_items[r], loads[r]) for r in range(p)],
             dp_sync_of=lambda: [sync_summary(dp_items[r], loads[r]) for r in range(p)],
             flops_of=lambda: [self.rank_flops(lay, costs, ranks[r]) for r in range(p)])
+
+
+def _rank_times(lay: Layout, costs: list[StageCost]) -> tuple[list, list[float], list[float], list[float], list[float]]:
+    """Each pipeline rank's stages, then its forward, input-gradient, weight-gradient and whole time per micro-batch."""
+    p, v = lay.pp, lay.virtual_stages
+    ranks = [rank_stages(lay.schedule, r, p, v) for r in range(p)]
+    rank_fwd, rank_b, rank_w = _rank_phase_times(costs, ranks, v)
+    return ranks, rank_fwd, rank_b, rank_w, [f + b + w for f, b, w in zip(rank_fwd, rank_b, rank_w, strict=True)]
 
 
 def _rank_phase_times(costs: list[StageCost], ranks: list[tuple[int, ...]], v: int

@@ -925,12 +925,15 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
         for stages, st_modes in _neighbours(best.stages, best.recompute, modes, rank_of, lay.num_stages <= 16,
                                             balanced):
             costs = model.stage_costs(lay, stages, st_modes)
-            if pipeline_makespan(lay, costs) >= best.prediction.iteration_time_s * (1 - 1e-9):
+            beat = best.prediction.iteration_time_s * (1 - 1e-9)
+            if pipeline_makespan(lay, costs) >= beat:
                 continue  # its pipeline alone is as slow: the exact price (makespan + waits + step) cannot improve
             changed = {rank_of[s] for s in range(lay.num_stages)
                        if stages[s] != best.stages[s] or st_modes[s] != best.recompute[s]}
             if not all(model.ranks_fit(lay, stages, costs=costs, only=sorted(changed))):
                 continue  # the other ranks fit already (the current split does): evaluate would find it too big
+            if model.closed_form_floor(lay, costs) >= beat:
+                continue  # with rank 0's wait and the slowest optimizer step after its pipeline, no faster either
             pred = model.evaluate(lay, stages, st_modes, costs=costs)
             if pred.fits and pred.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
                 best = Partition(stages, st_modes, pred, best.ilp_status, best.ilp_objective)
