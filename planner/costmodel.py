@@ -1548,19 +1548,21 @@ def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
 
 
 def least_recompute_prediction(model: CostModel, lay: Layout, stages: list[list[int]] | None,
-                               tried: tuple[str, ...], got: tuple[list[str], list[StageCost]] | None = None
-                               ) -> Prediction | None:
+                               tried: tuple[str, ...], got: tuple[list[str], list[StageCost]] | None = None,
+                               beat: float | None = None) -> Prediction | None:
     """``stages`` priced exactly with the least recomputation per stage that fits (None: some rank fits in no mode).
-    ``got``: ``model.least_recompute(lay, stages, tried)`` where the caller has it."""
+    ``got``: ``model.least_recompute(lay, stages, tried)`` where the caller has it. ``beat``: a time the caller
+    keeps the price only below; None too where :meth:`CostModel.closed_form_floor` shows the price is not."""
     if stages is None:
         return None
     got = got or model.least_recompute(lay, stages, tried)
     if got is None:
         return None
     chosen, costs = got
-    heaviest = max(chosen, key=tried.index)
-    return model.evaluate(lay.replace(recompute=heaviest), stages, chosen if len(set(chosen)) > 1 else None,
-                          costs=costs)
+    priced = lay.replace(recompute=max(chosen, key=tried.index))
+    if beat is not None and model.closed_form_floor(priced, costs) >= beat:
+        return None
+    return model.evaluate(priced, stages, chosen if len(set(chosen)) > 1 else None, costs=costs)
 
 
 def memory_repaired_stages(model: CostModel, lay: Layout, stages: list[list[int]], mode: str
