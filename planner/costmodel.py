@@ -945,6 +945,19 @@ class CostModel:
             out.append(st)
         return out
 
+    def stage_cost(self, lay: Layout, stages: list[list[int]], s: int, mode: str) -> StageCost:
+        """Stage ``s`` of ``stages`` in recomputation ``mode``, alone: the object :meth:`stage_costs` gives for it
+        (least_recompute prices the stages it tries in a dearer mode one at a time)."""
+        memo = self._stage_memo.get(lay)
+        if memo is None:
+            memo = self._stage_memo[lay] = _LayoutStages.of(self, lay)
+        blocks = stages[s]
+        key = (s, mode, blocks[0], blocks[-1])
+        st = memo.stages.get(key)
+        if st is None:
+            st = memo.stages[key] = memo.stage(s, list(blocks), mode, s < len(stages) - 1)
+        return st
+
     def p2p_seconds(self, lay: Layout, nbytes: float, cross_node: bool, place: Placement) -> float:
         """What a stage waits for to send (or receive) one micro-batch's boundary of ``nbytes`` bytes: the
         transfer, or — where the framework overlaps an interleaved pipeline's sends with the next chunk's
@@ -1124,8 +1137,7 @@ class CostModel:
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
         states = layout_states(self.work.framework, lay)
         holdings = peak_matrices(schedule, p, v, lay.num_micro_batches, prices_chunk_gathers(states))
-        by_mode = {modes[0]: self.stage_costs(lay, stages, [modes[0]] * len(stages))}
-        chosen, current = [modes[0]] * len(stages), list(by_mode[modes[0]])
+        chosen, current = [modes[0]] * len(stages), self.stage_costs(lay, stages, [modes[0]] * len(stages))
         cap = self.work.cluster.gpu.memory_GiB
         grads_at_peak = [self.grads_at_activation_peak(lay, ranks[r], flights[r]) for r in range(p)]
 
@@ -1142,10 +1154,8 @@ class CostModel:
                 continue
             order = sorted(ranks[r], key=lambda s: (-flights[r].get(s, 0), s))
             for u in modes[1:]:
-                if u not in by_mode:
-                    by_mode[u] = self.stage_costs(lay, stages, [u] * len(stages))
                 for s in order:
-                    chosen[s], current[s] = u, by_mode[u][s]
+                    chosen[s], current[s] = u, self.stage_cost(lay, stages, s, u)
                     if fits():
                         break
                 else:
