@@ -288,10 +288,15 @@ def time_bound(model: CostModel, lay: Layout) -> float:
     not the memory bound), so never above it. A layout whose time_bound cannot beat the k-th best needs neither."""
     place = layout_placement(model.work.cluster, lay)
     key = model._table_key(lay, place)
-    base = model.totals(lay, "none", place, key)
-    total = base["fwd"] + base["bwd_input"] + base["bwd_weight"] + base["tp_fwd"] + base["tp_bwd"]
-    slowest = max(total / lay.pp, model.block_table(lay, place, "none", key).fullest_rank(lay.pp))
-    return _pipeline_time(lay, total, slowest, base["bwd_weight"])
+    # all it reads of the layout besides its table (thousands of layouts apart in ZeRO stage alone share it)
+    memo = (key, "time", lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches)
+    got = model.bound_classes.get(memo)
+    if got is None:
+        base = model.totals(lay, "none", place, key)
+        total = base["fwd"] + base["bwd_input"] + base["bwd_weight"] + base["tp_fwd"] + base["tp_bwd"]
+        slowest = max(total / lay.pp, model.block_table(lay, place, "none", key).fullest_rank(lay.pp))
+        got = model.bound_classes[memo] = _pipeline_time(lay, total, slowest, base["bwd_weight"])
+    return got
 
 
 def _pipeline_bound(model: CostModel, lay: Layout, parts: _BoundParts, total: float, slowest: float,
