@@ -590,6 +590,7 @@ class CostModel:
         self.bound_parts: dict[tuple, Any] = {}  # the search's lower bound of a layout, in parts (search.py)
         self.bound_classes: dict[tuple, Any] = {}  # what layouts sharing a block table share in it (search.py)
         self._rank_views: dict[tuple, Any] = {}  # (layer signature, ep, dtype): the MoE layer one rank runs
+        self.step_affines: dict[tuple, Any] = {}  # the optimizer steps' Affines, by what they depend on (dp_sync.py)
         fw = work.cluster.gpu.efficiency
         self._framework = {event: fw.framework(event) for event in FRAMEWORK_EVENTS}  # seconds per event
         self.cpu_share = CpuShare(work.cluster)  # a CPU cluster's ranks share this machine's cores (cpu_share.py)

@@ -229,12 +229,16 @@ def optimizer_step(model, lay: Layout) -> Affine:
         share = 0.0
     else:
         share = 1.0 / lay.data_ranks if lay.zero >= 1 else 1.0
-    per_param = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
-    const = gpu.efficiency.framework("step")
-    if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
-        busy = layout_placement(work.cluster, lay).gpus_per_node_busy
-        per_param, const = per_param * model.cpu_share.compute(busy), const * model.cpu_share.host(busy)
-    return Affine(const=const, params=per_param)
+    busy = layout_placement(work.cluster, lay).gpus_per_node_busy if model.cpu_share.cpu else 0
+    key = ("optimizer", share, busy)  # all it depends on: one object for thousands of layouts (its terms cached)
+    got = model.step_affines.get(key)
+    if got is None:
+        per_param = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+        const = gpu.efficiency.framework("step")
+        if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
+            per_param, const = per_param * model.cpu_share.compute(busy), const * model.cpu_share.host(busy)
+        got = model.step_affines[key] = Affine(const=const, params=per_param)
+    return got
 
 
 def sequence_parallel_weight_sync(model, lay: Layout, place: Placement) -> Exposure:

@@ -669,9 +669,20 @@ def expert_optimizer_step(model, lay: Layout) -> Affine:
     work = model.work
     gpu = work.cluster.gpu
     if lay.dp_mode == "ps" or not getattr(work.spec, "is_moe", False):
-        return Affine()
-    share = 1.0 / edp(lay) if lay.zero >= 1 else 1.0
-    per_expert = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
-    if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
-        per_expert *= model.cpu_share.compute(layout_placement(work.cluster, lay).gpus_per_node_busy)
-    return Affine(experts=per_expert)
+        share = None
+    else:
+        share = 1.0 / edp(lay) if lay.zero >= 1 else 1.0
+    busy = layout_placement(work.cluster, lay).gpus_per_node_busy if model.cpu_share.cpu and share else 0
+    key = ("experts' optimizer", share, busy)  # all it depends on (as dp_sync.optimizer_step)
+    got = model.step_affines.get(key)
+    if got is None:
+        if share is None:
+            got = Affine()
+        else:
+            per_expert = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 *
+                                                                          gpu.efficiency.memory_bound)
+            if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
+                per_expert *= model.cpu_share.compute(busy)
+            got = Affine(experts=per_expert)
+        model.step_affines[key] = got
+    return got
