@@ -367,13 +367,16 @@ PLANNING_COMMANDS = ("plan", "simulate", "compare")
 def console() -> None:
     """The ``paraplan`` console script: :func:`main`, with two shortcuts for the planning commands.
     Their objects (thousands of candidates, cached per-block costs) hold no reference cycles worth
-    collecting, so the cyclic garbage collector is off, and the interpreter's teardown, which would free
-    them one by one, is skipped once the output is flushed (``paraplan plan`` on llama2-70b/64 GPUs:
-    about 0.4 s of 2.4 s; benchmarks/bench_plan.py)."""
+    collecting, so the cyclic garbage collector is off (and numpy's BLAS runs one thread), and the
+    interpreter's teardown, which would free them one by one, is skipped once the output is flushed
+    (``paraplan plan`` on llama2-70b/64 GPUs: about 0.4 s of 2.4 s; benchmarks/bench_plan.py)."""
     argv = sys.argv[1:]
     planning = bool(argv) and argv[0] in PLANNING_COMMANDS
     if planning:
         gc.disable()
+        # numpy's OpenBLAS starts a thread per core at import, which spin on the second core while `plan`'s scaling
+        # re-plans and chart child need it (about 0.06 s of CPU); the planner's arrays are too small for threads
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     code = main(argv)
     if planning:
         try:
