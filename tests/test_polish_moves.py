@@ -80,3 +80,71 @@ def test_pipeline_pretest_leaves_the_polished_split_as_it_was(monkeypatch):
         part = ilp.polished_quick_split(model, lay, start)
         answers.append((part.stages, part.recompute, part.prediction.iteration_time_s))
     assert answers[0] == answers[1]
+
+
+def _floor_cases():
+    """(layout, model) pairs of the kinds the polish prices: 1F1B with ZeRO 2 and 3, interleaved, zb-v, one rank."""
+    work = Workload.create("llama2-70b", "dgx-h100", 512)
+    base = dict(micro_batch=1, global_batch=512, sequence_parallel=True)
+    return work, [Layout(dp=2, tp=2, pp=8, cp=2, zero=2, **base), Layout(dp=4, tp=2, pp=8, zero=3, **base),
+                  Layout(dp=8, tp=2, pp=4, zero=3, schedule="interleaved-1f1b", virtual_stages=4, **base),
+                  Layout(dp=4, tp=2, pp=8, zero=1, schedule="zb-v", virtual_stages=2, **base),
+                  Layout(dp=16, tp=4, pp=1, zero=3, **base)]
+
+
+def test_closed_form_floor_is_never_above_the_price():
+    """CostModel.closed_form_floor, which lets the polish skip a neighbour without pricing it, is at most evaluate's
+    closed-form iteration time for any split and per-stage modes (exactly, not within a tolerance: the skip must
+    never drop a split the price would have kept), and with one pipeline rank, whose end is the only one, it is
+    that time."""
+    work, layouts = _floor_cases()
+    model = CostModel(work)
+    rng = random.Random(11)
+    n = len(work.profile("bf16").layers)
+    modes = ("none", "selective", "full")
+    below = 0
+    for lay in layouts:
+        for _ in range(25):
+            cuts = sorted(rng.sample(range(1, n), lay.num_stages - 1))
+            bounds = [0, *cuts, n]
+            stages = [list(range(bounds[j], bounds[j + 1])) for j in range(lay.num_stages)]
+            chosen = [rng.choice(modes) for _ in stages]
+            costs = model.stage_costs(lay, stages, chosen)
+            floor = model.closed_form_floor(lay, costs)
+            price = model.evaluate(lay, stages, chosen, costs=costs).iteration_time_s
+            assert floor <= price, (lay.short(), stages, chosen)
+            if lay.pp == 1:
+                assert floor == price
+            below += floor < price
+    assert below > 0  # the pipelines' other ranks end later somewhere: a bound, not the price itself
+
+
+def test_the_floor_leaves_the_polish_as_it_was(monkeypatch):
+    """The polish with closed_form_floor finds the same split, modes and time as without it (the floor made
+    useless), on layouts whose polish moves several times."""
+    work, layouts = _floor_cases()
+    for lay in layouts[:3]:
+        answers = []
+        for use_floor in (True, False):
+            model = CostModel(work)
+            if not use_floor:
+                monkeypatch.setattr(CostModel, "closed_form_floor", lambda self, lay, costs: float("-inf"))
+            start = least_recompute_prediction(model, lay, even_stages(model, lay), ilp.modes_for(model))
+            part = ilp.polished_quick_split(model, lay, start) if lay.virtual_stages > 1 else \
+                ilp._from_start(model, lay, ilp.modes_for(model), start, "test", True)
+            answers.append((part.stages, part.recompute, part.prediction.iteration_time_s))
+            monkeypatch.undo()
+        assert answers[0] == answers[1], lay.short()
+
+
+def test_a_stage_priced_alone_is_the_stage_priced_with_the_others():
+    """CostModel.stage_cost (least_recompute's dearer modes, one stage at a time) gives the very object stage_costs
+    gives for that stage, whichever is asked first."""
+    work, layouts = _floor_cases()
+    model = CostModel(work)
+    lay = layouts[2]
+    stages = even_stages(model, lay)
+    alone = [model.stage_cost(lay, stages, s, "full") for s in range(0, len(stages), 3)]
+    together = model.stage_costs(lay, stages, ["full"] * len(stages))
+    assert all(a is together[s] for a, s in zip(alone, range(0, len(stages), 3), strict=True))
+    assert model.stage_cost(lay, stages, 1, "selective") is model.stage_costs(lay, stages, ["selective"] * 32)[1]
