@@ -297,17 +297,25 @@ def peak_holdings(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     weights outweigh many micro-batches' activations, so the peak may hold fewer micro-batches than the most
     (llama2-70b dp16 tp2 pp2 v = 4, traced: rank 0's peak holds 6 chunk micro-batches of its most 9, in the
     cool-down, with three chunks gathered and three reduce buffers: its last chunk past its last backward)."""
+    m = moments_micro_batches(schedule, pp, v, m, gathers)
     if gathers and gathers_whole_chunks(schedule, pp, v):
-        if m % pp == 0 and m >= 3 * pp:
-            m = 3 * pp  # the same moments from there on (tests)
         return _gather_holdings(pp, v, m)
     if schedule != "zb-v" and v == 1:
         return tuple((d,) for d in in_flight(schedule, pp, v, m))
-    if schedule == "interleaved-1f1b" and m % pp == 0 and m >= 3 * pp:
-        m = 3 * pp
-    elif schedule == "zb-v" and m > 2 * pp:
-        m = 2 * pp + 1  # from 2p + 1 micro-batches on, the same moments (the unfolded gradients' too)
     return _peak_holdings(schedule, pp, v, m)
+
+
+def moments_micro_batches(schedule: str, pp: int, v: int, m: int, gathers: bool = False) -> int:
+    """The micro-batch count whose walk gives :func:`peak_holdings`' moments for ``m`` (the same moments from there
+    on, checked against the full walk in the tests): interleaved with m a multiple of p, 3p (with whole-chunk gathers
+    too); zb-v, 2p + 1 (the unfolded gradients' too); 1F1B, p (in_flight's); otherwise ``m``."""
+    if gathers and gathers_whole_chunks(schedule, pp, v) or schedule == "interleaved-1f1b":
+        return 3 * pp if m % pp == 0 and m >= 3 * pp else m
+    if schedule == "zb-v":
+        return 2 * pp + 1 if m > 2 * pp else m
+    if schedule == "1f1b" and v == 1:
+        return min(m, pp)
+    return m
 
 
 def gathered_key(stage: int, pp: int, v: int) -> int:
@@ -388,6 +396,7 @@ def peak_matrices(schedule: str, pp: int, v: int, m: int, gathers: bool = False
     from . import schedule_cache
 
     gathers = gathers and gathers_whole_chunks(schedule, pp, v)
+    m = moments_micro_batches(schedule, pp, v, m, gathers)  # every count from there on shares its entry
     key = (schedule, pp, v, m, gathers)
     matrices = schedule_cache.load(key, pp)  # kept on disk by an earlier process (schedule_cache.py), or computed:
     if matrices is None:
