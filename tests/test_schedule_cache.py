@@ -46,10 +46,21 @@ def test_stored_matrices_are_the_walks(cache_dir, case):
     first = schedules.peak_matrices(*case)  # computed and stored
     assert len(list(cache_dir.glob("schedules-*/*.json"))) == 1
     schedules.peak_matrices.cache_clear()
-    loaded = schedule_cache.load(case, case[1])
+    schedule, pp, v, m, gathers = case
+    key = (schedule, pp, v, schedules.moments_micro_batches(schedule, pp, v, m, gathers), gathers)
+    loaded = schedule_cache.load(key, pp)
     assert loaded is not None  # read back from disk, not recomputed
     again = schedules.peak_matrices(*case)
     assert _same(walked, first) and _same(walked, again)
+
+
+def test_counts_with_the_same_moments_share_an_entry(cache_dir):
+    """Micro-batch counts past the point where the moments stop changing (interleaved: multiples of p from 3p on)
+    are one entry on disk, and each gets its own walk's matrices."""
+    for m in (12, 16, 40):
+        case = ("interleaved-1f1b", 4, 6, m, True)
+        assert _same(schedules.peak_matrices(*case), _fresh(case))
+    assert len(list(cache_dir.glob("schedules-*/*.json"))) == 1
 
 
 def test_a_broken_entry_is_recomputed(cache_dir):
