@@ -309,7 +309,7 @@ def moments_micro_batches(schedule: str, pp: int, v: int, m: int, gathers: bool 
     """The micro-batch count whose walk gives :func:`peak_holdings`' moments for ``m`` (the same moments from there
     on, checked against the full walk in the tests): interleaved with m a multiple of p, 3p (with whole-chunk gathers
     too); zb-v, 2p + 1 (the unfolded gradients' too); 1F1B, p (in_flight's); otherwise ``m``."""
-    if gathers and gathers_whole_chunks(schedule, pp, v) or schedule == "interleaved-1f1b":
+    if schedule == "interleaved-1f1b":  # whole-chunk gathers or not
         return 3 * pp if m % pp == 0 and m >= 3 * pp else m
     if schedule == "zb-v":
         return 2 * pp + 1 if m > 2 * pp else m
@@ -489,7 +489,7 @@ def _not_dominated_rows(stages: list[int], rows) -> tuple[dict[int, int], ...]:
     import numpy as np
 
     held = np.unique(rows, axis=0)  # (N, K): each distinct moment's
-    small = held.astype(np.int16)
+    small = held.astype(np.int32)  # (counts of micro-batches and 0/1 flags: narrower compares quicker)
     covers = (small[:, None, :] >= small[None, :, :]).all(axis=2)  # (N, N): [b, a] = b holds at least a's
     np.fill_diagonal(covers, False)  # distinct holdings: covering another means holding more somewhere
     keep = np.flatnonzero(~covers.any(axis=0))
