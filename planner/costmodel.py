@@ -369,6 +369,14 @@ class _LayoutStages:
             got = model._stage_groups[group] = _LayoutStages(model, lay, place, key, fixed)
         return got
 
+    def priced(self, s: int, blocks: list[int], mode: str, sends: bool) -> StageCost:
+        """:meth:`stage`, priced once per index, mode and first and last block (what it depends on)."""
+        key = (s, mode, blocks[0], blocks[-1])
+        st = self.stages.get(key)
+        if st is None:
+            st = self.stages[key] = self.stage(s, list(blocks), mode, sends)
+        return st
+
     def stage(self, s: int, blocks: list[int], mode: str, sends: bool) -> StageCost:
         """Stage ``s`` holding ``blocks`` (contiguous: stage s - 1 ends at the block before) in recomputation
         ``mode``; ``sends``: a stage follows it."""
@@ -933,33 +941,21 @@ class CostModel:
         first): priced once per layout and reused — the search's polish and its least-recomputation fits price
         thousands of splits that differ from one another in one or two stages. The objects returned are shared:
         read-only to every caller."""
-        memo = self._stage_memo.get(lay)
-        if memo is None:
-            memo = self._stage_memo[lay] = _LayoutStages.of(self, lay)
-        priced = memo.stages
+        priced = self._layout_stages(lay).priced
         last = len(stages) - 1
-        out = []
-        for s, blocks in enumerate(stages):
-            mode = stage_recompute[s] if stage_recompute else lay.recompute
-            key = (s, mode, blocks[0], blocks[-1])
-            st = priced.get(key)
-            if st is None:
-                st = priced[key] = memo.stage(s, list(blocks), mode, s < last)
-            out.append(st)
-        return out
+        return [priced(s, blocks, stage_recompute[s] if stage_recompute else lay.recompute, s < last)
+                for s, blocks in enumerate(stages)]
 
     def stage_cost(self, lay: Layout, stages: list[list[int]], s: int, mode: str) -> StageCost:
         """Stage ``s`` of ``stages`` in recomputation ``mode``, alone: the object :meth:`stage_costs` gives for it
         (least_recompute prices the stages it tries in a dearer mode one at a time)."""
+        return self._layout_stages(lay).priced(s, stages[s], mode, s < len(stages) - 1)
+
+    def _layout_stages(self, lay: Layout) -> _LayoutStages:
         memo = self._stage_memo.get(lay)
         if memo is None:
             memo = self._stage_memo[lay] = _LayoutStages.of(self, lay)
-        blocks = stages[s]
-        key = (s, mode, blocks[0], blocks[-1])
-        st = memo.stages.get(key)
-        if st is None:
-            st = memo.stages[key] = memo.stage(s, list(blocks), mode, s < len(stages) - 1)
-        return st
+        return memo
 
     def p2p_seconds(self, lay: Layout, nbytes: float, cross_node: bool, place: Placement) -> float:
         """What a stage waits for to send (or receive) one micro-batch's boundary of ``nbytes`` bytes: the

@@ -935,7 +935,7 @@ def _polish(model: CostModel, lay: Layout, part: Partition, modes: tuple[str, ..
             if model.closed_form_floor(lay, costs) >= beat:
                 continue  # with rank 0's wait and the slowest optimizer step after its pipeline, no faster either
             pred = model.evaluate(lay, stages, st_modes, costs=costs)
-            if pred.fits and pred.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
+            if pred.fits and pred.iteration_time_s < beat:
                 best = Partition(stages, st_modes, pred, best.ilp_status, best.ilp_objective)
                 improved = True
                 break
