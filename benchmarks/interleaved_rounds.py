@@ -1,16 +1,17 @@
 """How far the search's closed form is from the event simulation on interleaved plans, and what it misses.
 
 The search prices thousands of layouts with the closed-form makespan of their schedule (schedules.py): for
-interleaved 1F1B, m x the slowest rank's time per micro-batch plus the bubble. A rank's time is the sum of its
-chunks. The event simulation (simulator.py) runs the schedule's own order: its micro-batches go round the ranks
-chunk after chunk in lock-step rounds, so a round of chunks of unequal time (80 layers over 32 chunks leave chunks
-of 2 and 3 layers) waits for its slowest chunk, which the closed form does not see. refine.py re-prices the plans
-shown by the simulation; every other priced row of candidates.csv keeps its closed form.
+interleaved 1F1B, m x the slowest rank's time per micro-batch plus the bubble, a rank's time the sum of its chunks.
+The event simulation (simulator.py) runs the schedule's own order: its micro-batches go round the ranks chunk after
+chunk in lock-step rounds, so a round of chunks of unequal time (80 layers over 32 chunks leave chunks of 2 and 3
+layers) waits for its slowest chunk. The closed form adds that from a short simulation (schedules.rounds_excess;
+before it, the ranks' sums alone were up to 26% under on the demo). refine.py re-prices the plans shown by the
+simulation; every other priced row of candidates.csv keeps its closed form.
 
 For every priced interleaved candidate this prints its closed form against its simulation, and the same layout
 with a split the search does not try: the layers dealt so that every round of chunks holds equal counts (the
 extra layers to whole rounds, the first rounds or the last ones), priced with the least recomputation that fits,
-simulated as it is and after the search's polish (which optimises the closed form: it may unequal the rounds).
+simulated as it is and after the search's polish (one layer or mode at a time, as its price leads it).
 The same plan options as `paraplan plan` (default: its demo).
 Run: .venv/bin/python benchmarks/interleaved_rounds.py [plan options]
 """

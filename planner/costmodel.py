@@ -54,7 +54,15 @@ from .memory import (
     untracked_bytes,
 )
 from .placement import Placement, consecutive_group, layout_placement
-from .schedules import closed_form_makespan, in_flight, linear_makespan, peak_matrices, rank_stages, stage_rank
+from .schedules import (
+    closed_form_makespan,
+    in_flight,
+    linear_makespan,
+    peak_matrices,
+    rank_stages,
+    rounds_excess,
+    stage_rank,
+)
 from .simulator import SimResult, simulate_pipeline
 from .workload import Workload
 
@@ -1170,10 +1178,15 @@ class CostModel:
         data-parallel wait) plus the slowest rank's optimizer step, and pipeline rank 0 finishes at the makespan;
         this is rank 0's end plus that step, by the same operations. The polish tries hundreds of neighbouring
         splits whose pipeline is no slower than the best's but whose price is the same (the demo: 156 of its 202
-        full prices); this rejects them without their memory breakdowns and the other ranks' waits."""
+        full prices); this rejects them without their memory breakdowns and the other ranks' waits.
+        Interleaved 1F1B's rounds (schedules.rounds_excess) only lengthen the makespan, and the waits and the step
+        do not depend on it but an asynchronous parameter server's (its staleness hides it behind the makespan): but
+        there, the ranks' sums' makespan keeps this a bound without simulating the rounds."""
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         ranks, rank_fwd, _, rank_w, rank_time = _rank_times(lay, costs)
-        makespan = closed_form_makespan(lay.schedule if p > 1 else "1f1b", p, v, m, rank_time, rank_fwd, rank_w)
+        schedule = lay.schedule if p > 1 else "1f1b"
+        makespan = _closed_form_pipeline(schedule, p, v, m, costs, rank_time, rank_fwd, rank_w) \
+            if lay.dp_mode == "ps" else closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)
         loads = [self.rank_load(lay, costs, ranks[r], makespan) for r in range(p)]
         step, expert_step = optimizer_step(self, lay), moe.expert_optimizer_step(self, lay)
         items = self.dp_items(lay, layout_placement(self.work.cluster, lay), costs, ranks[0], 0)
@@ -1265,7 +1278,8 @@ class CostModel:
             makespan, finish = sim.makespan, sim.rank_finish
             method = "event simulation"
         else:
-            makespan = closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)  # as closed_form_floor
+            # as closed_form_floor
+            makespan = _closed_form_pipeline(schedule, p, v, m, costs, rank_time, rank_fwd, rank_w)
             drain = 0.0
             finish = []
             for r in range(p):  # backwards drain from the last rank to rank 0, which finishes last
@@ -1375,6 +1389,17 @@ class CostModel:
             flops_of=lambda: [self.rank_flops(lay, costs, ranks[r]) for r in range(p)])
 
 
+def _closed_form_pipeline(schedule: str, p: int, v: int, m: int, costs: list[StageCost], rank_time: list[float],
+                          rank_fwd: list[float], rank_w: list[float]) -> float:
+    """evaluate's closed-form pipeline makespan: closed_form_makespan from the ranks' sums, and for interleaved 1F1B
+    what its lock-step rounds add where their chunks differ (schedules.rounds_excess)."""
+    makespan = closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)
+    if schedule == "interleaved-1f1b":
+        makespan += rounds_excess(p, v, m, [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs],
+                                  max(rank_time), makespan)
+    return makespan
+
+
 def _rank_times(lay: Layout, costs: list[StageCost]) -> tuple[list, list[float], list[float], list[float], list[float]]:
     """Each pipeline rank's stages, then its forward, input-gradient, weight-gradient and whole time per micro-batch."""
     p, v = lay.pp, lay.virtual_stages
@@ -1393,9 +1418,10 @@ def _rank_phase_times(costs: list[StageCost], ranks: list[tuple[int, ...]], v: i
 
 
 def pipeline_makespan(lay: Layout, costs: list[StageCost]) -> float:
-    """The closed-form pipeline makespan of these stage costs: what :meth:`CostModel.evaluate` (closed form) adds
-    the exposed data-parallel waits and the optimizer step to, so a lower bound on its iteration time (rank 0
-    finishes at the makespan). Cheap: the polish skips neighbours it shows cannot improve."""
+    """The closed-form pipeline makespan of these stage costs from the ranks' sums alone: what
+    :meth:`CostModel.evaluate` (closed form) adds interleaved 1F1B's rounds (schedules.rounds_excess), the exposed
+    data-parallel waits and the optimizer step to, so a lower bound on its iteration time (rank 0 finishes at the
+    makespan). Cheap: the polish skips neighbours it shows cannot improve."""
     p, v = lay.pp, lay.virtual_stages
     schedule = lay.schedule if p > 1 else "1f1b"
     linear = linear_makespan(schedule, p, v, lay.num_micro_batches)
@@ -1528,7 +1554,9 @@ def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
     given to the next inner chunk in even_stages' turn order (on the donor's rank, a chunk holding fewer
     micro-batches), or to the next on another rank. The first stage holds the most micro-batches of its rank at the
     peak: a layer off it can spare its rank the recomputation the even split needs (the demo's dp2 tp2 pp8 cp2
-    interleaved x4: 35.38 s with the even split, 33.77 s with one layer moved off stage 0 and none recomputed).
+    interleaved x4 z3, by the ranks' sums: 35.38 s with the even split, 33.77 s with one layer moved off stage 0
+    and none recomputed; with its lock-step rounds priced, schedules.rounds_excess, 37.54 and 37.07 s, simulated
+    37.54 and 37.50 s).
     Not for ZB-V, whose first rank holds both end chunks beside its other work: on the 1T GPT's V layouts it
     never helped, and where chunks hold one layer each it doubles one."""
     got = _even_counts(model, lay) if lay.virtual_stages > 1 and lay.schedule == "interleaved-1f1b" else None
