@@ -784,7 +784,19 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
     if start is not None and start.fits and start.iteration_time_s < best.prediction.iteration_time_s * (1 - 1e-9):
         return _from_start(model, lay, modes, start, last_status.lower(), local_search)  # (a time-limited ILP)
     best.ilp_status, best.ilp_objective = last_status, last_obj
+    if last_status == "optimal" and rounds_priced_after(lay):
+        best.ilp_status = "optimal by the ranks' sums, the rounds' wait priced after"
     return best
+
+
+def rounds_priced_after(lay: Layout) -> bool:
+    """Does ``lay``'s price hold what the ILP's objective leaves out: interleaved 1F1B's wait for the unequal chunks
+    of its lock-step rounds (schedules.rounds_excess)? The ILP minimises the closed form of the ranks' sums, a lower
+    bound on that price (so its cutoffs stay proofs); its split, polished on the price, is then the best the ILP
+    proves by the ranks' sums, not the best by the price (on a 6-layer model's 70 interleaved layouts, 13 came out
+    0.04-7.0% above the brute force's)."""
+    return lay.pp > 1 and lay.schedule == "interleaved-1f1b" and lay.virtual_stages > 1 \
+        and lay.num_micro_batches >= lay.pp
 
 
 def _without_solver(model: CostModel, lay: Layout, modes: tuple[str, ...], warm, reason: str,

@@ -1213,6 +1213,11 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     if limited:
         notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s each): those "
                      "layouts' splits are the best found, not proven the best")
+    by_sums = sum(c.solver.startswith("optimal by the ranks' sums") for c in candidates)
+    if by_sums:
+        notes.append(f"{by_sums} interleaved layout{'s' if by_sums > 1 else ''}' splits are the ILP's best by the "
+                     "ranks' sums: the wait of unequal chunks in the schedule's rounds, priced after, is not in the "
+                     "ILP (the best found by the price, not proven)")
     if unfit:
         notes.append(f"{unfit} layout{'s' if unfit > 1 else ''} whose quick splits fit in no allowed "
                      "recomputation mode got no ILP (another split might fit: plan --exhaustive gives each one)")
