@@ -555,6 +555,8 @@ def closed_form_makespan(schedule: str, pp: int, v: int, m: int, rank_time: list
     - zb-v, and interleaved with fewer micro-batches than ranks: m x slowest rank plus the bubble of
       the schedule's warm-up and cool-down, which does not grow with m once m >= 2p; it is found by
       running the schedule's own order on uniform stages for min(m, 2p) micro-batches (cached).
+    From the ranks' sums alone: where the chunks of an interleaved schedule's rounds differ, the schedule waits more
+    (:func:`rounds_excess`, which the cost model adds).
     """
     slow = max(rank_time)
     linear = linear_makespan(schedule, pp, v, m)
