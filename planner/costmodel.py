@@ -1179,9 +1179,9 @@ class CostModel:
         this is rank 0's end plus that step, by the same operations. The polish tries hundreds of neighbouring
         splits whose pipeline is no slower than the best's but whose price is the same (the demo: 156 of its 202
         full prices); this rejects them without their memory breakdowns and the other ranks' waits.
-        Interleaved 1F1B's rounds (schedules.rounds_excess) only lengthen the makespan, and the waits and the step
-        do not depend on it but an asynchronous parameter server's (its staleness hides it behind the makespan): but
-        there, the ranks' sums' makespan keeps this a bound without simulating the rounds."""
+        Interleaved 1F1B's rounds (schedules.rounds_excess) only lengthen the makespan, and of what evaluate adds to
+        it only an asynchronous parameter server's wait depends on it (its staleness hides the wait behind the
+        makespan): elsewhere the ranks' sums' makespan keeps this a bound, without simulating the rounds."""
         p, v, m = lay.pp, lay.virtual_stages, lay.num_micro_batches
         ranks, rank_fwd, _, rank_w, rank_time = _rank_times(lay, costs)
         schedule = lay.schedule if p > 1 else "1f1b"

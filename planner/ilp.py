@@ -76,6 +76,7 @@ from .schedules import (
     peak_holdings,
     pending_key,
     rank_stages,
+    rounds_priced,
     stage_rank,
     unfolded_key,
 )
@@ -795,8 +796,7 @@ def rounds_priced_after(lay: Layout) -> bool:
     bound on that price (so its cutoffs stay proofs); its split, polished on the price, is then the best the ILP
     proves by the ranks' sums, not the best by the price (on a 6-layer model's 70 interleaved layouts, 13 came out
     0.04-7.0% above the brute force's)."""
-    return lay.pp > 1 and lay.schedule == "interleaved-1f1b" and lay.virtual_stages > 1 \
-        and lay.num_micro_batches >= lay.pp
+    return rounds_priced(lay.schedule, lay.pp, lay.virtual_stages, lay.num_micro_batches)
 
 
 def _without_solver(model: CostModel, lay: Layout, modes: tuple[str, ...], warm, reason: str,

@@ -593,8 +593,14 @@ def _uniform_makespan(schedule: str, pp: int, v: int, m: int, t_f: float, t_b: f
 
 
 # The rounds (rounds_excess) are simulated only up to this many tasks (2p and 4p micro-batches over the p·v stages,
-# a forward and a backward each): 32 ranks of 4 chunks are 49,152 (~15 ms); beyond, the ranks' sums stand.
+# a forward and a backward each): 32 ranks of 4 chunks are 49,152 (~10 ms); beyond, the ranks' sums stand.
 ROUNDS_SIM_MAX_TASKS = 50_000
+
+
+def rounds_priced(schedule: str, pp: int, v: int, m: int) -> bool:
+    """Does :func:`rounds_excess` price this pipeline's rounds: interleaved 1F1B of v > 1 chunks a rank, m >= pp
+    micro-batches, its simulations within ROUNDS_SIM_MAX_TASKS?"""
+    return schedule == "interleaved-1f1b" and v > 1 and pp > 1 and m >= pp and 12 * pp * pp * v <= ROUNDS_SIM_MAX_TASKS
 
 
 def rounds_excess(pp: int, v: int, m: int, t_f: list[float], t_b: list[float], t_w: list[float],
@@ -613,7 +619,7 @@ def rounds_excess(pp: int, v: int, m: int, t_f: list[float], t_b: list[float], t
     already was), median 0.0%; the ranks' sums alone were up to 15% under (on the demo's priced plans 26%). Never
     below ``closed``: the search's bounds are bounds on it. Where no round's slowest chunk is slower than the rank's
     (every round's chunks alike), or the simulations would exceed ROUNDS_SIM_MAX_TASKS, 0.0."""
-    if v == 1 or pp == 1 or m < pp or 12 * pp * pp * v > ROUNDS_SIM_MAX_TASKS or slowest <= 0:
+    if not rounds_priced("interleaved-1f1b", pp, v, m) or slowest <= 0:
         return 0.0
     totals = [f + b + w for f, b, w in zip(t_f, t_b, t_w, strict=True)]
     # Each round is at most as slow as its slowest chunk on every rank: the period is at most the sum of the rounds'
