@@ -615,8 +615,8 @@ def rounds_excess(pp: int, v: int, m: int, t_f: list[float], t_b: list[float], t
     So the schedule itself is run: the event simulation of min(m, 4p) micro-batches, and beyond 4p its steady state
     extended by the time per micro-batch of its last 2p (over two rounds of micro-batches: some patterns alternate).
     Against the event simulation of all m micro-batches, on 150 random patterns of 2- and 3-layer chunks (p 4-16,
-    v 2-6, m 4p-16p): from 1.6% under to the closed form's own excess (up to 3.4% over where the closed form
-    already was), median 0.0%; the ranks' sums alone were up to 15% under (on the demo's priced plans 26%). Never
+    v 2-6, m 4p-16p): from 1.6% under to 3.4% over, median 0.0%, 17 over by more than 0.5% (the ranks' sums alone:
+    15% under to the same 3.4% over, 16 over by more than 0.5%; on the demo's priced plans up to 26% under). Never
     below ``closed``: the search's bounds are bounds on it. Where no round's slowest chunk is slower than the rank's
     (every round's chunks alike), or the simulations would exceed ROUNDS_SIM_MAX_TASKS, 0.0."""
     if not rounds_priced("interleaved-1f1b", pp, v, m) or slowest <= 0:
