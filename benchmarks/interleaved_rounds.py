@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from paraplan.cli import build_parser
+from paraplan.cli import build_parser, user_error_types
 from paraplan.commands.common import workload_from_args
 from paraplan.commands.plan import DEFAULT
 from paraplan.planner.costmodel import CostModel, least_recompute_prediction, stages_from_counts
@@ -44,11 +44,21 @@ def round_counts(layers: int, pp: int, v: int, first_rounds: bool) -> list[int]:
     return counts
 
 
-def main() -> None:
+def main() -> int:
     args = build_parser().parse_args(["plan", *sys.argv[1:]])
     for field in ("model", "cluster", "global_batch"):
         if getattr(args, field) is None:
             setattr(args, field, DEFAULT[field])
+    try:
+        report(args)
+    except user_error_types() as e:  # a bad model, cluster or option: one line, as `paraplan plan` says it
+        sys.stderr.write(f"interleaved_rounds.py: error: {e}\n")
+        return 2
+    return 0
+
+
+def report(args) -> None:
+    """The comparison for ``args`` (`paraplan plan`'s options, parsed)."""
     work = workload_from_args(args)
     gpus = args.gpus or work.cluster.num_gpus
     model = CostModel(work)
@@ -96,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -61,6 +61,7 @@ from .schedules import (
     peak_matrices,
     rank_stages,
     rounds_excess,
+    rounds_priced,
     stage_rank,
 )
 from .simulator import SimResult, simulate_pipeline
@@ -1394,7 +1395,7 @@ def _closed_form_pipeline(schedule: str, p: int, v: int, m: int, costs: list[Sta
     """evaluate's closed-form pipeline makespan: closed_form_makespan from the ranks' sums, and for interleaved 1F1B
     what its lock-step rounds add where their chunks differ (schedules.rounds_excess)."""
     makespan = closed_form_makespan(schedule, p, v, m, rank_time, rank_fwd, rank_w)
-    if schedule == "interleaved-1f1b":
+    if rounds_priced(schedule, p, v, m):  # (the stage times' lists only where they are read)
         makespan += rounds_excess(p, v, m, [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs],
                                   max(rank_time), makespan)
     return makespan

@@ -786,8 +786,12 @@ def best_partition(model: CostModel, lay: Layout, allowed_modes: tuple[str, ...]
         return _from_start(model, lay, modes, start, last_status.lower(), local_search)  # (a time-limited ILP)
     best.ilp_status, best.ilp_objective = last_status, last_obj
     if last_status == "optimal" and rounds_priced_after(lay):
-        best.ilp_status = "optimal by the ranks' sums, the rounds' wait priced after"
+        best.ilp_status = OPTIMAL_BY_RANK_SUMS
     return best
+
+
+# An interleaved split's ILP status where the ILP proved its split the best by the ranks' sums (rounds_priced_after)
+OPTIMAL_BY_RANK_SUMS = "optimal by the ranks' sums, the rounds' wait priced after"
 
 
 def rounds_priced_after(lay: Layout) -> bool:

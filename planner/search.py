@@ -44,6 +44,7 @@ from .errors import InvalidLayout, PlanError
 from .gc_pause import without_gc_pauses
 from .ilp import (
     EXHAUSTIVE_TIME_LIMIT_S,
+    OPTIMAL_BY_RANK_SUMS,
     SOLVER_TIME_LIMIT_S,
     best_partition,
     layout_modes,
@@ -1213,7 +1214,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
     if limited:
         notes.append(f"{limited} of {solves} ILPs stopped at their time limit ({time_limit:g} s each): those "
                      "layouts' splits are the best found, not proven the best")
-    by_sums = sum(c.solver.startswith("optimal by the ranks' sums") for c in candidates)
+    by_sums = sum(c.solver == OPTIMAL_BY_RANK_SUMS for c in candidates)
     if by_sums:
         notes.append(f"{by_sums} interleaved layout{'s' if by_sums > 1 else ''}' splits are the ILP's best by the "
                      "ranks' sums: the wait of unequal chunks in the schedule's rounds, priced after, is not in the "
