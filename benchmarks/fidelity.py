@@ -186,6 +186,13 @@ def h100() -> tuple[list, list]:
     return fitted, [p for p in preds if p.run.id not in fit_h100.FIT_ROWS]
 
 
+def torchtitan_a100() -> tuple[list, list[tuple[str, str]]]:
+    """(predicted, [(id, why left out)]): torchtitan's FSDP2 rows on 64 A100 80GB (published.torchtitan_a100_runs),
+    priced on DGX A100 nodes (the runs' network is not published), all held out."""
+    runs, skipped = published.torchtitan_a100_runs()
+    return [published.predict(r, cluster="dgx-a100-80gb") for r in runs], skipped
+
+
 def _summary(name: str, errors: list[float]) -> str:
     worst = max(errors, key=abs)
     return f"{name}: {len(errors)} rows, MAPE {100 * statistics.mean(map(abs, errors)):.1f}%, worst {100 * worst:+.1f}%"
@@ -239,6 +246,16 @@ def main() -> int:
     print(_summary("  held out", [p.error for p in held]))
     print(f"  published configurations predicted to fit: {sum(p.prediction.fits for p in fitted + held)} of "
           f"{len(fitted) + len(held)}")
+    print("torchtitan FSDP2 on 64 A100 80GB (--framework torchtitan --cluster dgx-a100-80gb; tokens/s per GPU as "
+          "published, August 2024), all held out")
+    titan, skipped = torchtitan_a100()
+    for p in titan:
+        print(f"  {p.run.id:60s} {p.layout.short():24s} {p.prediction.iteration_time_s:7.3f} s vs "
+              f"{p.run.value:7.3f} s ({100 * p.error:+5.1f}%){'' if p.prediction.fits else '  DOES NOT FIT'}")
+    print(_summary("  held out", [p.error for p in titan]))
+    print(f"  published configurations predicted to fit: {sum(p.prediction.fits for p in titan)} of {len(titan)}")
+    for rid, why in skipped:
+        print(f"  left out: {rid}: {why}")
     return 0
 
 

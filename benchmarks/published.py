@@ -279,3 +279,36 @@ class _Hashable:
 
     def __eq__(self, other):
         return self.key == other.key
+
+
+# torchtitan's own tables on 64 A100 80GB (docs/performance.md, August 2024): FSDP2 alone, so every parameter, gradient
+# and optimizer state sharded over the 64 ranks and the parameters gathered per block for forward and again for
+# backward (reshard_after_forward: ZeRO 3 here); its AC modes as --recompute: "no" none, "full" full, "selective op"
+# its per-op SAC, which --framework torchtitan prices under selective (planner/framework.py). "selective layer"
+# (every other block checkpointed whole, selective_ac_option "2") is one mode per block, not per stage: left out.
+TORCHTITAN_AC = {"no": "none", "none": "none", "full": "full", "selective op": "selective"}
+
+
+def torchtitan_a100_runs() -> tuple[list[Run], list[tuple[str, str]]]:
+    """(runs, [(id, why left out)]) of the torchtitan rows of published_a100_extra.yaml, as a user would give them
+    to ``paraplan simulate --framework torchtitan --cluster dgx-a100-80gb``."""
+    rows = yaml.safe_load((DATA / "published_a100_extra.yaml").read_text())["rows"]
+    runs, skipped = [], []
+    for row in rows:
+        if "torchtitan" not in str(row.get("framework", "")).lower():
+            continue
+        rid, mode = row["id"], TORCHTITAN_AC.get(str(row.get("recompute", "")).lower())
+        if mode is None:
+            skipped.append((rid, f"activation checkpointing '{row.get('recompute')}' is per block, not per stage"))
+            continue
+        gpus, seq, gb = row["gpus"], row["seq_len"], row["global_batch"]
+        dp = row["fsdp"]
+        spec = load_model_spec(PRESETS[row["model"]]).replace(seq_length=seq)
+        layout = dict(dp=dp, tp=row["tp"], pp=row["pp"], cp=1, micro_batch=row["local_batch_per_dp_rank"],
+                      global_batch=gb, dtype="bf16", schedule="1f1b", virtual_stages=1, sequence_parallel=False,
+                      zero=3, recompute=mode)
+        runs.append(Run(id=rid, source=str(row.get("source", "")), model=row["model"], spec=spec, gpus=gpus,
+                        framework="torchtitan", layout=layout, seq_len=seq, measured="step_time_s",
+                        value=gb * seq / (row["tokens_per_s_per_gpu"] * gpus), recompute_stated=True,
+                        group=f"{row['model']}/bf16"))
+    return runs, skipped

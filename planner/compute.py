@@ -77,6 +77,9 @@ class PassTimes:
     mlp_fwd: float = 0.0  # the MLP sublayer's forward, dense MLP or MoE block (what MLP recomputation repeats)
     mlp_last_gemm: float = 0.0  # of which its last GEMM (a dense MLP's down projection)
     prologue_fwd: float = 0.0  # the attention's prologue (models.in_attention_prologue): selective repeats it too
+    # the forward's work outside its GEMMs and attention core: norms, activations, residual adds (what torchtitan's
+    # per-op checkpoint reruns besides some GEMMs: planner/op_sac.py)
+    elementwise_fwd: float = 0.0
 
     @property
     def bwd(self) -> float:
@@ -184,8 +187,12 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
                          for flops, sharded in zip(mix.prologue_gemm_flops, mix.prologue_gemm_sharded, strict=True))
     prologue_traffic = fwd_traffic * mix.other_bytes_prologue / mix.other_bytes if mix.other_bytes else 0.0
     prologue_fwd = prologue_gemms + prologue_traffic + elementwise * mix.kernels_prologue * overhead
+    linear_gemms = len(mix.gemm_flops) - sum(mix.gemm_core)
+    elementwise_fwd = fwd_traffic * (1.0 - core_frac) + hidden_dropout \
+        + elementwise * max(mix.kernels - mix.kernels_core - linear_gemms, 0) * overhead
     return PassTimes(fwd=fwd, bwd_input=bwd_input, bwd_weight=bwd_weight, core_fwd=gemm_core + core_fwd_traffic,
-                     mlp_fwd=mlp_fwd, mlp_last_gemm=last_mlp, prologue_fwd=prologue_fwd)
+                     mlp_fwd=mlp_fwd, mlp_last_gemm=last_mlp, prologue_fwd=prologue_fwd,
+                     elementwise_fwd=elementwise_fwd)
 
 
 def measured_pass_times(fwd_ms: float, bwd_ms: float, estimate_tp1: PassTimes, estimate: PassTimes) -> PassTimes:
@@ -198,6 +205,8 @@ def measured_pass_times(fwd_ms: float, bwd_ms: float, estimate_tp1: PassTimes, e
     mlp_frac = estimate.mlp_fwd / estimate.fwd if estimate.fwd else 0.0
     last_frac = estimate.mlp_last_gemm / estimate.fwd if estimate.fwd else 0.0
     prologue_frac = estimate.prologue_fwd / estimate.fwd if estimate.fwd else 0.0
+    elementwise_frac = estimate.elementwise_fwd / estimate.fwd if estimate.fwd else 0.0
     fwd = fwd_ms * 1e-3 * f_scale
     return PassTimes(fwd=fwd, bwd_input=bwd * (1 - w_frac), bwd_weight=bwd * w_frac, core_fwd=fwd * core_frac,
-                     mlp_fwd=fwd * mlp_frac, mlp_last_gemm=fwd * last_frac, prologue_fwd=fwd * prologue_frac)
+                     mlp_fwd=fwd * mlp_frac, mlp_last_gemm=fwd * last_frac, prologue_fwd=fwd * prologue_frac,
+                     elementwise_fwd=fwd * elementwise_frac)

@@ -31,8 +31,8 @@ from paraplan.hardware_specs import FRAMEWORK_EVENTS
 from paraplan.models import latent_down_params
 from paraplan.profiler.tp_view import region_collectives
 
-from . import comm, context_parallel, fp8, moe
-from .compute import estimate_pass_times, measured_pass_times, softmax_falls_back
+from . import comm, context_parallel, fp8, moe, op_sac
+from .compute import estimate_pass_times, gemm_dtype, gemm_seconds, measured_pass_times, softmax_falls_back
 from .concerns import RankLoad, exposed_seconds, sync_summary, traffic
 from .cpu_share import CpuShare
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
@@ -333,13 +333,17 @@ class Prediction:
         }
 
 
-def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: bool) -> list:
+def _rerun_collectives(layer, mode: str, colls: list, sp: bool, fw, early_stop: bool, per_op: bool = False) -> list:
     """The forward collectives of a layer under tensor parallelism that recomputation ``mode`` reruns in
     backward: all of them (full; a dense MLP region's come last, as it runs last) or the MLP region's (mlp: a
     dense layer's second TP region, attention's popping first; an MoE block has none, each rank routing its own
     sequence shard), less the MLP's output reduce under an early-stopping checkpoint; and under selective
     recomputation of MLA's up-projections (Megatron-Core's mla_up_proj) the latents' all-gather their
-    column-parallel linears run first with sequence parallelism (CostModel._tp_collectives)."""
+    column-parallel linears run first with sequence parallelism (CostModel._tp_collectives). ``per_op``: torchtitan's
+    per-op policy (planner/op_sac.py) keeps the reduce-scatters' outputs and reruns the rest (the gathers wk's and
+    w3's inputs come from)."""
+    if per_op:
+        return [c for c in colls if c.phase == "fwd" and c.op != "reduce_scatter"]
     mla_up = recomputes_core(mode) and fw.selective_extra == "mla"
     up_proj = [c for c in colls if c.what == "latents"] if mla_up else []
     if mode == "full":
@@ -662,7 +666,10 @@ class CostModel:
         # MoE block's output is a weighted sum that keeps its experts' outputs: nothing skipped there.
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             recomputes_mlp(mode) or (mode == "full" and work.spec.family != "bert"))
-        again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop) if t > 1 else []
+        # torchtitan's per-op selective checkpoint, where it describes the block (planner/op_sac.py)
+        per_op_block = op_sac.applies(fw, work.spec, layer, lay.dtype, moe_layer)
+        per_op = per_op_block and mode == "selective"
+        again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop, per_op) if t > 1 else []
         # the MLP's GEMMs as FLOPs computed: a rank view's routed experts at the mean rank's load (moe.routed_work),
         # not the most loaded rank's its times carry
         routed = moe.routed_work(fw) / moe.routed_load(fw) if moe_layer else 1.0
@@ -676,7 +683,12 @@ class CostModel:
             share = 1.0 if _replicated_on_shard(work, lay, layer) else \
                 t * _tp_flops_share(work.profile(lay.dtype).layers[i].fwd_ops, t)
             recompute_time, rflops = times.fwd, layer.fwd_flops * b * share
-        if recomputes_core(mode):  # the attention core, and its prologue where it has one (MLA's up-projection)
+        if per_op:  # every second matmul (wk, wo, w3) and all the element-wise work; SDPA's output kept
+            rerun = op_sac.rerun_gemm_flops(work.spec, tokens)
+            gemm_type = gemm_dtype(lay.dtype, layer.kind, False)
+            recompute_time = times.elementwise_fwd + sum(gemm_seconds(f / t, cluster.gpu, gemm_type) for f in rerun)
+            rflops = sum(rerun)
+        elif recomputes_core(mode):  # the attention core, and its prologue where it has one (MLA's up-projection)
             core_flops = sum(f for f, c in zip(layer.fwd_ops.gemm_flops, layer.fwd_ops.gemm_core, strict=True) if c)
             recompute_time = times.core_fwd
             if prologue:
@@ -727,6 +739,9 @@ class CostModel:
 
         def saved(u: str) -> float:
             """Bytes the block keeps per micro-batch until its backward, in recomputation mode ``u``."""
+            if per_op and u == "selective":
+                kept = op_sac.saved_bytes(work.spec, tokens, t, sp, 4 if lay.dtype == "fp32" else 2)
+                return kept + (cpc.saved_bytes if cpc is not None else 0.0)
             kept = layer_activation_bytes(layer, b, t, sp, u, work.attention, fw.sp_saves_gathered_input, prologue,
                                           softmax_fallback, whole_latents=not _replicated_on_shard(work, lay, layer))
             if fw.saved_activations == "fused" and work.attention == "flash" and layer.kind == "transformer_layer":
@@ -743,7 +758,7 @@ class CostModel:
         # sublayer's (mlp; with selective, the MLP's: the attention core's are rebuilt in turn, after it)
         working = saved("none") if mode == "full" else \
             saved("selective" if recomputes_core(mode) else "none") - acts if recomputes_mlp(mode) else \
-            saved("none") - acts if recomputes_norm_act(mode) else 0.0
+            saved("none") - acts if recomputes_norm_act(mode) or per_op else 0.0
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working

@@ -162,8 +162,12 @@ class Framework:
     # (models.in_attention_prologue: MLA's latent norms and up-projection, Qwen3's q/k norms with the rotary
     # embedding and K/V sharing), but not under context parallelism (this executor's checkpoint); "mla" — MLA's
     # up-projections (Megatron-Core's recompute_modules mla_up_proj, which paraplan's export adds for MLA models);
-    # "" — the core alone (Megatron's core_attn elsewhere, DeepSpeed, torchtitan's op-level selective checkpoint)
+    # "" — the core alone (Megatron's core_attn elsewhere, DeepSpeed; torchtitan's op-level policy: selective_policy)
     selective_extra: str = ""
+    # Whose selective recomputation: "core" — the attention core (with selective_extra); "torchtitan-op" —
+    # torchtitan's per-op checkpoint policy (planner/op_sac.py: every second matmul of a block and all its
+    # element-wise work rerun, SDPA's output kept), on the blocks it describes
+    selective_policy: str = "core"
     # Adam's state under ZeRO's accounting ("zero" states; OPTIMIZER_STATES): bytes per parameter of the master
     # weights (16-bit training only) and of the two moments (memory.state_bytes, dp_sync.optimizer_step)
     master_bytes: int = 4
@@ -279,7 +283,7 @@ DEEPSPEED = Framework(
 TORCHTITAN = Framework(
     name="torchtitan", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
     dp_sync_pipelined="end", cp_comm="all_gather_overlap", fp8_saves_fp8_inputs=False, fp8_weight_bytes=0.0,
-    fp8_scaling="dynamic", recompute_early_stop=True, tp_always_sp=True,
+    fp8_scaling="dynamic", recompute_early_stop=True, tp_always_sp=True, selective_policy="torchtitan-op",
     source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
            "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
 

@@ -539,8 +539,14 @@ def test_torchtitan_reads_the_3d_and_zero3_plans(plans, tmp_path, torchtitan_con
         [sum(n.startswith("layers.") for n in s) for s in plan.stages]
     assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
     assert cfg.activation_checkpoint.mode == "selective"
-    # torchtitan's op-level policy is not the plan's selective recomputation: said, not hidden
+    # torchtitan's op-level policy is not the plan's selective recomputation: said, not hidden; a plan priced for
+    # torchtitan priced that policy (planner/op_sac.py): nothing to say
     assert "is not the plan's selective recomputation" in " ".join(p.stderr.split())
+    from paraplan.planner.exports.torchtitan import activation_checkpoint
+
+    notes: list[str] = []
+    titan = __import__("dataclasses").replace(plan, framework="torchtitan")
+    assert activation_checkpoint(titan, notes) == {"mode": "selective", "selective_ac_option": "op"} and not notes
 
     z3, _ = plans["z3"]
     cfg, dims = parse_torchtitan(torchtitan_config, export_plan(z3, "torchtitan").text, tmp_path,

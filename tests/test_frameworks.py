@@ -566,3 +566,53 @@ def test_torchtitan_prices_only_what_torchtitan_runs():
     out = run_cli_json("simulate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "64", "--dp",
                        "2", "--tp", "2", "--pp", "1", "--micro-batch", "1", "--framework", "torchtitan")
     assert out["plan"]["sequence_parallel"] is True and any("sequence parallelism always" in n for n in out["notes"])
+
+
+def _block(model: CostModel, lay: Layout, mode: str):
+    """Layer 1's (a transformer layer's) block cost under ``mode``."""
+    return model.block_cost(1, lay.replace(recompute=mode), layout_placement(model.work.cluster, lay), mode)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torchtitan_selective_is_its_per_op_checkpoint(tp):
+    """torchtitan's selective mode (selective_ac_option "op"; torchtitan parallelize_llama.py's _custom_policy) saves
+    the outputs of aten.mm, SDPA and reduce_scatter_tensor except every second mm of a block, and reruns the rest.
+    Its Llama block's mms run wq, wk, wv, wo, w1, w3, w2: it keeps the input, wq, wv, w1 and w2 outputs, SDPA's
+    output and fp32 log-sum-exp (and under SP the two reduce-scatter outputs), and reruns wk, wo and w3 with all
+    the element-wise work. Expected bytes and FLOPs from that policy on llama-small's shape (h 1024, 16 heads of
+    64, 8 K/V heads, FFN 2816); Megatron-Core's selective (the attention core) is unchanged beside it."""
+    titan, mcore = _model("torchtitan"), _model("megatron-core")
+    lay = Layout(dp=64 // (8 * tp), tp=tp, pp=8, micro_batch=1, global_batch=64, sequence_parallel=tp > 1, zero=1)
+    h, q, kv, f, heads, s = 1024, 1024, 512, 2816, 16, 1024
+    shard = tp if tp > 1 else 1
+    per_token = 2 * (h / shard + (q + kv + f) / tp + h + q / tp + (2 * h / tp if tp > 1 else 0)) + 4 * heads / tp
+    sel = _block(titan, lay, "selective")
+    assert sel.act_bytes == pytest.approx(per_token * s)
+    assert sel.recompute_flops == pytest.approx(2 * s * (h * kv + q * h + h * f))  # wk, wo, w3, the whole group's
+    none, full = _block(titan, lay, "none"), _block(titan, lay, "full")
+    assert full.act_bytes < sel.act_bytes < none.act_bytes
+    assert 0 < sel.recompute < full.recompute
+    assert sel.act_working == pytest.approx(none.act_bytes - sel.act_bytes)  # what the rerun rebuilds, in backward
+    core = _block(mcore, lay, "selective")
+    assert core.recompute_flops < sel.recompute_flops and core.act_bytes != pytest.approx(sel.act_bytes)
+    if tp > 1:  # the sequence all-gathers wk's and w3's inputs come from run again; the reduce-scatters' outputs stay
+        from paraplan.planner.costmodel import TP_KINDS
+
+        gather, scatter = TP_KINDS.index("all_gather"), TP_KINDS.index("reduce_scatter")
+        assert sel.tp_traffic[gather] == pytest.approx(none.tp_traffic[gather] + 2 * s * h * 2)  # two s x h gathers
+        assert sel.tp_traffic[scatter] == pytest.approx(none.tp_traffic[scatter])
+
+
+def test_torchtitan_per_op_checkpoint_only_where_it_describes_the_block():
+    """MoE blocks (grouped expert GEMMs are not aten.mm) and FP8 (torchao's _scaled_mm) keep the attention-core
+    pricing of selective under torchtitan: the same block cost as the executor's profile would give there."""
+    from paraplan.planner import op_sac
+
+    titan = CostModel(Workload.create("mixtral-8x7b", "dgx-h100", 256, nodes=4, framework="torchtitan"))
+    layer = titan.work.profile("bf16").layers[1]
+    assert not op_sac.applies(titan.work.framework, titan.work.spec, layer, "bf16", moe_layer=True)
+    dense = _model("torchtitan")
+    layer = dense.work.profile("bf16").layers[1]
+    assert op_sac.applies(dense.work.framework, dense.work.spec, layer, "bf16", moe_layer=False)
+    assert not op_sac.applies(dense.work.framework, dense.work.spec, layer, "fp8", moe_layer=False)
+    assert not op_sac.applies(_model("megatron-core").work.framework, dense.work.spec, layer, "bf16", False)

@@ -195,10 +195,13 @@ def activation_checkpoint(plan: Plan, notes: list[str]) -> dict:
     if mode == "selective":
         # torchtitan's op-level policy (models/*/infra/parallelize.py _op_sac_save_list, distributed/
         # activation_checkpoint.py): saves the attention kernel's output and every other matmul's, reruns the rest
-        notes.append("torchtitan's selective checkpoint ('op') is not the plan's selective recomputation (the "
-                     "attention core rerun): it saves the attention kernel's output and every other matmul's output "
-                     "and reruns the other matmuls and the element-wise ops, so its memory and time differ from the "
-                     "plan's (more recomputation, fewer activations kept)")
+        # a plan priced for torchtitan priced this policy already (planner/op_sac.py), on the blocks it describes
+        if plan.framework != "torchtitan":
+            notes.append("torchtitan's selective checkpoint ('op') is not the plan's selective recomputation (the "
+                         "attention core rerun): it saves the attention kernel's output and every other matmul's "
+                         "output and reruns the other matmuls and the element-wise ops, so its memory and time differ "
+                         "from the plan's (more recomputation, fewer activations kept); plan with --framework "
+                         "torchtitan to price it")
         return {"mode": "selective", "selective_ac_option": "op"}
     if mode in ("norm+act", "mlp", "selective+mlp"):  # torchtitan checkpoints whole blocks or ops, not one sublayer
         notes.append(f"torchtitan has no recomputation of one sublayer or module ({mode}): full recomputation is "
