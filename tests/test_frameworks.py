@@ -616,3 +616,30 @@ def test_torchtitan_per_op_checkpoint_only_where_it_describes_the_block():
     assert op_sac.applies(dense.work.framework, dense.work.spec, layer, "bf16", moe_layer=False)
     assert not op_sac.applies(dense.work.framework, dense.work.spec, layer, "fp8", moe_layer=False)
     assert not op_sac.applies(_model("megatron-core").work.framework, dense.work.spec, layer, "bf16", False)
+
+
+def test_per_op_checkpoint_is_what_torchtitans_own_block_keeps_and_reruns():
+    """The trace, not the formula's own reading of the policy: torchtitan's llama3 TransformerBlock under its own
+    _apply_op_sac and llama3 save list, traced on CPU (tests/torchtitan_op_sac_trace.py). What it keeps after its
+    forward is op_sac.saved_bytes less the block's input (which existed before the trace), to the byte; its backward
+    runs op_sac.rerun_gemm_flops more matmul FLOPs than without checkpointing, exactly."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from paraplan.models import spec_from_mapping
+    from paraplan.planner import op_sac
+
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "torchtitan_op_sac_trace.py")], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout)
+    spec = spec_from_mapping({"name": "titan-block", "family": "llama", "num_layers": 2, "hidden_size": 256,
+                              "num_attention_heads": 8, "num_kv_heads": 4, "ffn_hidden_size": got["ffn"],
+                              "vocab_size": 1000, "seq_length": 64}, "titan-block")
+    tokens = got["tokens"]
+    assert got["kept_op_sac"] == op_sac.saved_bytes(spec, tokens, 1, False, 4) - tokens * 256 * 4
+    assert got["backward_flops_op_sac"] - got["backward_flops_none"] == sum(op_sac.rerun_gemm_flops(spec, tokens))
+    assert got["kept_op_sac"] < got["kept_none"] / 2
