@@ -628,7 +628,6 @@ def test_per_op_checkpoint_is_what_torchtitans_own_block_keeps_and_reruns():
     import sys
 
     from conftest import ROOT
-
     from paraplan.models import spec_from_mapping
     from paraplan.planner import op_sac
 
