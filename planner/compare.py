@@ -186,7 +186,7 @@ class DPLayoutRow:
 
 
 KIND_NAMES = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
-              "send_recv": "push/pull"}
+              "send_recv": "push/pull", "copy": "gathered-weight copy"}
 
 
 def _sync_view(work: Workload, pred: Prediction) -> tuple[dict, float, float]:

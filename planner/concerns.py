@@ -80,7 +80,7 @@ class Sync:
     per_moe_shared·moe_shared`` bytes (affine in the rank's load) through ``time`` (seconds for n bytes), plus
     ``extra`` seconds (e.g. a server's update)."""
 
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv; copy: GPU memory, no network
     time: Callable[[float], float]
     per_param: float = 0.0
     const_bytes: float = 0.0
@@ -163,7 +163,8 @@ class Exposure:
         return self.count * (t if self.floor == "none" else max(0.0, t))
 
     def traffic(self, load: RankLoad) -> list[tuple[str, float]]:
-        return [(s.kind, self.count * s.nbytes(load)) for s in self.syncs]
+        """Network bytes by kind (a ``copy`` moves none)."""
+        return [(s.kind, self.count * s.nbytes(load)) for s in self.syncs if s.kind != "copy"]
 
 
 def least_slope(time: Callable[[float], float]) -> float:

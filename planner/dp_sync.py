@@ -13,7 +13,11 @@ By framework (planner/framework.py):
   - ZeRO 2/3: a reduce-scatter of 4·P bytes after every micro-batch's backward, hidden behind the rank's
     backward compute; ZeRO 2 gathers the bf16 weights (2·P) once per step before the first forward, ZeRO 3
     for every forward and again for every backward, each hidden behind that pass's compute. Under ZB-V
-    the gradients are reduced once, after the last backward (pipeline.py), exposed.
+    the gradients are reduced once, after the last backward (pipeline.py), exposed. Each gather is then
+    copied out of FSDP2's all-gather buffer into the unsharded weights on the compute stream (torch
+    fsdp/_fully_shard: FSDPParamGroup.wait_for_unshard -> foreach_all_gather_copy_out ->
+    split_with_sizes_copy): 2·(2·P) bytes of GPU memory read and written per gather, which nothing hides
+    (:func:`copy_out`). The same for every FSDP2 stack (torchtitan, NeMo Automodel).
 - ``zero`` states (Megatron-LM, DeepSpeed): ZeRO 0 all-reduces, ZeRO 1-3 reduce-scatter, the gradients
   (``Framework.grad_bytes`` per element) once per step, overlapping the last backward when the stack
   overlaps (in buckets, the last of which cannot hide: :func:`bucket_bytes`); ZeRO 1/2 all-gather the updated
@@ -35,6 +39,13 @@ from .placement import Placement, consecutive_group, layout_placement
 from .schedules import runtime_unshards
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+
+
+def copy_out(gpu):
+    """Seconds for FSDP2's copy-out of n gathered bytes on ``gpu``: read and written once each through its
+    memory at the memory-bound efficiency (an element-wise copy)."""
+    rate = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    return lambda n: n / rate
 
 
 def bucket_bytes(fw, lay: Layout, elem: float) -> float:
@@ -112,12 +123,12 @@ def dp_exposures(model, lay: Layout, place: Placement, root_params: float, tied_
         return items + [Exposure(Sync("all_reduce", both, per_param=ge), hidden=window, floor="bucket",
                                  bucket_bytes=DDP_BUCKET_BYTES, bucket_time=all_reduce)]
     if fw.states == "executor":
-        return items + _executor(lay, fw, all_reduce, gather, window, ge, wb, m, root_params)
+        return items + _executor(lay, fw, all_reduce, gather, window, ge, wb, m, root_params, copy_out(cluster.gpu))
     return items + _zero_accounting(lay, fw, all_reduce, gather, window, ge, wb, m)
 
 
 def _executor(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: int, m: int,
-              root_params: float) -> list[Exposure]:
+              root_params: float, copy) -> list[Exposure]:
     if lay.zero <= 1:
         if lay.pp == 1:
             last = DDP_BUCKET_BYTES if executor_uses_ddp(lay) else root_params * ge
@@ -128,7 +139,7 @@ def _executor(lay: Layout, fw, all_reduce, gather, window: Affine, ge: int, wb: 
         if lay.zero == 1:  # owners broadcast their updated fp32 weights
             items.append(Exposure(Sync("all_gather", gather, per_param=4)))
         return items
-    return executor_sharded(lay, fw, gather, ge, wb, m, "per_param")
+    return executor_sharded(lay, fw, gather, ge, wb, m, "per_param", copy)
 
 
 def reduces_once(fw, lay: Layout) -> bool:
@@ -136,7 +147,7 @@ def reduces_once(fw, lay: Layout) -> bool:
     return sums_unsharded(fw, lay.pp, lay.schedule)
 
 
-def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str) -> list[Exposure]:
+def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str, copy=None) -> list[Exposure]:
     """FSDP2's ZeRO-2/3 ("executor" states): a gradient reduce-scatter per micro-batch under its backward, or
     once (:func:`reduces_once`: after a pipeline's last backward, exposed; without a pipeline under the last
     micro-batch's backward), the weights gathered once (ZeRO-2) or before every micro-batch's forward
@@ -144,18 +155,24 @@ def executor_sharded(lay: Layout, fw, gather, ge: int, wb: int, m: int, per: str
     (schedules.runtime_unshards: interleaved ranks of more than three chunks), each such gather hidden by one
     micro-batch's forward at most. ``per``: the load the bytes scale with (``per_param``; ``per_expert`` for the
     expert-parallel experts over their edp group, planner/moe.py). Under ZeRO-3 a backward both gathers the
-    weights and reduce-scatters the gradients, over one network: the two share its window (Exposure.also)."""
+    weights and reduce-scatters the gradients, over one network: the two share its window (Exposure.also).
+    ``copy``: seconds of n bytes of FSDP2's copy-out (:func:`copy_out`), once per gather on the compute stream,
+    exposed: 2·wb bytes a parameter (the gathered buffer read, the unsharded weights written)."""
     gathers = Sync("all_gather", gather, **{per: wb})
     scatter = Sync("reduce_scatter", gather, **{per: ge})
     fwd, bwd = Affine(fwd=1.0), Affine(bwd=1.0)
+
+    def copied(count: float) -> list[Exposure]:  # a ZeRO-3 step gathers 2m times (each forward, each backward)
+        return [Exposure(Sync("copy", copy, **{per: 2 * wb}), count=count)] if copy is not None and count else []
+
     if lay.zero == 2:
         if reduces_once(fw, lay):
             items = [Exposure(scatter)] if lay.pp > 1 else [Exposure(scatter, hidden=bwd, floor="zero")]
         else:
             items = [Exposure(scatter, count=m, hidden=bwd, floor="zero")]
         unshards = runtime_unshards(lay.schedule, lay.pp, lay.virtual_stages, m)
-        return items + [Exposure(gathers, count=unshards, hidden=fwd, floor="zero")]
-    items = [Exposure(gathers, count=m, hidden=fwd, floor="zero")]
+        return items + [Exposure(gathers, count=unshards, hidden=fwd, floor="zero")] + copied(unshards)
+    items = [Exposure(gathers, count=m, hidden=fwd, floor="zero")] + copied(2 * m)
     if not reduces_once(fw, lay):  # every micro-batch's backward gathers and reduce-scatters
         return items + [Exposure(scatter, count=m, hidden=bwd, floor="zero", also=(gathers,))]
     if lay.pp > 1:  # after the pipeline's last backward, exposed

@@ -566,7 +566,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
     edp ranks holding the same experts (ranks ep·etp apart), in dp_sync.py's style (dp_sync._executor and
     _zero_accounting with the edp group and the rank's ``experts``). ``root_experts``: the experts of the
     unit synced last (one layer's), which cannot hide behind the backward."""
-    from .dp_sync import bucket_bytes, executor_sharded, grad_bytes, weight_bytes
+    from .dp_sync import bucket_bytes, copy_out, executor_sharded, grad_bytes, weight_bytes
 
     work = model.work
     fw, cluster, busy = work.framework, work.cluster, place.gpus_per_node_busy
@@ -589,7 +589,7 @@ def expert_exposures(model, lay: Layout, place: Placement, root_experts: float =
             if lay.zero == 1:  # owners broadcast their updated fp32 experts over edp
                 items.append(Exposure(Sync("all_gather", gather, per_expert=4)))
             return items
-        return executor_sharded(lay, fw, gather, ge, wb, m, "per_expert")
+        return executor_sharded(lay, fw, gather, ge, wb, m, "per_expert", copy_out(cluster.gpu))
     # Megatron-Core: the expert-data-parallel group's buffers, like the dense ones (dp_sync._zero_accounting), in
     # buckets of the size the dense data-parallel group sets (one DistributedDataParallelConfig.bucket_size)
     if lay.pp > 1 and fw.dp_sync_pipelined == "end":

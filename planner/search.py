@@ -109,8 +109,8 @@ class Candidate:
 
 def ranked(candidates) -> list[Candidate]:
     """Fastest first; at the same predicted time, the plan that moves fewer bytes a step (its time depends less on how
-    well its communication overlaps: the demo's ZeRO-2 pick before its ZeRO-3 twin). Only tied candidates have
-    their traffic computed."""
+    well its communication overlaps: the demo's model under Megatron-Core, dp32 tp2 before dp16 tp2 cp2). Only tied
+    candidates have their traffic computed."""
     out = sorted(candidates, key=lambda c: c.time_s)
     i = 0
     while i < len(out):

@@ -642,3 +642,26 @@ def test_per_op_checkpoint_is_what_torchtitans_own_block_keeps_and_reruns():
     assert got["kept_op_sac"] == op_sac.saved_bytes(spec, tokens, 1, False, 4) - tokens * 256 * 4
     assert got["backward_flops_op_sac"] - got["backward_flops_none"] == sum(op_sac.rerun_gemm_flops(spec, tokens))
     assert got["kept_op_sac"] < got["kept_none"] / 2
+
+
+@pytest.mark.parametrize("fw", ["paraplan", "torchtitan"])
+def test_fsdp2_copies_each_gather_out_on_the_compute_stream(fw):
+    """FSDP2 copies every all-gather's output into the unsharded weights on the compute stream (torch
+    fsdp/_fully_shard: wait_for_unshard -> foreach_all_gather_copy_out -> split_with_sizes_copy): per gather the
+    rank's 16-bit weights read and written once, 2 x 2 bytes a parameter, at the GPU's memory-bound rate, hidden by
+    nothing. ZeRO-3 gathers before each micro-batch's forward and backward (2m), ZeRO-2 once a step; Megatron's
+    distributed optimizer (ZeRO-1, no FSDP2) copies nothing of the kind."""
+    from paraplan.planner.concerns import RankLoad
+
+    model = _model(fw)
+    gpu = model.work.cluster.gpu
+    rate = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    load = RankLoad(params=1e9, fwd=1.0, bwd=2.0, window=0.5)
+    for zero, gathers in ((3, 2 * 8), (2, 1)):
+        lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=zero)  # 8 micro-batches per replica
+        copies = [e for e in _items(model, lay) if e.sync.kind == "copy"]
+        assert len(copies) == 1 and copies[0].count == gathers
+        assert copies[0].seconds(load) == pytest.approx(gathers * 1e9 * 2 * 2 / rate)
+        assert copies[0].traffic(load) == []  # GPU memory, not the network
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
+    assert not [e for e in _items(_model("megatron-core"), lay) if e.sync.kind == "copy"]
