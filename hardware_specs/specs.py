@@ -80,6 +80,11 @@ class GPUSpec:
         return self.memory_GiB * 2**30
 
     @property
+    def memory_bound_Bps(self) -> float:
+        """Bytes per second a memory-bound kernel moves: HBM bandwidth at its memory-bound efficiency."""
+        return self.hbm_GBps * 1e9 * self.efficiency.memory_bound
+
+    @property
     def is_cpu(self) -> bool:
         """A host CPU standing in for GPUs (the ``local`` cluster): processes, gloo, fp32."""
         return self.name == "cpu"

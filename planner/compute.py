@@ -147,7 +147,7 @@ def estimate_pass_times(layer: LayerProfile, micro_batch_scale: float, tp: int, 
         gemm_core += t if core else 0.0
         gemm_mlp += t if mlp else 0.0
         last_mlp = t if mlp else last_mlp
-    hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    hbm = gpu.memory_bound_Bps
     overhead = gpu.efficiency.op_overhead_us * 1e-6
     if mix.other_bytes:  # the forward's split of memory traffic, applied to both passes
         core_frac = mix.other_bytes_core / mix.other_bytes

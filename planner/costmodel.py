@@ -703,7 +703,7 @@ class CostModel:
                 raise InvalidLayout(why, "recompute")
             eff = cluster.gpu.efficiency
             recompute_time += moe.norm_act_recompute_seconds(work.spec, lay, fw, tokens, moe_layer,
-                                                             cluster.gpu.hbm_GBps * 1e9 * eff.memory_bound,
+                                                             cluster.gpu.memory_bound_Bps,
                                                              eff.op_overhead_us * 1e-6)
         if early_stop:
             recompute_time -= times.mlp_last_gemm
@@ -809,7 +809,7 @@ class CostModel:
             times = times.scaled(self.cpu_share.compute(place.gpus_per_node_busy, ref))
         tokens = b * work.tokens_per_sample  # this rank's tokens of the micro-batch
         moe_layer = moe.is_moe(layer)
-        hbm_Bps = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+        hbm_Bps = gpu.memory_bound_Bps
         if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # quantising the FP8 GEMMs' operands (fp8.py)
             cast_f, cast_b = fp8.cast_seconds(work.spec, fw, tokens, t, sp, hbm_Bps,
                                               gpu.efficiency.op_overhead_us * 1e-6, moe_layer,

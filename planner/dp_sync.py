@@ -44,7 +44,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 def copy_out(gpu):
     """Seconds for FSDP2's copy-out of n gathered bytes on ``gpu``: read and written once each through its
     memory at the memory-bound efficiency (an element-wise copy)."""
-    rate = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    rate = gpu.memory_bound_Bps
     return lambda n: n / rate
 
 
@@ -226,7 +226,7 @@ def _parameter_servers(model, lay: Layout, place: Placement, ge: int) -> Exposur
     cluster, gpu = work.cluster, work.cluster.gpu
     in_node = lay.world_size <= cluster.gpus_per_node
     steps = 1 if lay.ps_staleness == 0 else lay.dp
-    hbm = gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound
+    hbm = gpu.memory_bound_Bps
     update = Affine(params=steps * adam_bytes_per_param(work.framework) / lay.ps_servers / hbm)
     sync = Sync("send_recv", lambda n: comm.parameter_server_sync(n, lay.num_gpus, lay.ps_servers, cluster, in_node,
                                                                    place.gpus_per_node_busy),
@@ -250,7 +250,7 @@ def optimizer_step(model, lay: Layout) -> Affine:
     key = ("optimizer", share, busy)  # all it depends on: one object for thousands of layouts (its terms cached)
     got = model.step_affines.get(key)
     if got is None:
-        per_param = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 * gpu.efficiency.memory_bound)
+        per_param = share * adam_bytes_per_param(work.framework) / gpu.memory_bound_Bps
         const = gpu.efficiency.framework("step")
         if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
             per_param, const = per_param * model.cpu_share.compute(busy), const * model.cpu_share.host(busy)

@@ -679,8 +679,7 @@ def expert_optimizer_step(model, lay: Layout) -> Affine:
         if share is None:
             got = Affine()
         else:
-            per_expert = share * adam_bytes_per_param(work.framework) / (gpu.hbm_GBps * 1e9 *
-                                                                          gpu.efficiency.memory_bound)
+            per_expert = share * adam_bytes_per_param(work.framework) / gpu.memory_bound_Bps
             if model.cpu_share.cpu:  # a CPU rank's share of the machine's cores (cpu_share.py)
                 per_expert *= model.cpu_share.compute(busy)
             got = Affine(experts=per_expert)
