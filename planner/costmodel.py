@@ -667,8 +667,7 @@ class CostModel:
         early_stop = fw.recompute_early_stop and not moe_layer and any(layer.fwd_ops.gemm_mlp) and (
             recomputes_mlp(mode) or (mode == "full" and work.spec.family != "bert"))
         # torchtitan's per-op selective checkpoint, where it describes the block (planner/op_sac.py)
-        per_op_block = op_sac.applies(fw, work.spec, layer, lay.dtype, moe_layer)
-        per_op = per_op_block and mode == "selective"
+        per_op = mode == "selective" and op_sac.applies(fw, work.spec, layer, lay.dtype, moe_layer)
         again = _rerun_collectives(layer, mode, colls, sp, fw, early_stop, per_op) if t > 1 else []
         # the MLP's GEMMs as FLOPs computed: a rank view's routed experts at the mean rank's load (moe.routed_work),
         # not the most loaded rank's its times carry

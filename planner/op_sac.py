@@ -30,7 +30,7 @@ POLICY = "torchtitan-op"  # Framework.selective_policy's value for this policy
 def applies(fw, spec, layer, dtype: str, moe_layer: bool) -> bool:
     """Whether selective recomputation of ``layer`` is this policy's: the framework checkpoints by it, and the
     block is a dense Llama layer whose linears are plain matmuls."""
-    return (getattr(fw, "selective_policy", "") == POLICY and layer.kind == "transformer_layer"
+    return (fw.selective_policy == POLICY and layer.kind == "transformer_layer"
             and spec.family == "llama" and not moe_layer and not getattr(spec, "mla", False)
             and not spec.qkv_bias and dtype != "fp8")
 
