@@ -751,7 +751,8 @@ class CostModel:
                 kept += cpc.saved_bytes
             if fw.fused_rms_norm and fw.saved_activations == "traced" and u != "full" and not recomputes_norm_act(u):
                 # the trace's eager RMSNorm keeps fp32 copies a fused kernel does not (planner/fused_norms.py)
-                kept -= layer_norm_excess_bytes(work.spec, tokens, t, sp, 4 if lay.dtype == "fp32" else 2, layer.kind)
+                kept -= layer_norm_excess_bytes(work.spec, tokens, t, sp, 4 if lay.dtype == "fp32" else 2, layer.kind,
+                                                qk_norms_kept=not (prologue and recomputes_core(u)))
             if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs
                 kept -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, u, moe_layer)
             return kept

@@ -6,8 +6,8 @@ autograd keeps, per normalised element, the input's fp32 upcast and the fp32 nor
 8 bytes; fp32: the input itself and the normalised tensor, 8 bytes). A fused kernel — torch's ``_fused_rms_norm_cuda``
 (``nn.RMSNorm`` on CUDA), whose backward formula in ``derivatives.yaml`` is ``_fused_rms_norm_backward(grad, input,
 normalized_shape, rstd, weight, ...)``, torchtitan's, Transformer Engine's — keeps the input (2 bytes in 16-bit,
-4 in fp32) and one fp32 reciprocal RMS per row, which both forms keep. So a stack that runs fused norms keeps
-6 bytes per normalised 16-bit element less than the trace (4 in fp32).
+4 in fp32) and one fp32 reciprocal RMS per row (the composite form keeps that too). So a stack that runs fused norms
+keeps 6 bytes per normalised 16-bit element less than the trace (4 in fp32).
 
 Per Llama layer that is the two hidden-size norms (sharded over the tensor-parallel ranks with sequence parallelism,
 whole on each without), and with Qwen3's query/key norms each rank's query and key heads; the LM head's final norm
@@ -26,10 +26,12 @@ EXCESS_BYTES = {2: 6, 4: 4}
 
 
 def layer_norm_excess_bytes(spec: TransformerSpec, tokens: float, tp: int, sp: bool, elem: int,
-                            kind: str) -> float:
+                            kind: str, qk_norms_kept: bool = True) -> float:
     """Bytes one rank's block of ``kind`` keeps less with fused RMSNorms than its trace shows, for ``tokens``
     tokens (micro-batch x sequence, per context-parallel rank), activations of ``elem`` bytes; 0.0 where the
-    block has no RMSNorm (gpt, bert: LayerNorm, which is one fused kernel on every device)."""
+    block has no RMSNorm (gpt, bert: LayerNorm, which is one fused kernel on every device). ``qk_norms_kept``:
+    False where selective recomputation reruns the query/key norms with the attention's prologue (nothing of
+    theirs is kept then)."""
     if spec.family != "llama":
         return 0.0
     per_elem = EXCESS_BYTES[elem]
@@ -39,7 +41,7 @@ def layer_norm_excess_bytes(spec: TransformerSpec, tokens: float, tp: int, sp: b
     if kind != "transformer_layer":
         return 0.0
     elements = 2 * hidden
-    if spec.qk_norm:  # over each local query and key head
+    if spec.qk_norm and qk_norms_kept:  # over each local query and key head
         elements += (spec.num_attention_heads + spec.kv_heads) * spec.head_dim / tp
     return tokens * elements * per_elem
 

@@ -79,3 +79,4 @@ def test_torchtitan_llama2_13b_without_recomputation_fits_as_it_ran():
     per_layer = 2 * 5120 * 6 * 2 * 4096  # two norms, 6 bytes an element, the micro-batch's tokens
     assert eager.memory_gib["activations"] - pred.memory_gib["activations"] == pytest.approx(
         (40 * per_layer + 5120 * 6 * 2 * 4096) / 2**30, rel=1e-6)  # the 40 layers and the head's final norm
+
