@@ -19,6 +19,9 @@ from paraplan import __version__
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 RECOMPUTE = ("none", "norm+act", "selective", "mlp", "selective+mlp", "full")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
+# plan's default memory margin (Workload.memory_margin): the demo's picks trace 0.8% (1F1B) to 1.2% (interleaved,
+# RMSNorm fused) above their predicted peaks in the executor's dry run; a plan at the GPU's last GiB would not survive
+PLAN_MEMORY_MARGIN = 0.02
 FRAMEWORK_CHOICES = ("paraplan", "megatron-core", "megatron-2021", "megatron-deepspeed", "deepspeed", "torchtitan",
                      "nemo-automodel")
 
@@ -66,6 +69,16 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.02, got {text!r}") from None
+    if not 0.0 <= value < 0.5:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 0.5 (a share of the GPU's memory), got {text}")
     return value
 
 
@@ -225,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="dry-run the top plan with the executor's own code (execute --dry-run): a plan whose traced "
                         "peak exceeds the GPU is dropped for the next (minutes for a large model)")
+    p.add_argument("--memory-margin", type=_margin, default=PLAN_MEMORY_MARGIN, metavar="SHARE",
+                   help="share of each GPU's memory the plans leave free for the prediction's own error against what "
+                        f"the executor allocates (default {PLAN_MEMORY_MARGIN:g}; 0 plans to the whole GPU)")
     _add_common(p)
 
     p = sub.add_parser("compare", help="several strategies and the optimum side by side")

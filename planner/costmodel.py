@@ -273,6 +273,7 @@ class Prediction:
     fits: bool
     peak_memory_gib: float
     memory_capacity_gib: float
+    memory_limit_gib: float  # what the plan may fill: the capacity less the planner's margin (Workload.memory_margin)
     memory_gib: dict[str, float]
     time_s: dict[str, float]
     bubble_fraction: float
@@ -312,9 +313,18 @@ class Prediction:
         state["rank_flops"], state["flops_of"] = self.rank_flops, None
         return state
 
+    def limit_text(self) -> str:
+        """The memory a plan may fill, in words: "80 GiB", or with a planning margin "78.4 GiB (80 GiB less the
+        planner's 2% margin)"."""
+        if self.memory_limit_gib >= self.memory_capacity_gib:
+            return f"{self.memory_capacity_gib:g} GiB"
+        share = 100 * (1 - self.memory_limit_gib / self.memory_capacity_gib)
+        return (f"{self.memory_limit_gib:.1f} GiB ({self.memory_capacity_gib:g} GiB less the planner's {share:.3g}% "
+                "margin)")
+
     @property
     def oom_by_gib(self) -> float:
-        return max(0.0, self.peak_memory_gib - self.memory_capacity_gib)
+        return max(0.0, self.peak_memory_gib - self.memory_limit_gib)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -322,7 +332,8 @@ class Prediction:
             "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.mfu, "hfu": self.hfu, "fits": self.fits, "peak_memory_gib": self.peak_memory_gib,
-            "memory_capacity_gib": self.memory_capacity_gib, "memory_gib": self.memory_gib, "time_s": self.time_s,
+            "memory_capacity_gib": self.memory_capacity_gib, "memory_limit_gib": self.memory_limit_gib,
+            "memory_gib": self.memory_gib, "time_s": self.time_s,
             "bubble_fraction": self.bubble_fraction, "num_gpus": self.layout.num_gpus,
             "world_size": self.layout.world_size, "method": self.method,
             "stages": [{"index": s.index, "rank": s.rank, "num_blocks": len(s.blocks), "recompute": s.recompute,
@@ -1165,7 +1176,7 @@ class CostModel:
         states = layout_states(self.work.framework, lay)
         holdings = peak_matrices(schedule, p, v, lay.num_micro_batches, prices_chunk_gathers(states))
         chosen, current = [modes[0]] * len(stages), self.stage_costs(lay, stages, [modes[0]] * len(stages))
-        cap = self.work.cluster.gpu.memory_GiB
+        cap = self.work.memory_limit_GiB
         grads_at_peak = [self.grads_at_activation_peak(lay, ranks[r], flights[r]) for r in range(p)]
 
         def fits_by_breakdown(r: int) -> Callable[[], bool]:  # where its first backward frees activations
@@ -1225,7 +1236,7 @@ class CostModel:
         ranks = [rank_stages(lay.schedule, r, p, v) for r in asked]
         costs = costs if costs is not None else self.stage_costs(lay, stages, stage_recompute)
         flights = in_flight(schedule, p, v, lay.num_micro_batches)
-        cap = self.work.cluster.gpu.memory_GiB
+        cap = self.work.memory_limit_GiB
         held = peak_matrices(schedule, p, v, lay.num_micro_batches,
                              prices_chunk_gathers(layout_states(self.work.framework, lay)))
         return [sum(b.values()) <= cap for b in self.rank_memory_breakdowns(
@@ -1400,7 +1411,8 @@ class CostModel:
             tokens_per_s=tokens / iteration, samples_per_s=lay.global_batch / iteration,
             model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,
             mfu=model_tflops * 1e12 / peak_flops, hfu=hw_tflops * 1e12 / peak_flops,
-            fits=peak <= gpu.memory_GiB, peak_memory_gib=peak, memory_capacity_gib=gpu.memory_GiB,
+            fits=peak <= work.memory_limit_GiB, peak_memory_gib=peak, memory_capacity_gib=gpu.memory_GiB,
+            memory_limit_gib=work.memory_limit_GiB,
             memory_gib=breakdowns[worst], time_s=time_s, bubble_fraction=bubble / iteration if iteration else 0.0,
             stages=costs, rank_memory_gib=rank_mem, rank_finish_s=list(finish), rank_dp_exposed_s=dp_exposed,
             in_flight=flights, method=method, sim=sim, notes=notes, rank_memory_breakdown_gib=breakdowns,

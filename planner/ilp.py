@@ -455,7 +455,7 @@ class StageILP:
             makespan = (m + beta) * Tmax
         z = pulp.LpVariable("iteration_before_optimizer", lowBound=0)
         o = pulp.LpVariable("optimizer_step", lowBound=0)
-        gpu = work.cluster.gpu
+        gpu, limit = work.cluster.gpu, work.memory_limit_GiB
         # where the collectives' secants are taken: every rank with 1/p of the model (the balanced split)
         first = [self.cost[(i, self.modes[0])] for i in range(self.n)]
         guess = RankLoad(params=max(sum(c.params - c.experts for c in first) / p, 1.0),
@@ -542,14 +542,14 @@ class StageILP:
             tensors = (states.weights + states.optimizer) * load.params + units + grads \
                 + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
-            prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_cap_rank_{r}"
+            prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= limit, f"mem_cap_rank_{r}"
             if early:  # before the first backward: no gradient (costmodel.gather_peaks)
                 before = tensors - acts - grads + peak_of(early, f"early_peak_rank_{r}")
-                prob += (before + untracked_bytes(gpu, before)) * (1 / 2**30) <= gpu.memory_GiB, \
+                prob += (before + untracked_bytes(gpu, before)) * (1 / 2**30) <= limit, \
                     f"mem_early_rank_{r}"
             if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)
                 first = states.start_per_param * load.params + expert_states.start_per_param * load.experts
-                prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= gpu.memory_GiB, f"mem_start_rank_{r}"
+                prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= limit, f"mem_start_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
         scale = 1.0 / max(self._rough_time(), 1e-12)
         prob += (z + o) * scale
@@ -964,7 +964,6 @@ def _oom_message(model: CostModel, lay: Layout, modes: tuple[str, ...], status: 
 
     least = "full" if "full" in modes else modes[0]
     pred = model.evaluate(lay.replace(recompute=least), default_stages(model, lay.replace(recompute=least)))
-    over = pred.peak_memory_gib - pred.memory_capacity_gib
-    if over > 0:
-        return f"out of memory by {over:.1f} GiB ({pred.peak_memory_gib:.1f} of {pred.memory_capacity_gib:g} GiB)"
+    if pred.oom_by_gib > 0:
+        return f"out of memory by {pred.oom_by_gib:.1f} GiB ({pred.peak_memory_gib:.1f} of {pred.limit_text()})"
     return f"no stage split fits in memory (ILP {status.lower()})"

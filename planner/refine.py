@@ -118,4 +118,4 @@ def _simulate(model: CostModel, cand, kept: list) -> None:
     else:
         cand.status = "oom"
         cand.reason = (f"the event simulation's peak is {cand.prediction.peak_memory_gib:.1f} of "
-                       f"{cand.prediction.memory_capacity_gib:g} GiB")
+                       f"{cand.prediction.limit_text()}")

@@ -242,7 +242,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
           f"| throughput | {p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.4g} samples/s |",
           f"| per GPU | {tflops_text(p.model_tflops_per_gpu)} model TFLOP/s (MFU {100 * p.mfu:.1f}%), "
           f"{tflops_text(p.hardware_tflops_per_gpu)} hardware TFLOP/s (HFU {100 * p.hfu:.1f}%) |",
-          f"| memory per GPU | {p.peak_memory_gib:.1f} of {p.memory_capacity_gib:g} GiB (params "
+          f"| memory per GPU | {p.peak_memory_gib:.1f} of {p.limit_text()} (params "
           f"{p.memory_gib['params']:.1f}, grads {p.memory_gib['grads']:.1f}, optimizer {p.memory_gib['optimizer']:.1f},"
           f" activations {p.memory_gib['activations']:.1f}, other {p.memory_gib['other']:.1f}) |",
           f"| stages | {', '.join(str(len(s)) for s in best.stages)} blocks |", "",
@@ -288,7 +288,7 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
             elif sp.cut_short:
                 q = stand_in.prediction if stand_in is not None else None
                 why = f"; the chosen layout at dp {stand_in.layout.dp} needs {q.peak_memory_gib:.1f} of " \
-                      f"{q.memory_capacity_gib:g} GiB" if q is not None else ""
+                      f"{q.limit_text()}" if q is not None else ""
                 md.append(f"| {sp.gpus} | not known ({sp.cut_short}){why} | | | |")
             else:
                 md.append(f"| {sp.gpus} | nothing fits | | | |")

@@ -34,6 +34,9 @@ class Workload:
     cluster: ClusterSpec
     global_batch: int
     framework: Framework = PARAPLAN  # the software stack priced (planner/framework.py)
+    # the share of each GPU's memory the planner leaves free for its own error against what the executor allocates
+    # (plan --memory-margin; 0.0: plans may fill the GPU, as simulate and compare price a layout)
+    memory_margin: float = 0.0
     _profiles: dict[str, ModelProfile] = field(default_factory=dict, repr=False)
     _measurements: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
     _tp_calls: dict[tuple, int] = field(default_factory=dict, repr=False)
@@ -82,6 +85,11 @@ class Workload:
             work.notes.append(f"sequence length {spec.seq_length:,}: the config.json's max_position_embeddings, the "
                               "longest the model takes, not necessarily the length to train at; --seq-len sets it")
         return work
+
+    @property
+    def memory_limit_GiB(self) -> float:
+        """GPU memory a plan may fill: the GPU's less the planning margin (``memory_margin``)."""
+        return self.cluster.gpu.memory_GiB * (1.0 - self.memory_margin)
 
     @property
     def attention(self) -> str:

@@ -400,3 +400,19 @@ def test_compare_keeps_expert_gradients_sharded_over_their_own_group(tmp_path):
         assert d["grad_bytes_per_gpu"] == pytest.approx(4 * (total - experts + experts / ep), rel=1e-6)
         assert d["kept_bytes_per_gpu"] == pytest.approx(4 * ((total - experts) / 8 + experts / ep / (8 // ep)),
                                                         rel=1e-6)
+
+
+def test_plans_leave_the_memory_margin_free(tmp_path):
+    """plan --memory-margin: the demo's top plans with the whole GPU include one above 98% of its 80 GiB; with the
+    default 2% margin none is, and each says what it may fill (78.4 GiB)."""
+    whole = run_cli_json("plan", "--out", str(tmp_path / "whole"), "--no-charts", "--memory-margin", "0")
+    assert max(p["peak_memory_gib"] for p in whole["top_k"]) > 0.98 * 80
+    kept = run_cli_json("plan", "--out", str(tmp_path / "kept"), "--no-charts")
+    assert all(p["peak_memory_gib"] <= 0.98 * 80 and p["fits"] for p in kept["top_k"])
+    assert kept["best"]["memory_limit_gib"] == pytest.approx(78.4) and kept["best"]["memory_capacity_gib"] == 80
+
+
+@pytest.mark.parametrize("share", ["0.5", "-0.1", "nan", "two"])
+def test_a_memory_margin_outside_its_range_is_a_one_line_error(share):
+    p = run_cli("plan", "--no-charts", "--memory-margin", share)
+    assert_one_line_error(p, "--memory-margin")

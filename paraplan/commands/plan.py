@@ -49,7 +49,9 @@ def nothing_fits_message(result: SearchResult, allowed_modes: tuple[str, ...] | 
         return (f"no valid layout for {result.work.spec.name} on {result.gpus} GPUs "
                 f"({len(result.candidates)} candidates, all invalid); try another GPU count or global batch")
     least, cand = min(needs, key=lambda x: x[0])
-    more = max(2, int(result.gpus * least / gpu.memory_GiB + 0.999))
+    share = result.work.memory_margin
+    margin = f" ({result.work.memory_limit_GiB:.1f} planned: --memory-margin {share:g})" if share else ""
+    more = max(2, int(result.gpus * least / result.work.memory_limit_GiB + 0.999))
     count, fits, searched = smallest_fitting_count(result.work, result.gpus, more, result.dtype, allowed_modes)
     per_node = result.work.cluster.gpus_per_node
     if fits is not None:
@@ -65,7 +67,7 @@ def nothing_fits_message(result: SearchResult, allowed_modes: tuple[str, ...] | 
         hint = f"try about {more} GPUs (--gpus/--nodes), a smaller global batch or a GPU with more memory"
     return (f"nothing fits on {result.gpus} GPUs: every layout needs at least {least:.1f} GiB per GPU (the least: "
             f"{cand.layout.short()}, with ZeRO-3 and full recomputation considered), each {gpu.name} has "
-            f"{gpu.memory_GiB:g} GiB; {hint}")
+            f"{gpu.memory_GiB:g} GiB{margin}; {hint}")
 
 
 def run(args) -> int:
@@ -86,6 +88,7 @@ def run(args) -> int:
         raise PlanError(f"--train-tokens must be a positive number, got {args.train_tokens:g}")
     out = report_folder(args.out, f"{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     work = ensure_calibrated(args, work)
+    work.memory_margin = args.memory_margin  # plans leave this share of each GPU free (Workload.memory_margin)
     model = CostModel(work)
     # the scaling chart's re-plans run in the background, beside the search and the drawing
     replans = None if args.no_charts else ScalingReplans(work, gpus, args.dtype or work.default_dtype(), model)
