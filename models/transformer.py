@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .moe import MoE
+from .norms import RMSNorm
 from .specs import TransformerSpec
 from .staged import StagedModel
 
@@ -151,8 +152,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, spec.kv_heads * d, bias=qkv_bias)
         self.wv = nn.Linear(h, spec.kv_heads * d, bias=qkv_bias)
         self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=bias)
-        self.q_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
-        self.k_norm = nn.RMSNorm(d, eps=1e-6) if spec.qk_norm else None
+        self.q_norm = RMSNorm(d, eps=1e-6) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=1e-6) if spec.qk_norm else None
         self.sequence_shard: SequenceShard | None = None  # context parallelism (the executor sets it)
         self.recompute_core = False  # selective recomputation (the executor sets it)
 
@@ -208,12 +209,12 @@ class LatentAttention(nn.Module):
         qk = self.nope + self.rope
         if spec.q_lora_rank:
             self.wq_a = nn.Linear(h, spec.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(spec.q_lora_rank, eps=1e-6)
+            self.q_norm = RMSNorm(spec.q_lora_rank, eps=1e-6)
             self.wq_b = nn.Linear(spec.q_lora_rank, a * qk, bias=False)
         else:
             self.wq = nn.Linear(h, a * qk, bias=False)
         self.wkv_a = nn.Linear(h, self.kv_rank + self.rope, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_rank, eps=1e-6)
+        self.kv_norm = RMSNorm(self.kv_rank, eps=1e-6)
         self.wkv_b = nn.Linear(self.kv_rank, a * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(a * self.v_dim, h, bias=False)
         # the executor's hook on the rotary key every head shares (tensor parallelism sums its gradient)
@@ -286,7 +287,7 @@ class MLP(nn.Module):
 
 def _norm(spec: TransformerSpec) -> nn.Module:
     if spec.family == "llama":
-        return nn.RMSNorm(spec.hidden_size, eps=1e-5)
+        return RMSNorm(spec.hidden_size, eps=1e-5)
     return nn.LayerNorm(spec.hidden_size, eps=1e-5)
 
 
