@@ -38,7 +38,6 @@ from .cpu_share import CpuShare
 from .dp_sync import dp_exposures, optimizer_step, sequence_parallel_weight_sync
 from .errors import InvalidLayout
 from .fused_activations import fused_layer_bytes
-from .fused_norms import layer_norm_excess_bytes
 from .layout import Layout, recomputes_core, recomputes_mlp, recomputes_norm_act
 from .memory import (
     FRAGMENTATION,
@@ -760,10 +759,6 @@ class CostModel:
                                          moe.padded_copies(fw))
             if cpc is not None and u != "full":  # the whole sequence's K/V an attention kernel saves (all-gather)
                 kept += cpc.saved_bytes
-            if fw.fused_rms_norm and fw.saved_activations == "traced" and u != "full" and not recomputes_norm_act(u):
-                # the trace's eager RMSNorm keeps fp32 copies a fused kernel does not (planner/fused_norms.py)
-                kept -= layer_norm_excess_bytes(work.spec, tokens, t, sp, 4 if lay.dtype == "fp32" else 2, layer.kind,
-                                                qk_norms_kept=not (prologue and recomputes_core(u)))
             if lay.dtype == "fp8" and layer.kind == "transformer_layer":  # TE keeps FP8 copies of linear inputs
                 kept -= fp8.saved_bytes_saving(work.spec, fw, tokens, t, sp, u, moe_layer)
             return kept

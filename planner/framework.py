@@ -111,10 +111,6 @@ class Framework:
     # activations a transformer layer keeps: "traced" = what the profiler traced eager PyTorch modules to save
     # (this executor); "fused" = Transformer Engine's fused modules (planner/fused_activations.py)
     saved_activations: str = "traced"
-    # RMSNorm runs a fused kernel that keeps only its input and per-row reciprocal RMS for its backward (torch's
-    # nn.RMSNorm on CUDA, torchtitan, Transformer Engine), where the trace shows the eager form's fp32 copies
-    # (planner/fused_norms.py); False: what the trace shows (this executor, checked against its own meta-device dry run)
-    fused_rms_norm: bool = False
     # Mixture of experts (planner/moe.py): the most loaded rank's routed tokens over the mean (multiplies the
     # experts' GEMM time and the all-to-all's); routed experts run as one grouped GEMM per projection (Megatron-
     # Core's moe_grouped_gemm) rather than one GEMM per expert (this executor's loop)
@@ -288,7 +284,6 @@ TORCHTITAN = Framework(
     name="torchtitan", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
     dp_sync_pipelined="end", cp_comm="all_gather_overlap", fp8_saves_fp8_inputs=False, fp8_weight_bytes=0.0,
     fp8_scaling="dynamic", recompute_early_stop=True, tp_always_sp=True, selective_policy="torchtitan-op",
-    fused_rms_norm=True,
     source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
            "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
 
@@ -314,7 +309,6 @@ NEMO_AUTOMODEL = Framework(
     fp8_scaling="delayed", recompute_early_stop=True, elementwise_traffic=MEGATRON_CORE.elementwise_traffic,
     moe_imbalance=1.0, moe_grouped_gemm=True, moe_kernels="fused", moe_dispatcher="hybridep",
     moe_dispatchers=("alltoall", "hybridep"), fp8_experts=True, master_bytes=2, moment_bytes=4, zero_stages=(2, 3),
-    fused_rms_norm=True,
     source="NVIDIA-NeMo/Automodel (nemo_automodel/components/moe/parallelizer.py apply_fsdp: MixedPrecisionPolicy "
            "bf16/fp32, reshard_after_forward; moe/fsdp_mixin.py: gradients synced on the last backward only; "
            "moe/experts.py: TE GroupedLinear, Megatron's token dispatcher with DeepEP; "
