@@ -82,6 +82,12 @@ def _margin(text: str) -> float:
     return value
 
 
+def _add_memory_margin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-margin", type=_margin, default=PLAN_MEMORY_MARGIN, metavar="SHARE",
+                   help="share of each GPU's memory plans leave free for the prediction's own error against what the "
+                        f"executor allocates (default {PLAN_MEMORY_MARGIN:g}; 0 plans to the whole GPU)")
+
+
 def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     if json_flag:
         p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -238,9 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="dry-run the top plan with the executor's own code (execute --dry-run): a plan whose traced "
                         "peak exceeds the GPU is dropped for the next (minutes for a large model)")
-    p.add_argument("--memory-margin", type=_margin, default=PLAN_MEMORY_MARGIN, metavar="SHARE",
-                   help="share of each GPU's memory the plans leave free for the prediction's own error against what "
-                        f"the executor allocates (default {PLAN_MEMORY_MARGIN:g}; 0 plans to the whole GPU)")
+    _add_memory_margin(p)
     _add_common(p)
 
     p = sub.add_parser("compare", help="several strategies and the optimum side by side")
@@ -253,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for the table and charts")
     p.add_argument("--no-optimum", action="store_true", help="skip the search for the optimum")
     p.add_argument("--no-charts", action="store_true", help="skip the charts (faster; the table is still written)")
+    _add_memory_margin(p)
     _add_common(p)
 
     p = sub.add_parser("execute", help="train a plan with torch.distributed")

@@ -136,6 +136,7 @@ def run(args) -> int:
         raise PlanError(f"--gpus {gpus} is more than {work.cluster.name}'s {work.cluster.num_gpus} GPUs; use --nodes")
     out = report_folder(args.out, f"compare-{work.spec.name}-{work.cluster.name}-{gpus}gpus")
     work = ensure_calibrated(args, work)
+    work.memory_margin = args.memory_margin  # as plan: the optimum, and every strategy's fit, leave this share free
     rows = compare(work, gpus, args.strategy, dtype, optimum=not args.no_optimum)
     if rows and all(r.prediction is None for r in rows):  # nothing to compare: a script must see it failed
         raise PlanError("none of the strategies compared can run: " + "; ".join(f"{r.name}: {r.status}" for r in rows))
