@@ -907,9 +907,11 @@ def test_chunks_of_unlike_transformer_layers_take_the_quick_split_too(tmp_path):
     """Dense and MoE layers (DeepSeek's first dense layers) are unlike, but the chunk rule leaves their interleaved
     layouts as little to choose: the default search polishes the quick split without an ILP (an ILP's problem is
     thousands of binaries there), and on 4 GPUs of 2 GiB its best interleaved plan is within 2% of the proof mode's,
-    each of its top plans within 2% of the proof's price for that layout. (Both found the same best, dp2 ep2 x4 ZeRO-2,
-    until its chunks' reduce buffers were priced one per chunk: it no longer fits, and the next, dp1 tp2 ep2 x4, has
-    its polished quick split 1.2% above its ILP's split.)"""
+    each of its top plans within 2% of the proof's price for that layout. The proof mode's interleaved splits are the
+    ILP's best by the ranks' sums, the rounds' wait priced after, so the polished split may also beat them: with
+    RMSNorm keeping what the GPU's fused kernel keeps, the default's best (dp1 tp2 ep2 x4) is 1.3% faster than the
+    proof's. (Both found the same best, dp2 ep2 x4 ZeRO-2, until its chunks' reduce buffers were priced one per chunk:
+    it no longer fits; the next, dp1 tp2 ep2 x4, then had its polished quick split 1.2% above its ILP's split.)"""
     path = tmp_path / "tight.yaml"
     path.write_text(TIGHT)
     mixed = spec_from_mapping(dict(name="dense-then-moe", family="llama", num_layers=8, hidden_size=512,
@@ -922,22 +924,24 @@ def test_chunks_of_unlike_transformer_layers_take_the_quick_split_too(tmp_path):
     proof = search(work, 4, top_k=3, layouts=chunked, refine_slack=None)
     assert fast.ilp_solves == 0 and proof.ilp_solves > 0
     assert all("no ILP" in c.solver for c in fast.ranked) and any("without an ILP" in n for n in fast.notes)
-    assert proof.best.time_s <= fast.best.time_s <= proof.best.time_s * 1.02
+    assert proof.best.time_s * 0.98 <= fast.best.time_s <= proof.best.time_s * 1.02
     proven = {c.layout: c.time_s for c in proof.candidates if c.status == "ok"}
     for c in fast.ranked:
         assert c.time_s <= proven.get(c.layout, c.time_s) * 1.02
 
 
 def test_a_layer_off_the_first_chunk_spares_its_rank_the_recomputation():
-    """llama2-70b on 64 H100s, dp2 tp2 pp8 cp2 interleaved x4: the even split makes rank 0 (15 micro-batches of its
-    first chunk held at its peak) recompute that chunk fully; with one layer moved off it (the planner's rule lets an
-    end chunk hold one fewer) the chunk needs selective recomputation only, and the rank recomputes less. Each such
+    """llama2-70b on 64 H100s, dp2 tp2 pp8 cp2 interleaved x4, 5% of each GPU kept free (76 of 80 GiB; on the whole GPU
+    nothing recomputes since RMSNorm keeps what the GPU's fused kernel keeps): the even split makes rank 0 (15
+    micro-batches of its first chunk held at its peak) recompute that chunk fully; with one layer moved off it (the
+    planner's rule lets an end chunk hold one fewer) the chunk needs less, and the rank recomputes less. Each such
     split keeps the chunk rule and the ILP's symmetry rows, and the search's answer for the layout is never slower
     than the split it started from."""
     from paraplan.planner import ilp
     from paraplan.planner.costmodel import even_stages, least_recompute_prediction, lighter_end_stages
 
     work = Workload.create("llama2-70b", "dgx-h100", 512)
+    work.memory_margin = 0.05
     model = CostModel(work)
     lay = Layout(dp=2, tp=2, pp=8, cp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b",
                  virtual_stages=4, zero=2, sequence_parallel=True)
@@ -1115,14 +1119,16 @@ def test_host_overhead_is_its_own_part_of_the_breakdown(write):
 
 
 def test_a_split_that_fits_only_unevenly_is_found_without_exhaustive_search():
-    """llama2-70b on 32 H100s, batch 256, no recomputation allowed: the best layout (dp2 tp2 pp4 cp2 1F1B ZeRO-3,
-    by --exhaustive) overflows its first rank when its blocks are balanced by time — 1F1B's first rank holds pp
-    micro-batches at its peak — and fits with fewer blocks there. The heuristic search must still find it: its
-    quick price moves blocks off the ranks that overflow (costmodel.memory_repaired_stages), where it once left such
-    layouts unpriced and answered a 20% slower plan."""
+    """llama2-70b on 32 H100s, batch 256, no recomputation allowed, 8% of each GPU kept free (73.6 of 80 GiB; on the
+    whole GPU it fits evenly since RMSNorm keeps what the GPU's fused kernel keeps): the best layout (dp2 tp2 pp4 cp2
+    1F1B ZeRO-3, by --exhaustive) overflows its first rank when its blocks are balanced by time — 1F1B's first rank
+    holds pp micro-batches at its peak — and fits with fewer blocks there. The heuristic search must still find it:
+    its quick price moves blocks off the ranks that overflow (costmodel.memory_repaired_stages), where it once left
+    such layouts unpriced and answered a 20% slower plan."""
     from paraplan.planner.costmodel import default_stages, memory_repaired_stages
 
     work = Workload.create("llama2-70b", "dgx-h100", 256, nodes=4)
+    work.memory_margin = 0.08
     lay = Layout(dp=2, tp=2, pp=4, cp=2, micro_batch=1, global_batch=256, schedule="1f1b", zero=3,
                  sequence_parallel=True, recompute="none", dtype="bf16")
     model = CostModel(work)
