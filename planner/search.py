@@ -429,7 +429,7 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
     params, experts, acts, times = cls.params, cls.experts, cls.acts, cls.times
     states = states_of(params, experts)
     allowance = untracked_bytes(gpu, 0.0)
-    room = (work.memory_limit_GiB * 2**30 - allowance) / (1 + FRAGMENTATION)
+    room = (work.memory_limit_bytes - allowance) / (1 + FRAGMENTATION)
     # Memory: relax the split to fractions phi_r of every block on rank r. Rank r then needs
     # phi_r·(states_r + f_r·acts) with f_r the fewest micro-batches any of its stages holds at its peak;
     # the best split equalises the ranks, so max_r >= 1 / sum_r 1/(states_r + f_r·acts).
@@ -714,7 +714,7 @@ def whole_stage_bound(model: CostModel, lay: Layout, modes: tuple[str, ...]) -> 
     with_grads, fewest, holds, end_flights = _rank_arrays(schedule, p, v, m)
     states = held + grads * with_grads  # (R,)
     gpu = work.cluster.gpu
-    room = (work.memory_limit_GiB * 2**30 - untracked_bytes(gpu, 0.0)) / (1 + FRAGMENTATION)
+    room = (work.memory_limit_bytes - untracked_bytes(gpu, 0.0)) / (1 + FRAGMENTATION)
     # the embedding (first stage) and the head (last stage) on the ranks that hold them: least time and bytes,
     # the activations as many times as their stage holds micro-batches at the rank's peak
     offset = holds @ end_time  # (R,)
@@ -1078,7 +1078,7 @@ def search(work: Workload, gpus: int, top_k: int = 5, dtype: str | None = None,
         if cand.status != "invalid" and cand.layout.schedule == "zb-v" and not layout_modes(model, cand.layout, modes):
             cand.status, cand.reason = "invalid", no_mode_reason(model, cand.layout, allowed_modes)
     valid = [c for c in candidates if c.status != "invalid"]
-    capacity = work.memory_limit_GiB * 2**30  # what a plan may fill (Workload.memory_margin)
+    capacity = work.memory_limit_bytes  # what a plan may fill (Workload.memory_margin)
     # Every layout gets a cheap bound (its pipeline's time alone, time_bound) and waits in a heap; the full first-pass
     # bound (time and memory, lower_bound) only when it reaches the heap's top, the second (the recomputation memory
     # forces, the slowest rank, the data-parallel wait) when it reaches the top again, the quick price when it does

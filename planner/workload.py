@@ -35,7 +35,7 @@ class Workload:
     global_batch: int
     framework: Framework = PARAPLAN  # the software stack priced (planner/framework.py)
     # the share of each GPU's memory the planner leaves free for its own error against what the executor allocates
-    # (plan --memory-margin; 0.0: plans may fill the GPU, as simulate and compare price a layout)
+    # (plan and compare --memory-margin; 0.0: plans may fill the GPU, as simulate prices a layout)
     memory_margin: float = 0.0
     _profiles: dict[str, ModelProfile] = field(default_factory=dict, repr=False)
     _measurements: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
@@ -90,6 +90,10 @@ class Workload:
     def memory_limit_GiB(self) -> float:
         """GPU memory a plan may fill: the GPU's less the planning margin (``memory_margin``)."""
         return self.cluster.gpu.memory_GiB * (1.0 - self.memory_margin)
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        return self.memory_limit_GiB * 2**30
 
     @property
     def attention(self) -> str:
