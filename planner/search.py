@@ -1029,12 +1029,17 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
         even = even_stages(model, lay)
         got = least_recompute_prediction(model, lay, even, tried)
         k = lay.num_stages
-        ends = {s for s in (0, k - 1) if got is not None and got.stages[s].recompute != tried[0]}
-        # The first chunk holds the most micro-batches of its rank: where it recomputes, a layer off it (or off the
-        # last, the head's) may spare that (costmodel.lighter_end_stages; the demo's dp4 tp4 pp4 interleaved x2 z2
-        # sp: 38.06 s with its first chunk fully recomputed, 33.81 s polished from a layer off it).
+        # The first chunk holds the most micro-batches of its rank: where it recomputes much (a quarter of its forward
+        # or more: whole layers, the MLP), a layer off it (or off the last, the head's) may spare that
+        # (costmodel.lighter_end_stages; the demo's dp4 tp4 pp4 interleaved x2 z2 sp: 38.51 s with its first chunk
+        # recomputed whole, 33.81 s with a layer off it and the attention core alone recomputed there).
+        ends = {s for s in (0, k - 1) if got is not None and got.stages[s].recompute_time >= got.stages[s].t_f / 4}
+        # (each end, or both, once: its layer to the next chunk in turn, lighter_end_stages' first of each)
+        lightened: set[frozenset[int]] = set()
         for stages in lighter_end_stages(model, lay) if ends else []:
-            if {s for s in (0, k - 1) if len(stages[s]) < len(even[s])} <= ends:
+            lighter = frozenset(s for s in (0, k - 1) if len(stages[s]) < len(even[s]))
+            if lighter <= ends and lighter not in lightened:
+                lightened.add(lighter)
                 got = _less_recomputed(model, lay, stages, tried, got)
         if got is not None:
             return got
