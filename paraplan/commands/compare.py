@@ -32,6 +32,11 @@ def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3g}"
 
 
+def _figure(x: float) -> str:
+    """Three significant figures, as a whole number from 1,000 on (not 3.35e+03)."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
 def dp_layout_cells(d) -> list[str]:
     """A row of the per-layout data-parallel table (terminal and markdown alike)."""
     share = f"{100 * d.exposed_s / d.iteration_s:.1f}%" if d.iteration_s else "-"
@@ -47,7 +52,7 @@ DP_OPT_COLUMNS = ["setting", "samples per optimizer step", "gradients a GPU redu
 
 def dp_opt_cells(d) -> list[str]:
     return [d.what, str(d.samples_per_sync), _mib(d.grad_bytes), _s(d.sync_s), f"{d.exposed_s:.3g}",
-            f"{d.exposed_ms_per_1k_samples:.3g}"]
+            _figure(d.exposed_ms_per_1k_samples)]
 
 
 def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
