@@ -1668,8 +1668,9 @@ def levelled_stages(model: CostModel, lay: Layout, mode: str) -> list[list[int]]
 def _most_layers(model: CostModel, lay: Layout, r: int, mode: str, start: int, most: int) -> int:
     """The most identical layers (up to ``most``) pipeline rank ``r`` of a one-stage-per-rank layout holds in
     ``mode`` and still fits its GPU (with the embedding on the first rank, the head on the last); -1 where it fits
-    not even the fewest (none on an end rank, one on an inner one). Counted up or down from ``start``: a rank's
-    memory grows with its layers."""
+    not even the fewest (none on an end rank, one on an inner one). Searched from ``start``, galloping then halving
+    (a rank's memory grows with its layers): a few memory checks a rank, where the last ranks of a long pipeline
+    may hold many times their share."""
     n, p = len(model.work.profile(lay.dtype).layers), lay.pp
     schedule = lay.schedule
     flights = in_flight(schedule, p, 1, lay.num_micro_batches)[r]
@@ -1687,15 +1688,28 @@ def _most_layers(model: CostModel, lay: Layout, r: int, mode: str, start: int, m
 
     low = 1 if 0 < r < p - 1 else 0  # an inner stage holds a layer at least
     c = max(low, min(start, most))
-    if fits(c):
-        while c < most and fits(c + 1):
-            c += 1
-        return c
-    while c > low:
-        c -= 1
-        if fits(c):
-            return c
-    return -1
+    if fits(c):  # galloping up from what fits, then halving down to the last count that fits
+        good, step, bad = c, 1, most + 1
+        while good < most:
+            nxt = min(most, good + step)
+            if not fits(nxt):
+                bad = nxt
+                break
+            good, step = nxt, 2 * step
+    else:  # galloping down to a count that fits, then halving up
+        bad, step, good = c, 1, low - 1
+        while bad > low:
+            nxt = max(low, bad - step)
+            if fits(nxt):
+                good = nxt
+                break
+            bad, step = nxt, 2 * step
+        if good < low:
+            return -1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
 
 
 def memory_repaired_stages(model: CostModel, lay: Layout, stages: list[list[int]], mode: str

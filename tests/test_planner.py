@@ -1196,6 +1196,25 @@ def test_quick_price_levels_a_1f1b_split_that_overflows_its_first_ranks(dp, pp, 
     assert optimum * (1 - 1e-9) <= quick.iteration_time_s <= optimum * 1.02
 
 
+def test_a_ranks_most_layers_do_not_depend_on_where_the_search_starts():
+    """costmodel._most_layers gallops and halves from a start count: from any start it finds the same count, one that
+    fits where one more does not (a rank's memory grows with its layers); 1F1B's first rank holds the fewest."""
+    from paraplan.planner.costmodel import _most_layers
+
+    model = _demo_model()
+    lay = Layout(dp=4, tp=2, pp=8, micro_batch=1, global_batch=512, schedule="1f1b", zero=2, sequence_parallel=True,
+                 recompute="none", dtype="bf16")
+    caps = []
+    for r in range(8):
+        got = {_most_layers(model, lay, r, "none", start, 80) for start in (0, 1, 10, 33, 80)}
+        assert len(got) == 1, (r, got)
+        cap = got.pop()
+        assert _most_layers(model, lay, r, "none", cap, cap) == cap  # it fits
+        assert cap == 80 or _most_layers(model, lay, r, "none", cap + 1, cap + 1) == cap  # one more does not
+        caps.append(cap)
+    assert caps[0] == min(caps) and caps[0] < 10 < caps[-1]
+
+
 def test_quick_price_takes_a_layer_off_an_interleaved_first_chunk_that_recomputes():
     """The demo's dp4 tp4 pp4 interleaved x2 z2 sp: dealt evenly, its first chunk (the most micro-batches of its rank
     at the peak) recomputes whole layers, 14% above its ILP's split; with a layer off it
