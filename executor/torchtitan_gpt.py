@@ -102,10 +102,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, a_local, s, d)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_local, s, d)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves a group of query heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, a_local, s, d)
+        # grouped-query attention: each K/V head serves a group of query heads, shared by the kernel (enable_gqa)
+        grouped = k.shape[1] != q.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (b, a_local, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
     def init_weights(self, std: float) -> None:

@@ -99,8 +99,9 @@ class SequenceShard(Protocol):
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v.  q: (b, a, s_q, d), k, v: (b, a, s_k, d) -> (b, a, s_q, d). ``mask``
-    (s_q, s_k) bool, True where a query attends a key, replaces the causal triangle (context parallelism)."""
+    """softmax(q k^T / sqrt(d)) v.  q: (b, a, s_q, d), k, v: (b, kv, s_k, d) -> (b, a, s_q, d), kv dividing a: with
+    grouped-query attention each K/V head serves a/kv query heads. ``mask`` (s_q, s_k) bool, True where a query
+    attends a key, replaces the causal triangle (context parallelism)."""
     token = _IN_ATTENTION_CORE.set(True)
     try:
         return _attention_math(q, k, v, causal, mask)
@@ -110,10 +111,17 @@ def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     mask: torch.Tensor | None) -> torch.Tensor:
+    grouped = k.shape[1] != q.shape[1]
     if not _UNFUSED_ATTENTION.get():
+        # The fused kernel shares each K/V head among its query heads itself (enable_gqa), so what it keeps for its
+        # backward is K and V as projected (flash attention, on a GPU as on the CPU), as Transformer Engine's and
+        # torchtitan's attention keep; repeated first, K and V were kept a/kv times over.
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped)
+    if grouped:  # an unfused kernel multiplies every query head by its own copy (Megatron's unfused path expands them)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (b, a, s_k, d)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     s = q.shape[2]
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (b, a, s_q, s_k)
     if mask is not None:
@@ -185,9 +193,6 @@ class Attention(nn.Module):
             if shard is not None:  # context parallelism: keys and values of the whole sequence, (b, kv_local, S, d)
                 k, v = shard.gather(k), shard.gather(v)
                 mask = shard.causal_mask(q.device) if self.causal else None
-            if k.shape[1] != q.shape[1]:  # grouped-query attention: share each K/V head among a group
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         # selective recomputation of the core alone keeps its inputs (Korthikanti et al. 2022, Sec. 5)
         return _recomputed(_attention_core, self.recompute_core and not whole, q, k, v, self.causal, mask)
 

@@ -1634,9 +1634,10 @@ def levelled_stages(model: CostModel, lay: Layout, mode: str) -> list[list[int]]
     layers counted so that every rank fits its GPU in recomputation ``mode`` and the slowest rank, by the block
     table's times, is as fast as that allows. 1F1B's first ranks hold the most micro-batches at their peaks, so a
     split balanced by time alone overflows them and recomputes there; fewer layers on them and more on the later
-    ranks, none recomputed, is often faster (what the stage ILP finds; the demo's dp8 tp2 pp4 1f1b z3 sp: 40.54 s
-    balanced, recomputing, 33.37 s by the ILP). Each rank's most layers come from its own memory alone (it depends on
-    its own stage only), then the least per-rank time under which those caps hold every layer (water-filling).
+    ranks, none recomputed, is often faster (what the stage ILP finds; the demo's dp8 tp2 pp4 1f1b z3 sp: 40.35 s
+    balanced, recomputing, 33.25 s levelled, as by the ILP). Each rank's most layers come from its own memory alone
+    (it depends on its own stage only), then the least per-rank time under which those caps hold every layer
+    (water-filling).
     None: not such a layout, or some rank fits not even its fewest layers."""
     if lay.virtual_stages != 1 or lay.pp < 2 or not model.repeated_blocks(lay):
         return None

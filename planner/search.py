@@ -1031,8 +1031,9 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
         k = lay.num_stages
         # The first chunk holds the most micro-batches of its rank: where it recomputes much (a quarter of its forward
         # or more: whole layers, the MLP), a layer off it (or off the last, the head's) may spare that
-        # (costmodel.lighter_end_stages; the demo's dp4 tp4 pp4 interleaved x2 z2 sp: 38.51 s with its first chunk
-        # recomputed whole, 33.81 s with a layer off it and the attention core alone recomputed there).
+        # (costmodel.lighter_end_stages; the demo's dp4 tp4 pp4 interleaved x2 z2 sp with 5% of each GPU kept free:
+        # 38.36 s with its first chunk recomputed whole, 33.69 s with a layer off it and the attention core alone
+        # recomputed there).
         ends = {s for s in (0, k - 1) if got is not None and got.stages[s].recompute_time >= got.stages[s].t_f / 4}
         # (each end, or both, once: its layer to the next chunk in turn, lighter_end_stages' first of each)
         lightened: set[frozenset[int]] = set()

@@ -707,16 +707,18 @@ def _block(model: str, framework: str, mode: str, **layout):
     return CostModel(work).block_cost(1, lay, layout_placement(work.cluster, lay), mode)
 
 
-def test_mlp_recomputation_keeps_what_megatron_core_keeps():
+@pytest.mark.parametrize("name", ["llama2-7b", "llama3-8b"])
+def test_mlp_recomputation_keeps_what_megatron_core_keeps(name):
     """--recompute mlp under megatron-core (Transformer Engine's fused modules, planner/fused_activations.py):
     per token a dense layer keeps its attention's norm + QKV pair (4h), the checkpointed MLP's input (2h) and
     the attention's Q, K, V and output (2(a·d + 2·kv·d) + 2·a·d), the norms' part split by t under SP; the
     MLP's 2·up + 2·ffn bytes are gone. Megatron's checkpoint reruns the MLP's whole forward: its GEMMs (3 of a
-    SwiGLU layer's 7 linears, 2·h·f FLOPs each per token) and its tensor-parallel all-gather again."""
-    spec = load_model_spec("llama2-7b")
+    SwiGLU layer's 7 linears, 2·h·f FLOPs each per token) and its tensor-parallel all-gather again. Llama 3 8B
+    shares each of its 8 K/V heads among 4 query heads: K and V are kept as projected (kv heads each)."""
+    spec = load_model_spec(name)
     h, a, kv, d, t, s = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_dim, 2, spec.seq_length
     attention = 2 * (a * d + 2 * kv * d) + 2 * a * d
-    none, mlp, full = (_block("llama2-7b", "megatron-core", u) for u in ("none", "mlp", "full"))
+    none, mlp, full = (_block(name, "megatron-core", u) for u in ("none", "mlp", "full"))
     assert mlp.act_bytes == pytest.approx(s * (6 * h / t + attention / t))
     assert full.act_bytes < mlp.act_bytes < none.act_bytes
     assert mlp.act_working == pytest.approx(none.act_bytes - mlp.act_bytes)  # the MLP's own, while it reruns

@@ -316,3 +316,46 @@ def test_a_config_json_s_long_default_sequence_is_noted(write):
     path = write("config.json", json.dumps(config))
     assert any("max_position_embeddings" in n for n in Workload.create(path, "dgx-h100", 8).notes)
     assert not Workload.create(path, "dgx-h100", 8, seq_length=8192).notes
+
+
+def _saved_bytes(fn, *args) -> int:
+    """Bytes autograd keeps for the backward of ``fn(*args)`` (each storage once)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum(saved.values())
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_query_attention_keeps_keys_and_values_unrepeated(masked):
+    """Grouped-query attention (a query heads, kv K/V heads): SDPA shares each K/V head among its a/kv query heads
+    itself (enable_gqa), so the fused kernel keeps K and V as projected, as Transformer Engine's and torchtitan's
+    attention do. Repeated to every head first (this executor until this stop, and so its profile and dry run), they
+    were kept a/kv times over: 2·(a − kv)·s·d elements a sequence more. Same output and gradients; causal and under
+    context parallelism's mask (keys of the whole sequence) alike."""
+    from paraplan.models.transformer import _attention_core
+
+    torch.manual_seed(0)
+    b, a, kv, s, d = 2, 8, 2, 16, 8
+    keys = 2 * s if masked else s
+    q = torch.randn(b, a, s, d, requires_grad=True)  # (b, a, s, d)
+    k = torch.randn(b, kv, keys, d, requires_grad=True)  # (b, kv, s_k, d)
+    v = torch.randn(b, kv, keys, d, requires_grad=True)
+    mask = (torch.rand(s, keys) > 0.3) | (torch.arange(keys) == 0) if masked else None  # (s, s_k) bool
+
+    def repeated(q, k, v):  # the former way: K and V repeated to every query head, then the kernel
+        return _attention_core(q, k.repeat_interleave(a // kv, dim=1), v.repeat_interleave(a // kv, dim=1), True, mask)
+
+    grouped, kept = _saved_bytes(lambda q, k, v: _attention_core(q, k, v, True, mask), q, k, v)
+    old, kept_old = _saved_bytes(repeated, q, k, v)
+    assert kept_old - kept == 2 * b * (a - kv) * keys * d * 4  # fp32
+    torch.testing.assert_close(grouped, old)
+    grads = torch.autograd.grad(grouped.square().sum(), (q, k, v))
+    grads_old = torch.autograd.grad(old.square().sum(), (q, k, v))
+    for g, g_old in zip(grads, grads_old, strict=True):
+        torch.testing.assert_close(g, g_old)

@@ -931,17 +931,17 @@ def test_chunks_of_unlike_transformer_layers_take_the_quick_split_too(tmp_path):
 
 
 def test_a_layer_off_the_first_chunk_spares_its_rank_the_recomputation():
-    """llama2-70b on 64 H100s, dp2 tp2 pp8 cp2 interleaved x4, 5% of each GPU kept free (76 of 80 GiB; on the whole GPU
-    nothing recomputes since RMSNorm keeps what the GPU's fused kernel keeps): the even split makes rank 0 (15
-    micro-batches of its first chunk held at its peak) recompute that chunk fully; with one layer moved off it (the
-    planner's rule lets an end chunk hold one fewer) the chunk needs less, and the rank recomputes less. Each such
-    split keeps the chunk rule and the ILP's symmetry rows, and the search's answer for the layout is never slower
-    than the split it started from."""
+    """llama2-70b on 64 H100s, dp2 tp2 pp8 cp2 interleaved x4, 8% of each GPU kept free (73.6 of 80 GiB; on the whole
+    GPU nothing recomputes since RMSNorm keeps what the GPU's fused kernel keeps and K/V are kept unrepeated): the
+    even split makes rank 0 (15 micro-batches of its first chunk held at its peak) recompute that chunk fully; with
+    one layer moved off it (the planner's rule lets an end chunk hold one fewer) the chunk needs less, and the rank
+    recomputes less. Each such split keeps the chunk rule and the ILP's symmetry rows, and the search's answer for
+    the layout is never slower than the split it started from."""
     from paraplan.planner import ilp
     from paraplan.planner.costmodel import even_stages, least_recompute_prediction, lighter_end_stages
 
     work = Workload.create("llama2-70b", "dgx-h100", 512)
-    work.memory_margin = 0.05
+    work.memory_margin = 0.08
     model = CostModel(work)
     lay = Layout(dp=2, tp=2, pp=8, cp=2, micro_batch=1, global_batch=512, schedule="interleaved-1f1b",
                  virtual_stages=4, zero=2, sequence_parallel=True)
@@ -975,7 +975,10 @@ def test_the_top_plans_are_the_first_of_a_longer_list():
         simulate_ranked(result)
         shown[k] = [(c.layout.short(), c.time_s) for c in result.ranked]
         assert len(shown[k]) == k
-    assert shown[5] == shown[10][:5]
+    # the same layouts in the same order; their times to the stage ILP's optimality gap (two solves with different
+    # cutoffs may return splits of equal ILP objective whose exact prices differ by a few parts in a million)
+    assert [x for x, _ in shown[5]] == [x for x, _ in shown[10][:5]]
+    assert [t for _, t in shown[5]] == pytest.approx([t for _, t in shown[10][:5]], rel=1e-4)
     assert any("searched again" in note for note in result.notes)
 
 
@@ -1119,16 +1122,16 @@ def test_host_overhead_is_its_own_part_of_the_breakdown(write):
 
 
 def test_a_split_that_fits_only_unevenly_is_found_without_exhaustive_search():
-    """llama2-70b on 32 H100s, batch 256, no recomputation allowed, 8% of each GPU kept free (73.6 of 80 GiB; on the
-    whole GPU it fits evenly since RMSNorm keeps what the GPU's fused kernel keeps): the best layout (dp2 tp2 pp4 cp2
-    1F1B ZeRO-3, by --exhaustive) overflows its first rank when its blocks are balanced by time — 1F1B's first rank
-    holds pp micro-batches at its peak — and fits with fewer blocks there. The heuristic search must still find it:
-    its quick price moves blocks off the ranks that overflow (costmodel.memory_repaired_stages), where it once left
-    such layouts unpriced and answered a 20% slower plan."""
+    """llama2-70b on 32 H100s, batch 256, no recomputation allowed, 10% of each GPU kept free (72 of 80 GiB; on the
+    whole GPU it fits evenly since RMSNorm keeps what the GPU's fused kernel keeps and K/V are kept unrepeated): the
+    best layout (dp2 tp2 pp4 cp2 1F1B ZeRO-3, by --exhaustive) overflows its first rank when its blocks are balanced
+    by time — 1F1B's first rank holds pp micro-batches at its peak — and fits with fewer blocks there. The heuristic
+    search must still find it: its quick price moves blocks off the ranks that overflow
+    (costmodel.memory_repaired_stages), where it once left such layouts unpriced and answered a 20% slower plan."""
     from paraplan.planner.costmodel import default_stages, memory_repaired_stages
 
     work = Workload.create("llama2-70b", "dgx-h100", 256, nodes=4)
-    work.memory_margin = 0.08
+    work.memory_margin = 0.10
     lay = Layout(dp=2, tp=2, pp=4, cp=2, micro_batch=1, global_batch=256, schedule="1f1b", zero=3,
                  sequence_parallel=True, recompute="none", dtype="bf16")
     model = CostModel(work)
@@ -1163,10 +1166,10 @@ def test_memory_repair_passes_blocks_down_from_an_overflowing_last_rank():
     assert [len(s) for s in repaired] == [12, 11, 11, 8] and all(model.ranks_fit(lay, repaired, ["none"] * 4))
 
 
-def _demo_model() -> CostModel:
-    """The README demo's workload (llama2-70b on 64 H100s, batch 512) under plan's default 2% memory margin."""
+def _demo_model(margin: float = 0.02) -> CostModel:
+    """The README demo's workload (llama2-70b on 64 H100s, batch 512), by default under plan's 2% memory margin."""
     work = Workload.create("llama2-70b", "dgx-h100", 512)
-    work.memory_margin = 0.02
+    work.memory_margin = margin
     return CostModel(work)
 
 
@@ -1216,14 +1219,15 @@ def test_a_ranks_most_layers_do_not_depend_on_where_the_search_starts():
 
 
 def test_quick_price_takes_a_layer_off_an_interleaved_first_chunk_that_recomputes():
-    """The demo's dp4 tp4 pp4 interleaved x2 z2 sp: dealt evenly, its first chunk (the most micro-batches of its rank
-    at the peak) recomputes whole layers, 14% above its ILP's split; with a layer off it
+    """The demo's dp4 tp4 pp4 interleaved x2 z2 sp with 5% of each GPU kept free (76 of 80 GiB): dealt evenly, its first
+    chunk (the most micro-batches of its rank at the peak) recomputes whole layers, 14% above its ILP's split; with a
+    layer off it
     (costmodel.lighter_end_stages) the first chunk recomputes the attention core alone and the quick price is within
     1% of the ILP's (it had been priced out of the heuristic search's window)."""
     from paraplan.planner.costmodel import even_stages, least_recompute_prediction
     from paraplan.planner.search import layout_modes, quick_price
 
-    model = _demo_model()
+    model = _demo_model(0.05)
     lay = Layout(dp=4, tp=4, pp=4, micro_batch=1, global_batch=512, schedule="interleaved-1f1b", virtual_stages=2,
                  zero=2, sequence_parallel=True, recompute="none", dtype="bf16")
     modes = layout_modes(model, lay, modes_for(model, None, "bf16"))

@@ -245,3 +245,29 @@ def test_weight_carrying_outputs_of_a_layer(name):
     assert layer.weight_output_bytes_whole == b * s * (h + h) * 2
     assert layer.weight_output_bytes - layer.weight_output_bytes_sharded - layer.weight_output_bytes_whole == \
         2 * b * s * h * norm_elem
+
+
+def test_a_grouped_query_layer_keeps_its_keys_and_values_once(monkeypatch):
+    """Llama 3 8B (32 query heads, 8 K/V heads of 128): what a layer keeps with a fused attention kernel (the core's
+    inputs, not its s x s internals: activation_bytes_selective, from which the flash pricing starts) holds K and V as
+    projected. Until this stop the layer repeated them to every query head before the core, so the core's inputs,
+    and what was priced as kept, held them 4 times: 2·(a − kv)·d elements a token more (bf16). The unfused kernel's
+    count (activation_bytes) keeps the copies it multiplies, either way."""
+    import paraplan.models.transformer as transformer
+    from paraplan.profiler import cache
+
+    monkeypatch.setattr(cache, "load", lambda key: None)  # traced here, both; the former never stored
+    monkeypatch.setattr(cache, "store", lambda key, profile: None)
+    spec = load_model_spec("llama3-8b")
+    b, s, a, kv, d = 1, spec.seq_length, spec.num_attention_heads, spec.kv_heads, spec.head_dim
+    grouped = profile_model(spec, "meta", micro_batch=b, dtype="bf16").layers[1]
+    core = transformer._attention_core
+
+    def repeated_first(q, k, v, causal, mask=None):  # the former layer: K and V repeated before the core
+        group = q.shape[1] // k.shape[1]
+        return core(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), causal, mask)
+
+    monkeypatch.setattr(transformer, "_attention_core", repeated_first)
+    former = profile_model(spec, "meta", micro_batch=b, dtype="bf16").layers[1]
+    assert former.activation_bytes_selective - grouped.activation_bytes_selective == 2 * b * s * (a - kv) * d * 2
+    assert former.activation_bytes == grouped.activation_bytes
