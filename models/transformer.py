@@ -46,8 +46,8 @@ def in_attention_core() -> bool:
 def in_attention_prologue() -> bool:
     """True while the attention core's queries, keys and values are formed from what the layer keeps anyway and
     selective recomputation reruns with the core: multi-head latent attention's latent norms and up-projection
-    (Megatron-Core's recompute_modules ``mla_up_proj``); with Qwen3's query/key norms, those norms, the rotary
-    embedding and the K/V head sharing (one checkpoint from the projections on). Not under context parallelism,
+    (Megatron-Core's recompute_modules ``mla_up_proj``); with Qwen3's query/key norms, those norms and the rotary
+    embedding (one checkpoint from the projections on). Not under context parallelism,
     whose K/V gather sits between them and the core. The profiler asks."""
     return _IN_ATTENTION_PROLOGUE.get()
 
@@ -174,8 +174,8 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
 
     def _whole(self) -> bool:
-        """Is the prologue recomputed with the core? With query/key norms it is (norms, rotary embedding, K/V head
-        sharing: one checkpoint from the projections on), but not around context parallelism's K/V gather."""
+        """Is the prologue recomputed with the core? With query/key norms it is (norms, rotary embedding: one
+        checkpoint from the projections on), but not around context parallelism's K/V gather."""
         return self.q_norm is not None and self.sequence_shard is None
 
     def _prologue_and_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
