@@ -1673,19 +1673,12 @@ def _most_layers(model: CostModel, lay: Layout, r: int, mode: str, start: int, m
     (a rank's memory grows with its layers): a few memory checks a rank, where the last ranks of a long pipeline
     may hold many times their share."""
     n, p = len(model.work.profile(lay.dtype).layers), lay.pp
-    schedule = lay.schedule
-    flights = in_flight(schedule, p, 1, lay.num_micro_batches)[r]
-    held = peak_matrices(schedule, p, 1, lay.num_micro_batches,
-                         prices_chunk_gathers(layout_states(model.work.framework, lay)))[r]
-    cap = model.work.memory_limit_GiB
 
-    def fits(c: int) -> bool:
+    def fits(c: int) -> bool:  # rank r alone (CostModel.ranks_fit), its one stage priced in ``mode``
         blocks = list(range(1, c + 1)) if 0 < r < p - 1 else [0, *range(1, c + 1)] if r == 0 \
             else [*range(n - 1 - c, n - 1), n - 1]
         stages = [blocks if s == r else [] for s in range(p)]
-        cost = {r: model.stage_cost(lay, stages, r, mode)}
-        got = model.rank_memory_breakdowns(lay, cost, [(r,)], [flights], holdings=[held])[0]
-        return sum(got.values()) <= cap
+        return model.ranks_fit(lay, stages, costs={r: model.stage_cost(lay, stages, r, mode)}, only=[r])[0]
 
     low = 1 if 0 < r < p - 1 else 0  # an inner stage holds a layer at least
     c = max(low, min(start, most))
