@@ -123,7 +123,7 @@ class RankTrace(TorchDispatchMode):
         if self.total <= self.peak:
             return
         self.peak = self.total
-        if self.total > self._snapshot_total * 1.02:  # the breakdown: within 2% of the peak moment
+        if self.total > self._snapshot_total * 1.002:  # the breakdown: within 0.2% of the peak moment
             self._snapshot_total = self.total
             kinds = self.classify()
             breakdown = dict.fromkeys(MEMORY_KINDS, 0)
@@ -261,6 +261,16 @@ def classify_rank(modules: list, optimizer) -> dict[int, str]:
                         add(unsharded.grad, "grads")
                     add(fp.unsharded_accumulated_grad, "grads")
                     add(fp.sharded_param.grad, "grads")
+                # buffers FSDP2 holds between a unit's collectives and its compute: an all-gather's output before its
+                # copy-out (a prefetched unit; the last one kept for the stream's reuse) is weights, a reduce-scatter's
+                # input (the unit's gradients, fp32) gradients: otherwise they would pass for activations
+                pending = getattr(group, "_all_gather_result", None)
+                add(getattr(pending, "all_gather_output", None), "params")
+                ctx = getattr(group, "comm_ctx", None)
+                add(getattr(getattr(getattr(ctx, "all_gather_state", None), "all_gather_result", None),
+                            "all_gather_output", None), "params")
+                for rs in getattr(ctx, "reduce_scatter_states", None) or []:
+                    add(getattr(rs, "reduce_scatter_input", None), "grads")
     inner = getattr(optimizer, "inner", optimizer)
     for state in getattr(inner, "state", {}).values():
         for t in state.values():

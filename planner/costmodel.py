@@ -535,7 +535,7 @@ def layout_states(framework, lay: Layout) -> tuple[StateBytes, StateBytes]:
 def _without_gradients(states: tuple) -> tuple[StateBytes, StateBytes]:
     """``states`` (state_bytes, moe.expert_states) before a rank's first backward: no gradient, no reduce buffer.
     Kept per ``states`` (frozen: a few kinds serve thousands of fit tests)."""
-    return tuple(dataclasses.replace(x, grads=0.0, unit_grads=0.0) for x in states)
+    return tuple(dataclasses.replace(x, grads=0.0, unit_grads=0.0, unit_wgrads=0.0) for x in states)
 
 
 def prices_chunk_gathers(states: tuple) -> bool:

@@ -537,7 +537,7 @@ class StageILP:
                 arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
                 prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
                 grads = arriving
-            units = states.unit_weights * big_params + states.unit_grads * staged \
+            units = (states.unit_weights + states.unit_wgrads) * big_params + states.unit_grads * staged \
                 + states.root_weights * pulp.lpSum(Root[s] for s in ranks[r])
             tensors = (states.weights + states.optimizer) * load.params + units + grads \
                 + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working

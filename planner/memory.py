@@ -114,10 +114,13 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
     if recompute == "selective" or attention == "flash":
         total, sharded = layer.activation_bytes_selective, layer.activation_bytes_selective_sharded
         whole = layer.activation_bytes_selective_whole
-        if recompute == "none":  # a flash kernel keeps its output (and a small log-sum-exp) for backward
-            total += layer.fwd_ops.core_output_bytes
-            sharded += layer.fwd_ops.core_output_bytes
-        elif prologue:  # selective reruns the attention's prologue too (MLA's up-projection): what it made goes
+        # Without recomputation a fused kernel keeps its output for its backward, but that is the tensor the output
+        # projection keeps as its input, which the selective count holds already: the flash and memory-efficient
+        # kernels write (b, s, a, d) and return it transposed, so the layer's transpose-and-reshape is a view, not a
+        # copy (traced, llama2-70b tp2 sp: one s·h/t tensor per layer where two were priced, 4% of a layer's
+        # activations). Its log-sum-exp (b·a·s fp32, under 0.1% of a layer's) is left out.
+        if recompute != "none" and prologue:
+            # selective reruns the attention's prologue too (MLA's up-projection): what it made goes
             total -= layer.prologue_dropped_bytes
             sharded -= layer.prologue_dropped_bytes_sharded
             whole -= layer.prologue_dropped_bytes_whole
@@ -156,6 +159,9 @@ class StateBytes:
     optimizer: float
     unit_weights: float = 0.0
     unit_grads: float = 0.0  # per parameter of the staged unit, per chunk on the rank: its gradient being reduced
+    # per parameter of the largest layer unit: the gradients its backward writes to the unsharded weights (the compute
+    # copy's dtype) before the unit's reduce copies them into its buffer (unit_grads)
+    unit_wgrads: float = 0.0
     root_weights: float = 0.0  # per parameter of the root unit (embedding, head): kept gathered all step (ZeRO 3)
     staging_held: bool = False  # each pipeline chunk keeps its last reduce buffer (staged_unit_params)
     # ZB-V under ZeRO 2/3 in mixed precision: per parameter of a stage, the 16-bit gradients its weight backward (W)
@@ -294,7 +300,17 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     # DDP's buckets are views of the gradients.
     during_backward = (sharded and not unsharded_sums) or pp == 1
     staging = 4.0 if dp > 1 and (mixed or zero >= 2) and during_backward else 0.0
-    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, root_weights=root,
+    # Where a unit reduces in the backward, autograd first writes its weights' gradients to the unsharded weights, in
+    # their dtype, and the unit's post-backward copies them into the buffer it reduces: inside a layer's backward its
+    # MLP's are there while the activations it freed were fewer. Traced (executor/trace.py, the live tensors at the
+    # peak), llama2-70b dp8 tp2 pp4 1F1B ZeRO-3 (the demo's plan): the three MLP weights' bf16 gradients (3 x 235 MB)
+    # at every rank's peak, beside the earlier unit's fp32 buffer and the prefetched unit; priced as the whole unit's.
+    # Not where torch's runtime gathers whole chunks (interleaved ZeRO-3): those peaks come at a backward's start, the
+    # gathers' moments (tests/test_costmodel.py test_gather_moments_find_the_traced_peaks: none traced there). Mixed
+    # precision only: in fp32 (llama-tiny dp2 pp2 1F1B ZeRO-3, traced) the peaks held none.
+    wgrads = copy if staging and mixed and not (start or chunk) else 0.0
+    return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, unit_wgrads=wgrads,
+                      root_weights=root,
                       staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded,
                       start_weights=start, chunk_gather=chunk)
 
@@ -337,7 +353,8 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
         grads = max(0.0, grads - grads_arrive_after)
     out = {"params": params * states.weights + experts * es.weights + unit_params * states.unit_weights
            + root_params * states.root_weights + gathered_weights,
-           "grads": grads + staged_params * states.unit_grads + staged_bytes + unfolded_grads,
+           "grads": grads + staged_params * states.unit_grads + staged_bytes + unfolded_grads
+           + unit_params * states.unit_wgrads,
            "optimizer": params * states.optimizer + experts * es.optimizer,
            "activations": activations}
     if start_moment and (states.start_weights or es.start_weights):

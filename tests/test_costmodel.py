@@ -324,6 +324,39 @@ def test_korthikanti_six_activation_cases(gpt_layer, t):
     assert layer_activation_bytes(gpt_layer, b, 1, False, "full", "unfused") == pytest.approx(2 * sbh)
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_a_flash_layer_keeps_what_is_priced(name):
+    """One transformer layer run forward on the CPU (bf16, the fused attention kernel, real tensors): the bytes of
+    the distinct tensors autograd saves for its backward, the weights apart, are the price of a layer without
+    recomputation (memory.layer_activation_bytes) and the kernel's log-sum-exp (at most b·a·s fp32), which the price
+    leaves out. The kernel saves its output, and the output projection its input: one tensor (the kernel writes
+    (b, s, a, d) and returns it transposed, so the layer's transpose-and-reshape is a view); priced twice before
+    this stop, 5% of llama-tiny's layer. One sample: the rotary tables a llama layer saves (4·s·d 16-bit, whatever
+    the micro-batch) are priced per sample, b times (0.5% of a llama2-70b layer at b = 1)."""
+    import torch
+
+    from paraplan.models.transformer import TransformerLayer
+
+    spec = load_model_spec(name)
+    b, s = 1, spec.seq_length
+    layer = TransformerLayer(spec).to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)  # (b, s, h)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    profile = profile_model(spec, "meta", micro_batch=1, dtype="bf16").layers[1]
+    unpriced = sum(saved.values()) - layer_activation_bytes(profile, b, 1, False, "none", "flash")
+    assert 0 < unpriced <= b * spec.num_attention_heads * s * 4  # the log-sum-exp
+
+
 # ---------------- whole predictions ----------------
 
 

@@ -143,7 +143,9 @@ def test_plan_verify_drops_a_plan_whose_trace_does_not_fit(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_the_readme_demo_plan_fits_by_its_trace(tmp_path):
     """The README's example: llama2-70b on 8 DGX H100 nodes, global batch 512 — the planner's pick dry-runs
-    at full world size (64 ranks) and fits 80 GiB by the trace, within 10% of the prediction."""
+    at full world size (64 ranks) and fits 80 GiB by the trace, within 10% of the prediction on every rank, and the
+    plan's peak (its fullest rank's) within 2%: dp8 tp2 pp4 1F1B ZeRO-3 traced 73.31 GiB, priced 73.97 (75.50 while
+    the flash kernel's output was priced twice and the weight gradients of the unit in its backward not at all)."""
     out = tmp_path / "report"
     p = subprocess.run([*CLI, "plan", "--out", str(out), "--no-charts", "--json"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
@@ -152,6 +154,20 @@ def test_the_readme_demo_plan_fits_by_its_trace(tmp_path):
     assert result["world_size"] == 64 and result["fits"] is True
     for rank in result["ranks"]:
         assert abs(bench.errors(rank)[0]) <= 0.10
+    assert result["predicted_peak_memory_gib"] == pytest.approx(result["peak_memory_gib"], rel=0.02)
+
+
+def test_the_breakdown_counts_fsdp_buffers_as_weights_and_gradients(tmp_path, monkeypatch):
+    """FSDP2 holds a prefetched unit as its all-gather's output until the unit's compute copies it out, and a unit's
+    gradients as its reduce-scatter's input: the trace's breakdown counts them as weights and gradients (until this
+    stop as activations, one unit short in the weights). llama-tiny dp2 pp2 1F1B ZeRO-3: at the last rank's peak the
+    traced weights are the priced ones exactly — the fp32 shards, the root unit kept gathered, the unit that runs and
+    the one prefetched (memory.StateBytes.unit_weights: two units)."""
+    flags = "--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule 1f1b --zero 3"
+    job = Job.load(_local_plan(tmp_path, monkeypatch, "llama-tiny", flags))
+    last = dry_run(job, "cpu").to_dict()["ranks"][-1]
+    traced, priced = last["memory_gib"]["params"], last["predicted_memory_breakdown_gib"]["params"]
+    assert traced * 2**30 == pytest.approx(priced * 2**30, abs=1)
 
 
 @pytest.mark.slow
@@ -278,15 +294,18 @@ def test_interleaved_zero2_counts_every_chunks_reduce_buffer(tmp_path, monkeypat
     """Under interleaved ZeRO-2 each chunk keeps its last reduce-scatter input between backwards (memory.
     staged_unit_params): llama-tiny dp2 pp2 x2 traced 15,470,332 and 14,139,668 B of tensors on its two ranks, where
     one layer unit's buffer a rank was priced 7.7% and 5.9% below; one per chunk (the embedding's and the head's the
-    larger on their chunks) within 4%. At scale: llama2-70b dp2 tp2 pp8 cp2 x4, four 1.7 GB buffers a rank."""
+    larger on their chunks) within 4%. At scale: llama2-70b dp2 tp2 pp8 cp2 x4, four 1.7 GB buffers a rank.
+    Since the flash kernel's output is no longer priced twice (memory.layer_activation_bytes), 5.3% and 2.2% below:
+    rank 0's peak also holds four embedding-sized fp32 tensors that no term prices (2 MB of its 14.5 MB on this model,
+    a vocabulary of 1,024 beside hidden 128), which the double count had offset; within 6%."""
     flags = "--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule interleaved-1f1b --virtual-stages 2 --zero 2"
     job = Job.load(_local_plan(tmp_path, monkeypatch, "llama-tiny", flags))
     for rank in dry_run(job, "cpu").to_dict()["ranks"]:
         predicted = rank["predicted_memory_gib"] - rank["predicted_memory_breakdown_gib"]["other"]
-        assert predicted / rank["tensor_peak_gib"] - 1 == pytest.approx(0, abs=0.04), rank["rank"]
+        assert predicted / rank["tensor_peak_gib"] - 1 == pytest.approx(0, abs=0.06), rank["rank"]
 
 
-@pytest.mark.parametrize("recompute,within", [("none", 0.04), ("selective", 0.05)])
+@pytest.mark.parametrize("recompute,within", [("none", 0.05), ("selective", 0.05)])
 def test_zero_bubble_counts_the_gradients_kept_for_the_weight_backward(tmp_path, monkeypatch, recompute, within):
     """Under ZB-V torch's input backward keeps each weight-carrying op's output gradient until the deferred weight
     backward (StageCost.dw_pending): llama-tiny dp2 pp2 x2 ZeRO-2 traced 17,779,736 and 12,337,912 B of tensors on
@@ -294,7 +313,11 @@ def test_zero_bubble_counts_the_gradients_kept_for_the_weight_backward(tmp_path,
     x2 ZeRO-2 SP) the last three ranks traced 7-19% above the price without them; with them and the 16-bit weight
     gradients held only from a stage's W to its next B (StateBytes.unfolded, none on the first stage), every rank
     within 0.8%. With selective recomputation, the one zb-v runs on this model (layout.zero_bubble_recompute_refusal:
-    full recomputation traced 43% and 47% above), 4.7% and 3.0% below."""
+    full recomputation traced 43% and 47% above), 4.7% and 3.0% below.
+    Since the flash kernel's output is no longer priced twice (memory.layer_activation_bytes: it is the output
+    projection's input), without recomputation 4.6% and 3.2% below (16,862,744 and 11,745,528 B traced): on llama-tiny
+    rank 0, which holds the V's last stage, three fp32 logit-sized loss tensors sit at the peak where the loss is
+    priced as 16-bit logits kept and its 8·T·V working set; at scale -1.6% to +2.1% (+0.4% to +3.6% before)."""
     flags = f"--dp 2 --tp 1 --pp 2 --micro-batch 1 --schedule zb-v --virtual-stages 2 --zero 2 --recompute {recompute}"
     job = Job.load(_local_plan(tmp_path, monkeypatch, "llama-tiny", flags))
     for rank in dry_run(job, "cpu").to_dict()["ranks"]:
