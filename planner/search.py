@@ -1025,9 +1025,17 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     tried = tuple(u for u in modes if u not in skip)
     if not tried:
         return None
+    priced: dict[tuple | None, Prediction | None] = {}  # a split asked for twice (below) is priced once
+
+    def price(stages: list[list[int]] | None) -> Prediction | None:
+        key = None if stages is None else tuple(map(tuple, stages))
+        if key not in priced:
+            priced[key] = least_recompute_prediction(model, lay, stages, tried)
+        return priced[key]
+
     if lay.virtual_stages > 1:
         even = even_stages(model, lay)
-        got = least_recompute_prediction(model, lay, even, tried)
+        got = price(even)
         k = lay.num_stages
         # The first chunk holds the most micro-batches of its rank: where it recomputes much (a quarter of its forward
         # or more: whole layers, the MLP), a layer off it (or off the last, the head's) may spare that
@@ -1045,11 +1053,11 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
         if got is not None:
             return got
     split = default_stages(model, lay.replace(recompute=tried[0]))
-    balanced = least_recompute_prediction(model, lay, split, tried)
+    balanced = price(split)  # (an interleaved layout whose even split fits nowhere: that split again, often)
     # chunks of unlike layers: also the blocks dealt evenly (what the ILP can start from), the faster of the two
-    counted = least_recompute_prediction(model, lay, count_balanced_stages(model, lay), tried)
+    counted = price(count_balanced_stages(model, lay))
     if balanced is None and counted is None:  # fits in no mode: blocks moved off the ranks that overflow, if any
-        balanced = least_recompute_prediction(model, lay, memory_repaired_stages(model, lay, split, tried[-1]), tried)
+        balanced = price(memory_repaired_stages(model, lay, split, tried[-1]))
     least = min((p for p in (balanced, counted) if p is not None), key=lambda p: p.iteration_time_s, default=None)
     if least is not None and least.time_s["recompute"] > 0:
         # the balanced split recomputes where a rank overflows (1F1B's first ranks hold the most micro-batches):
