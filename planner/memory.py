@@ -115,10 +115,10 @@ def layer_activation_bytes(layer: LayerProfile, b: float, tp: int, sp: bool, rec
         total, sharded = layer.activation_bytes_selective, layer.activation_bytes_selective_sharded
         whole = layer.activation_bytes_selective_whole
         # Without recomputation a fused kernel keeps its output for its backward, but that is the tensor the output
-        # projection keeps as its input, which the selective count holds already: the flash and memory-efficient
-        # kernels write (b, s, a, d) and return it transposed, so the layer's transpose-and-reshape is a view, not a
-        # copy (traced, llama2-70b tp2 sp: one s·h/t tensor per layer where two were priced, 4% of a layer's
-        # activations). Its log-sum-exp (b·a·s fp32, under 0.1% of a layer's) is left out.
+        # projection keeps as its input, which the selective count holds already: the flash kernel writes (b, s, a, d)
+        # and returns it transposed, so the layer's transpose-and-reshape is a view, not a copy (on the CPU, a test;
+        # traced on the CUDA device in the dry run, llama2-70b tp2 sp: one s·h/t tensor per layer where two were
+        # priced, 4% of a layer's activations). Its log-sum-exp (b·a·s fp32, under 0.1% of a layer's) is left out.
         if recompute != "none" and prologue:
             # selective reruns the attention's prologue too (MLA's up-projection): what it made goes
             total -= layer.prologue_dropped_bytes
@@ -307,7 +307,9 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     # at every rank's peak, beside the earlier unit's fp32 buffer and the prefetched unit; priced as the whole unit's.
     # Not where torch's runtime gathers whole chunks (interleaved ZeRO-3): those peaks come at a backward's start, the
     # gathers' moments (tests/test_costmodel.py test_gather_moments_find_the_traced_peaks: none traced there). Mixed
-    # precision only: in fp32 (llama-tiny dp2 pp2 1F1B ZeRO-3, traced) the peaks held none.
+    # precision only: in fp32 (llama-tiny dp2 pp2 1F1B ZeRO-3, traced) the peaks held none. ZeRO 0-2 and a model
+    # without a pipeline take the same FSDP2 path (a unit's gradients written, then copied into its reduce buffer),
+    # not traced at scale.
     wgrads = copy if staging and mixed and not (start or chunk) else 0.0
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, unit_wgrads=wgrads,
                       root_weights=root,
