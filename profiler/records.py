@@ -51,7 +51,6 @@ class OpMix:
     kernels: int = 0
     kernels_core: int = 0
     core_scores_bytes: int = 0  # the attention score matrix (b, a, s, s): what a fused softmax reads and writes
-    core_output_bytes: int = 0  # the attention core's output (b, a, s, d): what a fused (flash) kernel saves
     # Mixture of experts: per GEMM, 0 outside an MoE block, 1 inside it (router, dispatch, shared experts), 2 in
     # its routed experts (what expert parallelism regroups); the bytes moved and kernels run inside each.
     gemm_moe: list[int] = field(default_factory=list)

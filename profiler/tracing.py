@@ -102,7 +102,6 @@ class _OpRecorder(TorchDispatchMode):
             self.mix.gemm_mlp.append(mlp)
             if core:
                 self.mix.core_scores_bytes = max(self.mix.core_scores_bytes, _nbytes(outs))
-                self.mix.core_output_bytes = _nbytes(outs)  # the last core GEMM's output is the core's
         else:
             moved = _nbytes(ins) + _nbytes(outs)
             self.mix.other_bytes += moved
