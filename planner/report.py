@@ -262,8 +262,9 @@ def write_report(result: SearchResult, out: str, scaling: list[ScalingPoint] | C
            f"({result.ilp_solves} stage-split ILPs solved through PuLP):", "",
            *(f"- note: {n}" for n in result.notes), *([""] if result.notes else [])]
     labels = {"ok": "priced exactly with their ILP stage split (or, in the default mode, interleaved and V layouts "
-              "of transformer layers, their quick split polished)", "priced": "priced at a balanced split only "
-              "(over 5% behind the top plans, or the ILP's bound showed no split beats them)",
+              "of transformer layers, their quick split polished)", "priced": "priced at a balanced split only, "
+              "or bounded there by its closed form (over 5% behind the top plans, or the ILP's bound showed no split "
+              "beats them)",
               "pruned": "pruned by a lower bound that cannot beat the top plans",
               "pruned unchecked": "pruned by their pipeline's time alone, which cannot beat the top plans (their "
               "memory not checked: some may not fit)",

@@ -1250,6 +1250,40 @@ def test_quick_price_takes_a_layer_off_an_interleaved_first_chunk_that_recompute
     assert quick.stages[0].recompute != "full" and quick.iteration_time_s <= ilp * 1.01
 
 
+@pytest.mark.parametrize("short", ["dp4 tp2 pp8 mb1 interleaved-1f1bx4 z3 sp", "dp16 tp1 pp4 mb1 interleaved-1f1bx4 z3",
+                                   "dp8 tp2 pp4 mb1 1f1b z3 sp", "dp4 tp4 pp4 mb1 interleaved-1f1bx2 z2 sp"])
+def test_a_quick_price_given_a_time_to_beat_is_the_same_below_it_and_a_floor_above(short):
+    """search.quick_price's ``beat`` (the heuristic search's drop line): where the quick price would be below it, the
+    same Prediction as without; else either that price or a QuickFloor, never above the price and never below the line
+    (the search drops both alike). Four demo layouts: interleaved ones whose even split recomputes, one whose first
+    chunk gives a layer away, a 1F1B one that levels its split."""
+    from paraplan.planner.search import QuickFloor, layout_modes, quick_price
+
+    model = _demo_model()
+    lay = next(x for x in enumerate_layouts(model.work, 64, "bf16") if x.short() == short)
+    modes = layout_modes(model, lay, modes_for(model, None, "bf16"))
+    price = quick_price(model, lay, modes).iteration_time_s
+    above = quick_price(model, lay, modes, beat=price * 1.001)
+    assert not isinstance(above, QuickFloor) and above.iteration_time_s == price
+    for line in (price * 0.999, price * 0.9, price * 0.5):
+        got = quick_price(model, lay, modes, beat=line)
+        assert line <= got.iteration_time_s <= price if isinstance(got, QuickFloor) else got.iteration_time_s == price
+    assert isinstance(quick_price(model, lay, modes, beat=price * 0.5), QuickFloor)  # far below: never priced whole
+
+
+def test_the_demo_search_drops_layouts_on_their_quick_floors_as_on_their_quick_prices():
+    """The heuristic search drops a layout whose quick price is more than 5% behind the k-th best; given that line,
+    the quick price stops at its closed-form floor (QuickFloor) where that already reaches it (the demo: about 90 of
+    its 181 quick prices). Those layouts say so, with their floor at or above the line of the plans shown."""
+    model = _demo_model()
+    result = search(model.work, 64, model=model)
+    floored = [c for c in result.candidates if c.quick_floor_s is not None]
+    assert len(floored) > 20
+    line = result.ranked[-1].prediction.iteration_time_s * 1.05
+    assert all(c.status == "priced" and c.prediction is None and c.quick_floor_s >= line for c in floored)
+    assert all("not priced" in c.status_text() for c in floored)
+
+
 @pytest.mark.slow  # ~1 minute: the exhaustive search of the demo
 def test_the_demo_heuristic_search_finds_the_exhaustive_best():
     """The README demo: the default (heuristic) search's best plan is --exhaustive's (the proof mode: every layout's
