@@ -220,6 +220,9 @@ class StageCost:
     p2p_bwd: float = 0.0
     act_bytes: float = 0.0
     act_working: float = 0.0
+    loss_working: float = 0.0  # of act_working's candidates, the loss's (the head block's), where the stage holds it
+    layer_working: float = 0.0  # the largest working set of its other blocks
+    loss_held: float = 0.0  # of act_bytes, the head block's (where the stage holds it): freed by its backward
     params: float = 0.0
     recompute_flops: float = 0.0
     root_params: float = 0.0  # of params, those outside transformer layers
@@ -415,6 +418,10 @@ class _LayoutStages:
          st.experts, st.moe_shared, st.ep_time, st.a2a_bytes, st.host_time, st.dw_pending) = table.span(lo, hi)
         st.tp_traffic = (ar, ag, rs)
         st.act_working = max(table.working[lo:hi])
+        holds_loss = hi == self.n_blocks
+        st.loss_working = table.working[-1] if holds_loss else 0.0
+        st.layer_working = max(table.working[lo:hi - 1], default=0.0) if holds_loss else st.act_working
+        st.loss_held = table.costs[-1].act_bytes if holds_loss else 0.0
         st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
         st.largest_reduce_unit = max((c.reduce_unit for c in table.costs[lo:hi] if not c.root), default=0.0)
         if not s:  # torch's first stage runs its whole backward at W: its input backward keeps no gradients
@@ -536,6 +543,38 @@ def _without_gradients(states: tuple) -> tuple[StateBytes, StateBytes]:
     """``states`` (state_bytes, moe.expert_states) before a rank's first backward: no gradient, no reduce buffer.
     Kept per ``states`` (frozen: a few kinds serve thousands of fit tests)."""
     return tuple(dataclasses.replace(x, grads=0.0, unit_grads=0.0, unit_wgrads=0.0) for x in states)
+
+
+def _unpipelined_moments(costs: list[StageCost] | dict[int, StageCost], stages: tuple[int, ...], states: tuple
+                         ) -> list[tuple[tuple, float]] | None:
+    """The two moments that may be the peak of a model without a pipeline (one stage: its blocks all on the rank),
+    each as (the layout's states then, the working set beside the saved activations); None elsewhere (a pipeline, or
+    no loss working set to tell them apart).
+
+    - The loss's backward (its working set: memory.loss_bytes): no FSDP unit is gathered then (this executor sets
+      ZeRO-3's reshard_after_forward itself, so FSDP2 reshards even the root unit after the forward, and gathers it
+      again only when the backward reaches it), no layer has written a gradient yet and no reduce buffer is held
+      (the trainer's every backward is FSDP2's last: its final callback frees them): the states without those
+      transients (StateBytes' unit_weights, root_weights, unit_wgrads, unit_grads).
+    - A layer's backward: every transient, with the layers' largest working set; the head block's saved
+      activations freed by its backward before (its one micro-batch: without a pipeline one is in flight).
+    Traced (executor/trace.py, the live tensors at the peak), llama3-8b dp16 ZeRO-3 at 8,192 tokens: the peak in the
+    loss's log-softmax backward, the fp32 shards and the activations alone; priced with the transients beside the
+    loss it came 4.2 GiB (6.4%) over. llama2-7b dp8 (a 32,000 vocabulary): ZeRO-3's peak in a layer's backward, the
+    root and two layer units gathered, the head's activations gone (priced with the loss's working set and the
+    head's: 5.6% over); ZeRO-1's at the loss's, its weight gradients and reduce buffer not yet there."""
+    if tuple(stages) != (0,) or not costs[0].loss_working:  # (stage 0 holds the head: it is the whole model)
+        return None
+    return [(_without_transients(states), costs[0].loss_working),
+            (states, costs[0].layer_working - costs[0].loss_held)]
+
+
+@lru_cache(maxsize=256)
+def _without_transients(states: tuple) -> tuple:
+    """``states`` (a layout's: memory.state_bytes, moe.expert_states) without what only a layer's backward holds:
+    gathered units (the root's too), its 16-bit weight gradients, its reduce buffer."""
+    return tuple(dataclasses.replace(x, unit_weights=0.0, root_weights=0.0, unit_wgrads=0.0, unit_grads=0.0)
+                 for x in states)
 
 
 def prices_chunk_gathers(states: tuple) -> bool:
@@ -1082,6 +1121,13 @@ class CostModel:
         interleaved: gather_peaks) the larger of the peaks after the rank's first backward and before it, the latter
         without gradients."""
         working = max(costs[s].act_working for s in stages)
+        moments = _unpipelined_moments(costs, stages, states)
+        if moments is not None:  # without a pipeline: the loss's moment and the layers' backward, the larger
+            acts, unfolded = simulated if simulated is not None else \
+                peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))
+            got = [self._rank_bytes_at(costs, stages, acts + extra, held, grads_at_peak, unfolded)
+                   for held, extra in moments]
+            return max(got, key=lambda out: sum(out.values()))
         if _gather_moments(holding):
             # the moments are exact walks of the rank's order (the event simulation's peak is one of them)
             late, early = gather_peaks(costs, holding, moment_state_bytes(costs, holding[0], states))
@@ -1146,8 +1192,19 @@ class CostModel:
 
             return fits_gathers
 
-        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True, start_moment=False).values())
         unfolded = unfolded_bytes(costs, stages, states)  # what recomputation does not change
+        moments = _unpipelined_moments(costs, stages, states)
+        if moments is not None:  # without a pipeline: the loss's moment and the layers' backward (_rank_bytes)
+            bases = [sum(self._rank_bytes_at(costs, stages, 0.0, held, True, start_moment=False).values())
+                     for held, _ in moments]
+
+            def fits_both() -> bool:  # the stage's mode changes its working sets: read at each test
+                acts = held_activations(costs, stages, flights, holding, unfolded)
+                extras = [x for _, x in _unpipelined_moments(costs, stages, states)]
+                return all(b + per_byte * (acts + x) <= room for b, x in zip(bases, extras, strict=True))
+
+            return fits_both
+        base = sum(self._rank_bytes_at(costs, stages, 0.0, states, True, start_moment=False).values())
 
         def fits() -> bool:  # (unfolded gradients, when held at the peak, priced as tensors alike)
             acts = held_activations(costs, stages, flights, holding, unfolded) + \
