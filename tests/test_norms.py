@@ -69,7 +69,9 @@ def test_torchtitan_llama2_13b_without_recomputation_fits_as_it_ran():
     """torchtitan's August 2024 table (benchmarks/data/published_a100_extra.yaml): Llama 2 13B, batch 2 of 4,096
     tokens per GPU, no activation checkpointing, FSDP over 64 A100 80GB, ran. With the composite norm's fp32 copies
     (two norms of 5,120 a token a layer, 6 bytes an element more) it was priced at 95.5 GiB; fused, 75.5 GiB; with the
-    flash kernel's output priced once and the gradients of the unit in its backward priced, 72.9 GiB."""
+    flash kernel's output priced once and the gradients of the unit in its backward priced, 72.9 GiB; with its loss's
+    moment and its layers' backward priced apart (costmodel._unpipelined_moments), 69.6 GiB. This executor's dry run of
+    the layout (priced alike under --framework paraplan) traced 69.03 GiB: the bound below is 2% under that."""
     from paraplan.planner.costmodel import CostModel
     from paraplan.planner.layout import Layout
     from paraplan.planner.workload import Workload
@@ -77,4 +79,4 @@ def test_torchtitan_llama2_13b_without_recomputation_fits_as_it_ran():
     work = Workload.create("llama2-13b", "dgx-a100-80gb", 128, seq_length=4096, framework="torchtitan")
     lay = Layout(dp=64, tp=1, pp=1, micro_batch=2, global_batch=128, zero=3)
     pred = CostModel(work).evaluate(lay, [list(range(len(work.profile("bf16").layers)))], ["none"])
-    assert pred.fits and 70 < pred.peak_memory_gib < 80
+    assert pred.fits and 69.03 * 0.98 < pred.peak_memory_gib < 80
