@@ -152,7 +152,9 @@ class StateBytes:
     """Bytes a rank keeps per parameter it holds, by kind, at its memory peak; ``unit_weights``: bytes per
     parameter of its largest transformer-layer FSDP unit, twice (gathered copies live at once under ZeRO 3:
     the unit that runs and the one prefetched); ``root_weights``: per parameter of the chunk's root unit
-    (embedding, head), which FSDP2 keeps gathered from the first forward to the last backward."""
+    (embedding, head), which FSDP2 gathers for the whole of each forward and each backward (under ZeRO 3 resharded
+    between them, as this executor asks: without a pipeline the loss's backward holds none,
+    costmodel._unpipelined_moments)."""
 
     weights: float
     grads: float
@@ -162,7 +164,7 @@ class StateBytes:
     # per parameter of the largest layer unit: the gradients its backward writes to the unsharded weights (the compute
     # copy's dtype) before the unit's reduce copies them into its buffer (unit_grads)
     unit_wgrads: float = 0.0
-    root_weights: float = 0.0  # per parameter of the root unit (embedding, head): kept gathered all step (ZeRO 3)
+    root_weights: float = 0.0  # per parameter of the root unit (embedding, head): gathered through each pass (ZeRO 3)
     staging_held: bool = False  # each pipeline chunk keeps its last reduce buffer (staged_unit_params)
     # ZB-V under ZeRO 2/3 in mixed precision: per parameter of a stage, the 16-bit gradients its weight backward (W)
     # writes, which FSDP2 folds into the fp32 sums at the stage's next input backward (post-backward's
