@@ -1120,7 +1120,6 @@ class CostModel:
         peak where there is one (activations, unfolded gradients: SimResult's). With whole-chunk gathers (ZeRO-3
         interleaved: gather_peaks) the larger of the peaks after the rank's first backward and before it, the latter
         without gradients."""
-        working = max(costs[s].act_working for s in stages)
         moments = _unpipelined_moments(costs, stages, states)
         if moments is not None:  # without a pipeline: the loss's moment and the layers' backward, the larger
             acts, unfolded = simulated if simulated is not None else \
@@ -1128,6 +1127,7 @@ class CostModel:
             got = [self._rank_bytes_at(costs, stages, acts + extra, held, grads_at_peak, unfolded)
                    for held, extra in moments]
             return max(got, key=lambda out: sum(out.values()))
+        working = max(costs[s].act_working for s in stages)
         if _gather_moments(holding):
             # the moments are exact walks of the rank's order (the event simulation's peak is one of them)
             late, early = gather_peaks(costs, holding, moment_state_bytes(costs, holding[0], states))
@@ -1668,12 +1668,25 @@ def lighter_end_stages(model: CostModel, lay: Layout) -> list[list[list[int]]]:
     return out
 
 
+@dataclass(frozen=True)
+class QuickFloor:
+    """:func:`least_recompute_prediction`'s answer, given a time to beat, for a split whose closed-form floor
+    (:meth:`CostModel.closed_form_floor`) already reaches it: that floor, the split never priced whole (the search's
+    quick prices read its time, its stages' costs and its recomputation as a Prediction's)."""
+
+    iteration_time_s: float  # the split's price is at least this
+    layout: Layout  # priced with its heaviest recomputation mode as its label (as a Prediction's)
+    stages: list[StageCost]  # the stages' costs in their least recomputation that fits
+    time_s: dict[str, float]  # its recomputation seconds alone (what quick_price reads of a Prediction)
+
+
 def least_recompute_prediction(model: CostModel, lay: Layout, stages: list[list[int]] | None,
                                tried: tuple[str, ...], got: tuple[list[str], list[StageCost]] | None = None,
-                               beat: float | None = None) -> Prediction | None:
+                               beat: float | None = None) -> Prediction | QuickFloor | None:
     """``stages`` priced exactly with the least recomputation per stage that fits (None: some rank fits in no mode).
     ``got``: ``model.least_recompute(lay, stages, tried)`` where the caller has it. ``beat``: a time the caller
-    keeps the price only below; None too where :meth:`CostModel.closed_form_floor` shows the price is not."""
+    keeps the price only below; where :meth:`CostModel.closed_form_floor` shows the price is not, that floor alone
+    (:class:`QuickFloor`, its time ``beat`` or more)."""
     if stages is None:
         return None
     got = got or model.least_recompute(lay, stages, tried)
@@ -1681,8 +1694,10 @@ def least_recompute_prediction(model: CostModel, lay: Layout, stages: list[list[
         return None
     chosen, costs = got
     priced = lay.replace(recompute=max(chosen, key=tried.index))
-    if beat is not None and model.closed_form_floor(priced, costs) >= beat:
-        return None
+    if beat is not None:
+        floor = model.closed_form_floor(priced, costs)
+        if floor >= beat:
+            return QuickFloor(floor, priced, costs, {"recompute": sum(c.recompute_time for c in costs)})
     return model.evaluate(priced, stages, chosen if len(set(chosen)) > 1 else None, costs=costs)
 
 

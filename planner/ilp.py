@@ -899,7 +899,7 @@ def polished_quick_split(model: CostModel, lay: Layout, start: Prediction, allow
             if got is None or pipeline_makespan(lay, got[1]) >= start.iteration_time_s:
                 continue  # does not fit, or its pipeline alone is no faster: no need to price it whole
             pred = least_recompute_prediction(model, lay, stages, modes, got, beat=start.iteration_time_s)
-            if pred is not None and pred.iteration_time_s < start.iteration_time_s:
+            if pred is not None and pred.iteration_time_s < start.iteration_time_s:  # (a floor never is)
                 start = pred
     return _from_start(model, lay, modes, start, "chunks of transformer layers, no ILP", True)
 

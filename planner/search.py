@@ -38,7 +38,7 @@ from paraplan.models import TransformerSpec
 from . import moe
 from .concerns import RankLoad
 from .context_parallel import search_degrees as cp_degrees
-from .costmodel import CostModel, Prediction, grads_meet_peak
+from .costmodel import CostModel, Prediction, QuickFloor, grads_meet_peak, least_recompute_prediction
 from .dp_sync import optimizer_step
 from .errors import InvalidLayout, PlanError
 from .gc_pause import without_gc_pauses
@@ -1006,17 +1006,6 @@ def _validated(model: CostModel, layouts: list[Layout]) -> list[Candidate]:
     return out
 
 
-@dataclass(frozen=True)
-class QuickFloor:
-    """What :func:`quick_price` returns, given a time to beat, for a layout whose quick split cannot beat it: the
-    least closed-form price (CostModel.closed_form_floor) of the splits it tried, none priced whole."""
-
-    iteration_time_s: float  # at least this, on every split the quick price tries
-    layout: Layout  # priced with its heaviest recomputation mode as its label (as a Prediction's)
-    stages: list  # the stages' costs (StageCost) of the split whose floor this is
-    time_s: dict[str, float]  # its recomputation seconds alone (what quick_price reads of a Prediction)
-
-
 def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
                 skip: frozenset[str] = frozenset(), beat: float | None = None) -> Prediction | QuickFloor | None:
     """Exact price of a simple split with the least recomputation per stage that fits (CostModel.least_recompute:
@@ -1047,7 +1036,7 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     def price(stages: list[list[int]] | None) -> Prediction | QuickFloor | None:
         key = None if stages is None else tuple(map(tuple, stages))
         if key not in priced:
-            priced[key] = _floor_or_price(model, lay, stages, tried, beat)
+            priced[key] = least_recompute_prediction(model, lay, stages, tried, beat=beat)
         return priced[key]
 
     if lay.virtual_stages > 1:
@@ -1086,28 +1075,9 @@ def quick_price(model: CostModel, lay: Layout, modes: tuple[str, ...],
     return least
 
 
-def _floor_or_price(model: CostModel, lay: Layout, stages: list[list[int]] | None, tried: tuple[str, ...],
-                    beat: float | None, got: tuple | None = None) -> Prediction | QuickFloor | None:
-    """``stages`` priced with the least recomputation that fits (None: it fits in no mode), or, where its closed-form
-    floor is ``beat`` or more, that floor alone (QuickFloor): its price is no less. ``got``: its
-    CostModel.least_recompute where the caller has it."""
-    from .costmodel import least_recompute_prediction
-
-    got = got or (model.least_recompute(lay, stages, tried) if stages is not None else None)
-    if got is None:
-        return None
-    if beat is not None:
-        chosen, costs = got
-        priced = lay.replace(recompute=max(chosen, key=tried.index))
-        floor = model.closed_form_floor(priced, costs)
-        if floor >= beat:
-            return QuickFloor(floor, priced, costs, {"recompute": sum(c.recompute_time for c in costs)})
-    return least_recompute_prediction(model, lay, stages, tried, got=got)
-
-
 def _less_recomputed(model: CostModel, lay: Layout, stages: list[list[int]] | None, tried: tuple[str, ...],
                      than: Prediction | QuickFloor, beat: float | None = None) -> Prediction | QuickFloor:
-    """``stages`` priced with the least recomputation that fits (costmodel.least_recompute_prediction) where that
+    """``stages`` priced with the least recomputation that fits (least_recompute_prediction) where that
     recomputes less than ``than`` does and comes out faster; else ``than``. (The recomputation is what these
     other splits are for: where they do not save any, they are not priced.) ``beat``: as quick_price's (where
     ``stages``' floor reaches it, that floor stands in for its price)."""
@@ -1115,7 +1085,7 @@ def _less_recomputed(model: CostModel, lay: Layout, stages: list[list[int]] | No
     if got is None or sum(c.recompute_time for c in got[1]) >= sum(c.recompute_time for c in than.stages):
         return than
     limit = than.iteration_time_s if beat is None else min(than.iteration_time_s, beat)
-    other = _floor_or_price(model, lay, stages, tried, limit, got)
+    other = least_recompute_prediction(model, lay, stages, tried, got=got, beat=limit)
     return other if other is not None and other.iteration_time_s < than.iteration_time_s else than
 
 
