@@ -172,6 +172,11 @@ class Framework:
     # weights (16-bit training only) and of the two moments (memory.state_bytes, dp_sync.optimizer_step)
     master_bytes: int = 4
     moment_bytes: int = 8
+    # The cross-entropy's logits under the executor's states (memory.loss_bytes): "fp32" — upcast first, as this
+    # executor (models.transformer_loss) and torchtitan do; "16-bit" — the logits' own dtype, as NeMo Automodel's
+    # benchmark configs ask (MaskedCrossEntropy fp32_upcast false), its recipe keeping the model's output (the
+    # logits) referenced through the backward
+    loss_logits: str = "fp32"
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -309,11 +314,13 @@ NEMO_AUTOMODEL = Framework(
     fp8_scaling="delayed", recompute_early_stop=True, elementwise_traffic=MEGATRON_CORE.elementwise_traffic,
     moe_imbalance=1.0, moe_grouped_gemm=True, moe_kernels="fused", moe_dispatcher="hybridep",
     moe_dispatchers=("alltoall", "hybridep"), fp8_experts=True, master_bytes=2, moment_bytes=4, zero_stages=(2, 3),
+    loss_logits="16-bit",
     source="NVIDIA-NeMo/Automodel (nemo_automodel/components/moe/parallelizer.py apply_fsdp: MixedPrecisionPolicy "
            "bf16/fp32, reshard_after_forward; moe/fsdp_mixin.py: gradients synced on the last backward only; "
            "moe/experts.py: TE GroupedLinear, Megatron's token dispatcher with DeepEP; "
            "examples/llm_benchmark/*_te_deepep.yaml: attn/linear/rms_norm te, rope_fusion, experts gmm, "
-           "dispatcher deepep, fake_balanced_gate, activation_checkpointing)")
+           "dispatcher deepep, fake_balanced_gate, activation_checkpointing, loss_fn MaskedCrossEntropy with "
+           "fp32_upcast false; recipes/llm/train_ft.py _forward_backward_step: the output kept through backward)")
 
 FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATRON_DEEPSPEED, DEEPSPEED, TORCHTITAN,
                                   NEMO_AUTOMODEL)}

@@ -414,9 +414,18 @@ def loss_bytes(tokens: float, vocab: int, tp: int, framework, pipelined: bool) -
     - kept until its backward, per micro-batch in flight: on a pipeline's last stage the schedule holds the
       stage's output, the 16-bit logits: 2·T·V/t.
     Megatron's fused vocab-parallel cross-entropy computes its gradient in the buffer it saved: nothing more.
+
+    A cross-entropy on the 16-bit logits themselves (Framework.loss_logits "16-bit": NeMo Automodel's
+    MaskedCrossEntropy with fp32_upcast false, F.cross_entropy on the logits made whole on every rank by
+    DTensor.full_tensor where they are vocabulary-sharded), its model output referenced through the backward:
+    - kept: the 16-bit logits the output holds (2·T·V/t) and the 16-bit log-probabilities log_softmax saves,
+      whole (2·T·V), less the fp32 shard the profile's own loss saved (4·T·V/t): 2·T·V·(1 - 1/t), none at t = 1;
+    - working: nll_loss's and log_softmax's 16-bit gradients, whole: 4·T·V.
     """
     if framework.states != "executor":
         return 0.0, 0.0
     shard = tokens * vocab / tp
+    if framework.loss_logits == "16-bit":
+        return 2 * tokens * vocab - 2 * shard, 4 * tokens * vocab
     return (2 * shard if pipelined else 0.0), (8 * shard if tp == 1 else 12 * shard)
 

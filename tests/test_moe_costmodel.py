@@ -859,6 +859,39 @@ def test_nemo_automodel_runs_zero_2_and_3_only():
     assert p.returncode == 2 and "the nemo-automodel stack runs ZeRO 2 or 3 over data parallelism, not 1" in p.stderr
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_nemo_automodel_s_loss_runs_on_the_16_bit_logits(tp):
+    """NeMo Automodel's benchmark configs compute the loss on the logits' own dtype (MaskedCrossEntropy with
+    fp32_upcast false: F.cross_entropy on the bf16 logits, made whole by DTensor.full_tensor where vocabulary-sharded),
+    its recipe keeping the model's output through the backward (memory.loss_bytes): against the same stack with this
+    executor's fp32 loss, the head block keeps 2·T·V·(1 - 1/t) bytes more (the whole 16-bit log-probabilities and the
+    output, less the fp32 shard the profile saved: nothing more at t = 1, and without a pipeline the fp32 loss keeps
+    no logits) and its working set is 4·T·V (two whole 16-bit gradients) where the fp32 loss's is 8·T·V/t (t = 1) or
+    12·T·V/t. T tokens a micro-batch, V the vocabulary."""
+    automodel = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, seq_length=1024, framework="nemo-automodel")
+    upcast = Workload.create("qwen3-30b-a3b", "dgx-h100", 64, seq_length=1024,
+                             framework=FRAMEWORKS["nemo-automodel"].replace(loss_logits="fp32"))
+    lay = Layout(dp=8 // tp, tp=tp, pp=1, ep=8 // tp, micro_batch=2, global_batch=64, zero=3, recompute="full")
+    heads = [CostModel(w).stage_costs(lay, default_stages(CostModel(w), lay))[0] for w in (automodel, upcast)]
+    T, V = 2 * 1024, automodel.spec.vocab_size
+    assert heads[0].loss_held - heads[1].loss_held == pytest.approx(2 * T * V * (1 - 1 / tp), rel=1e-9)
+    assert heads[0].loss_working == pytest.approx(4 * T * V, rel=1e-9)
+    assert heads[1].loss_working == pytest.approx((8 if tp == 1 else 12) * T * V / tp, rel=1e-9)
+
+
+def test_nemo_automodel_s_published_qwen3_30b_run_on_8_gpus_fits():
+    """The NeMo Automodel H100 table's Qwen3-30B-A3B row (8 GPUs, ep8, micro-batch 4 of 4,096 tokens, FSDP2 with
+    reshard_after_forward, activation checkpointing: benchmarks/data/published_moe.yaml) ran: priced with its 16-bit
+    loss it fits (with this executor's fp32 loss, 8·T·V = 18.5 GiB of working set at T = 16,384 and V = 151,936, it
+    was priced at 86.7 GiB, out of memory)."""
+    work = Workload.create("qwen3-30b-a3b", "dgx-h100", 512, seq_length=4096, framework="nemo-automodel",
+                           moe_routing="consecutive")
+    model = CostModel(work)
+    lay = Layout(dp=8, tp=1, pp=1, ep=8, micro_batch=4, global_batch=512, zero=3, recompute="full")
+    pred = model.evaluate(lay, default_stages(model, lay))
+    assert pred.fits and pred.peak_memory_gib < 80
+
+
 def test_hybridep_gathers_every_rank_s_routing_map_each_forward():
     """HybridEP's dispatch (Megatron-Core's flex dispatcher) first all-gathers the ep group's routing maps, one bool
     per token and expert (DeepEP hybrid_ep_buffer.py: all_gather_into_tensor; the backward reuses the handle): ep x
