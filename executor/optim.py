@@ -33,10 +33,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def adamw(params: Iterable[nn.Parameter]) -> torch.optim.AdamW:
-    """AdamW with the executor's fixed settings. torch's default implementation for plain tensors; a
-    per-tensor loop when DTensors are present (one foreach call may not mix meshes or plain tensors)."""
+    """AdamW with the executor's fixed settings: torch's foreach implementation for plain tensors, on every device
+    (torch's default on GPUs; on a CPU it would loop one tensor at a time, so the dry run would trace another
+    step than a GPU runs: one temporary copy of every second moment, memory.step_bytes); a per-tensor loop when
+    DTensors are present (one foreach call may not mix meshes or plain tensors)."""
     params = list(params)
-    foreach = False if any(isinstance(p, DTensor) for p in params) else None
+    foreach = not any(isinstance(p, DTensor) for p in params)
     return torch.optim.AdamW(params, foreach=foreach, **ADAMW)
 
 

@@ -51,6 +51,7 @@ from .memory import (
     staged_unit_params,
     start_bytes,
     state_bytes,
+    step_bytes,
     untracked_bytes,
 )
 from .placement import Placement, consecutive_group, layout_placement
@@ -98,6 +99,10 @@ class BlockCost:
     ep_time: float = 0.0
     a2a_bytes: float = 0.0
     host: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (calibrated per event; 0 on GPUs)
+    # elements of its largest parameter tensor on a rank, outside the expert-parallel experts and among them
+    # (moe.largest_tensors_on_rank): what torch's AdamW allocates for at the step (memory.step_bytes)
+    largest_param: float = 0.0
+    largest_expert: float = 0.0
     dw_pending: float = 0.0  # kept from a zero-bubble input backward to its weight backward (pending_weight_grad_bytes)
 
     @property
@@ -237,6 +242,8 @@ class StageCost:
     host_time: float = 0.0  # of tp_fwd + tp_bwd, host-side framework seconds (its blocks' and the stage's own)
     largest_unit: float = 0.0  # parameters of its largest non-root block on a rank (an FSDP unit)
     largest_reduce_unit: float = 0.0  # of its non-root blocks, the largest BlockCost.reduce_unit
+    largest_param: float = 0.0  # of its blocks, the largest BlockCost.largest_param (and largest_expert)
+    largest_expert: float = 0.0
     # bytes per micro-batch kept from a zero-bubble input backward to its weight backward: its blocks' output
     # gradients (BlockCost.dw_pending; none on the first stage, whose input backward does nothing: torch runs its
     # whole backward at W; on the last only their excess over the loss backward's working set) and, but on the last
@@ -424,6 +431,8 @@ class _LayoutStages:
         st.loss_held = table.costs[-1].act_bytes if holds_loss else 0.0
         st.largest_unit = max((c.params for c in table.costs[lo:hi] if not c.root), default=0.0)
         st.largest_reduce_unit = max((c.reduce_unit for c in table.costs[lo:hi] if not c.root), default=0.0)
+        st.largest_param = max(c.largest_param for c in table.costs[lo:hi])
+        st.largest_expert = max(c.largest_expert for c in table.costs[lo:hi])
         if not s:  # torch's first stage runs its whole backward at W: its input backward keeps no gradients
             st.dw_pending = 0.0
         elif not sends:  # the last stage runs its W right after its B (zb-v's rank 0): what that B leaves adds to
@@ -811,6 +820,7 @@ class CostModel:
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working
+        largest_param, largest_expert = moe.largest_tensors_on_rank(layer, lay, fw)
         cost = BlockCost(
             fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,
@@ -821,7 +831,8 @@ class CostModel:
             cp_time=cpc.fwd + cpc.bwd if cpc else 0.0, cp_send_recv=cpc.traffic.get("send_recv", 0.0) if cpc else 0.0,
             experts=moe.experts_on_rank(layer, lay, fw), moe_shared=moe.tp_summed_on_rank(layer, lay, fw),
             ep_time=epc.seconds, a2a_bytes=epc.traffic.get("all_to_all", 0.0), host=host,
-            dw_pending=pending_weight_grad_bytes(layer, b, t, sp))
+            dw_pending=pending_weight_grad_bytes(layer, b, t, sp), largest_param=largest_param,
+            largest_expert=largest_expert)
         self._blocks[key] = cost
         return cost
 
@@ -947,7 +958,8 @@ class CostModel:
         acts = layer_activation_bytes(layer, b * k, k, False, "none", work.attention) + feats
         return BlockCost(fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=0.0,
                          recompute_flops=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=0.0,
-                         params=layer.params * sharded, output_bytes=layer.output_bytes * b, root=True)
+                         params=layer.params * sharded, output_bytes=layer.output_bytes * b, root=True,
+                         largest_param=moe.largest_tensors_on_rank(layer, lay, work.framework)[0])
 
     def repeated_blocks(self, lay: Layout) -> bool:
         """Is the model embedding + identical layers + head (the ILP's integer-count form)? (Cached per dtype: the
@@ -1158,7 +1170,8 @@ class CostModel:
                            self.work.cluster.gpu, first_freed, experts=experts, expert_states=states[1],
                            root_params=sum(costs[s].root_params for s in stages), staged_params=staged,
                            unfolded_grads=unfolded, start_moment=start_moment, gathered_weights=gathered,
-                           staged_bytes=buffers or 0.0)
+                           staged_bytes=buffers or 0.0, largest_param=max(costs[s].largest_param for s in stages),
+                           largest_expert=max(costs[s].largest_expert for s in stages))
 
     def _fit_by_activations(self, costs: list[StageCost], stages: tuple[int, ...], flights: dict[int, int],
                             holding, states: tuple, cap_gib: float) -> Callable[[], bool]:
@@ -1175,6 +1188,13 @@ class CostModel:
             first = sum(start_bytes(states[0], sum(costs[s].params for s in stages) - experts, experts,
                                     states[1]).values())
             if first + untracked_bytes(self.work.cluster.gpu, first) > room:
+                return lambda: False
+        if any(x.step_largest or x.step_all for x in states):  # the optimizer step: no mode changes it either
+            experts = sum(costs[s].experts for s in stages)
+            last = sum(step_bytes(states[0], sum(costs[s].params for s in stages) - experts,
+                                  max(costs[s].largest_param for s in stages), experts,
+                                  max(costs[s].largest_expert for s in stages), states[1]).values())
+            if last + untracked_bytes(self.work.cluster.gpu, last) > room:
                 return lambda: False
 
         if _gather_moments(holding):

@@ -177,6 +177,15 @@ class Framework:
     # benchmark configs ask (MaskedCrossEntropy fp32_upcast false), its recipe keeping the model's output (the
     # logits) referenced through the backward
     loss_logits: str = "fp32"
+    # Adam's step under the executor's states (memory.step_bytes), what it allocates beside the states: "executor" —
+    # torch's AdamW as this executor builds it (executor/optim.py adamw): one tensor at a time where the parameters
+    # are DTensors, two temporaries the size of the tensor being updated (exp_avg_sq.sqrt(), and its quotient by
+    # the bias correction); torch's foreach implementation over plain tensors (DDP, ZeRO-1's shares, one fp32
+    # rank), one temporary copy of every second moment (torch/optim/adam.py _multi_tensor_adam: _foreach_sqrt);
+    # "foreach" — the foreach implementation always (torch's default on GPUs, DTensors included: NeMo Automodel's
+    # torch.optim.Adam); "fused" — one kernel updating in place, nothing beside the states (torch's fused AdamW:
+    # torchtitan's default optimizer implementation; Apex / Transformer Engine FusedAdam under "zero" states)
+    adam_step: str = "executor"
     source: str = ""
 
     def replace(self, **changes) -> Framework:
@@ -289,8 +298,10 @@ TORCHTITAN = Framework(
     name="torchtitan", attention="flash", overlap_dp=True, overlap_tp=False, states="executor", grad_bytes=4,
     dp_sync_pipelined="end", cp_comm="all_gather_overlap", fp8_saves_fp8_inputs=False, fp8_weight_bytes=0.0,
     fp8_scaling="dynamic", recompute_early_stop=True, tp_always_sp=True, selective_policy="torchtitan-op",
+    adam_step="fused",
     source="pytorch/torchtitan: parallelize.py (FSDP2 MixedPrecisionPolicy, reduce_dtype float32), "
-           "config (context_parallel_rotate_method 'allgather', float8 via torchao)")
+           "config (context_parallel_rotate_method 'allgather', float8 via torchao, optimizer implementation "
+           "'fused')")
 
 # NeMo Automodel's MoE training (NVIDIA-NeMo/Automodel: nemo_automodel/components/moe/parallelizer.py, fsdp_mixin.py,
 # experts.py; its benchmark configs examples/llm_benchmark/*_te_deepep.yaml): torch FSDP2 with
@@ -314,13 +325,14 @@ NEMO_AUTOMODEL = Framework(
     fp8_scaling="delayed", recompute_early_stop=True, elementwise_traffic=MEGATRON_CORE.elementwise_traffic,
     moe_imbalance=1.0, moe_grouped_gemm=True, moe_kernels="fused", moe_dispatcher="hybridep",
     moe_dispatchers=("alltoall", "hybridep"), fp8_experts=True, master_bytes=2, moment_bytes=4, zero_stages=(2, 3),
-    loss_logits="16-bit",
+    loss_logits="16-bit", adam_step="foreach",
     source="NVIDIA-NeMo/Automodel (nemo_automodel/components/moe/parallelizer.py apply_fsdp: MixedPrecisionPolicy "
            "bf16/fp32, reshard_after_forward; moe/fsdp_mixin.py: gradients synced on the last backward only; "
            "moe/experts.py: TE GroupedLinear, Megatron's token dispatcher with DeepEP; "
            "examples/llm_benchmark/*_te_deepep.yaml: attn/linear/rms_norm te, rope_fusion, experts gmm, "
            "dispatcher deepep, fake_balanced_gate, activation_checkpointing, loss_fn MaskedCrossEntropy with "
-           "fp32_upcast false; recipes/llm/train_ft.py _forward_backward_step: the output kept through backward)")
+           "fp32_upcast false, optimizer torch.optim.Adam at its defaults (foreach on GPUs); recipes/llm/train_ft.py "
+           "_forward_backward_step: the output kept through backward)")
 
 FRAMEWORKS = {f.name: f for f in (PARAPLAN, MEGATRON_CORE, MEGATRON_2021, MEGATRON_DEEPSPEED, DEEPSPEED, TORCHTITAN,
                                   NEMO_AUTOMODEL)}

@@ -464,6 +464,15 @@ class StageILP:
         step = optimizer_step(self.model, lay)
         expert_step = moe.expert_optimizer_step(self.model, lay)
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
+        # the optimizer step's moment: per parameter, its states and foreach copies; the one-tensor temporaries of
+        # the smallest largest tensor any block has (a rank's own is priced when its stages are: memory.step_bytes)
+        step_moment = any(x.step_largest or x.step_all for x in (states, expert_states))
+
+        def step_per(x) -> float:
+            return x.step_weights + x.step_grads + x.optimizer + x.step_all
+
+        least_temporaries = min(max(c.largest_param * states.step_largest,
+                                    c.largest_expert * expert_states.step_largest) for c in self.cost.values())
         # zb-v's moments also count, per stage, what its input backward keeps for W (pending_key) and its unfolded
         # 16-bit gradients (unfolded_key; none on the first stage: costmodel.unfolded_bytes): their bytes by key
         extra: dict[int, object] = {}
@@ -550,6 +559,9 @@ class StageILP:
             if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)
                 first = states.start_per_param * load.params + expert_states.start_per_param * load.experts
                 prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= limit, f"mem_start_rank_{r}"
+            if step_moment:  # the optimizer step (memory.step_bytes), its one-tensor temporaries at their least
+                last = step_per(states) * load.params + step_per(expert_states) * load.experts + least_temporaries
+                prob += (last + untracked_bytes(gpu, last)) * (1 / 2**30) <= limit, f"mem_step_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
         scale = 1.0 / max(self._rough_time(), 1e-12)
         prob += (z + o) * scale

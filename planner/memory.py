@@ -176,6 +176,15 @@ class StateBytes:
     # per parameter of a chunk whose whole-chunk gathers are pending (ZeRO 3, interleaved with more chunks a rank than
     # the runtime keeps active: schedules.gathered_key's moments), outside its root unit (root_weights)
     chunk_gather: float = 0.0
+    # The optimizer step's moment (step_bytes): per parameter, the weights and gradients then (the master weights
+    # and the reduced gradients: FSDP2 frees its gathered copies and reduce buffers after the last backward), and
+    # what Adam's step allocates beside the states: ``step_largest`` bytes per element of the rank's largest
+    # parameter tensor (tensor-parallel shard, before ZeRO's; one tensor at a time), or ``step_all`` bytes per
+    # parameter (foreach); 0 where the step allocates nothing (Framework.adam_step)
+    step_weights: float = 0.0
+    step_grads: float = 0.0
+    step_largest: float = 0.0
+    step_all: float = 0.0
 
     @property
     def per_param(self) -> float:
@@ -198,7 +207,8 @@ def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
     replicate (ZeRO 0/1 over dp > 1 with pipeline, tensor or expert parallelism) gathers an fp32 one;
     DistributedDataParallel (the rest) holds gradient buckets instead (:func:`ddp_buckets`).
     ``zero``: ZeRO's accounting (:func:`model_state_bytes`). ``data_ranks``: the ranks ZeRO shards over, when
-    not the layout's dp x cp (the experts' edp: moe.expert_states).
+    not the layout's dp x cp (the experts' edp: moe.expert_states). The step's temporaries (StateBytes.step_largest,
+    step_all) follow the rank's one optimizer: ZeRO-1's over either group updates views (executor/parallelize.py).
     """
     # ZeRO shards over the data-parallel and context-parallel ranks; the search asks for thousands of layouts
     # that share these few fields
@@ -210,7 +220,8 @@ def state_bytes(framework, lay, data_ranks: int | None = None) -> StateBytes:
     else:
         replicated = lay.ep > 1 and (lay.data_ranks > 1 or data_ranks > 1)
     return _state_bytes(framework, lay.data_ranks if data_ranks is None else data_ranks, lay.zero, lay.dp_mode,
-                        lay.dtype, lay.pp, lay.schedule, replicated, lay.virtual_stages)
+                        lay.dtype, lay.pp, lay.schedule, replicated, lay.virtual_stages, lay.tp > 1 or lay.ep > 1,
+                        lay.zero == 1 and lay.dp_mode != "ps" and (lay.data_ranks > 1 or (data_ranks or 1) > 1))
 
 
 def ddp_buckets(framework, lay) -> bool:
@@ -229,7 +240,8 @@ def _data_parallel_alone(lay) -> bool:
 
 @lru_cache(maxsize=4096)
 def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: int, schedule: str,
-                 replicated: bool = False, virtual_stages: int = 1) -> StateBytes:
+                 replicated: bool = False, virtual_stages: int = 1, dtensors: bool = False,
+                 views: bool = False) -> StateBytes:
     if dp_mode == "ps":
         zero = 0
     fp8 = framework.fp8_weight_bytes if dtype == "fp8" else 0.0  # FP8 weight copies (planner/fp8.py)
@@ -313,10 +325,24 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     # without a pipeline take the same FSDP2 path (a unit's gradients written, then copied into its reduce buffer),
     # not traced at scale.
     wgrads = copy if staging and mixed and not (start or chunk) else 0.0
+    # The optimizer step (step_bytes): the master weights and the reduced gradients (the fp32 shards under ZeRO 2/3)
+    # beside the moments, and Adam's temporaries (Framework.adam_step). ZeRO-1's optimizer updates plain views of the
+    # rank's share (executor/optim.py ShardedOptimizer), as do DDP and a single fp32 rank without tensor or expert
+    # parallelism (no FSDP2 wrapper: executor/data_parallel.py shard_dp); every other layout's parameters are
+    # DTensors. Traced (executor/trace.py, the live tensors at the peak), gpt-small tp2 pp2 full recomputation in
+    # bf16, rank 0: two fp32 temporaries the size of its vocab-sharded embedding (98 MiB each) beside the fp32
+    # weights, gradients and moments, no activation: the rank's peak (priced 5.1% under it without this moment).
+    plain = views or not (mixed or sharded or replicated or dtensors)
+    step = framework.adam_step
+    if step == "executor":
+        step = "foreach" if plain else "per-tensor"
+    step_largest = optimizer if step == "per-tensor" else 0.0  # two temporaries in the moments' dtype, sharded alike
+    step_all = optimizer / 2 if step == "foreach" else 0.0  # one copy of each second moment
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, unit_wgrads=wgrads,
                       root_weights=root,
                       staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded,
-                      start_weights=start, chunk_gather=chunk)
+                      start_weights=start, chunk_gather=chunk, step_weights=master / dp if sharded else float(master),
+                      step_grads=4 / dp if sharded else 4.0, step_largest=step_largest, step_all=step_all)
 
 
 def sums_unsharded(framework, pp: int, schedule: str) -> bool:
@@ -330,13 +356,16 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
                 grads_arrive_after: float | None = None, *, staged_params: float, experts: float = 0.0,
                 expert_states: StateBytes | None = None, root_params: float = 0.0,
                 unfolded_grads: float = 0.0, start_moment: bool = True, gathered_weights: float = 0.0,
-                staged_bytes: float = 0.0) -> dict[str, float]:
+                staged_bytes: float = 0.0, largest_param: float = 0.0, largest_expert: float = 0.0
+                ) -> dict[str, float]:
     """Bytes by kind on a rank holding ``params`` parameters (largest layer unit ``unit_params``, root unit
     ``root_params``) and keeping
     ``activations`` at its peak: weights (gathered units included), gradients, optimizer, activations, and
     what no tensor shows — the framework allowance and the allocator's fragmentation (``other``). Where the step's
-    first moment holds more (StateBytes.start_weights: chunks gathered before any activation), that moment's bytes
-    instead, unless ``start_moment`` is False (the activation peak's alone: :func:`start_bytes` is the other).
+    first moment holds more (StateBytes.start_weights: chunks gathered before any activation), or the optimizer step
+    (:func:`step_bytes`, ``largest_param`` and ``largest_expert`` its largest tensors' elements), that moment's
+    bytes instead, unless ``start_moment`` is False (the activation peak's alone: :func:`start_bytes` and
+    :func:`step_bytes` are the others).
 
     ``staged_params``: the parameters whose gradients sit in reduce-scatter buffers at the peak (states.unit_grads
     bytes each): :func:`staged_unit_params`; ``staged_bytes``: reduce buffers' bytes given as such instead (ZeRO-3
@@ -365,8 +394,26 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
         first = start_bytes(states, params, experts, es)
         if sum(first.values()) > sum(out.values()):
             out = first
+    if start_moment and (states.step_largest or states.step_all or es.step_largest or es.step_all):
+        last = step_bytes(states, params, largest_param, experts, largest_expert, es)
+        if sum(last.values()) > sum(out.values()):
+            out = last
     out["other"] = untracked_bytes(gpu, sum(out.values()))
     return out
+
+
+def step_bytes(states: StateBytes, params: float, largest_param: float, experts: float = 0.0,
+               largest_expert: float = 0.0, expert_states: StateBytes | None = None) -> dict[str, float]:
+    """Tensor bytes by kind at the optimizer step's peak on a rank holding ``params`` parameters (its largest tensor
+    ``largest_param`` elements, tensor-parallel shard) and ``experts`` expert-parallel ones (largest
+    ``largest_expert``): the master weights, the reduced gradients, the optimizer's states and what Adam allocates
+    as it updates (StateBytes.step_largest, step_all: under "optimizer"); no activation, no gathered copy."""
+    es = expert_states or states
+    temporaries = max(largest_param * states.step_largest, largest_expert * es.step_largest) \
+        + params * states.step_all + experts * es.step_all
+    return {"params": params * states.step_weights + experts * es.step_weights,
+            "grads": params * states.step_grads + experts * es.step_grads,
+            "optimizer": params * states.optimizer + experts * es.optimizer + temporaries, "activations": 0.0}
 
 
 def start_bytes(states: StateBytes, params: float, experts: float = 0.0,

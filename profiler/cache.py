@@ -21,13 +21,14 @@ from typing import Any
 
 from .records import Collective, LayerProfile, ModelProfile, OpMix, TPView
 
-_FORMAT = 13  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
+_FORMAT = 14  # 5: block signatures hashed with sha1 (stable across processes); 6: MLA's up-projection; 7: the
 # experts' weights unbound once (their backward's traffic linear in the experts, not quadratic); 8: MLA's
 # down-projections and latent norms replicated under tensor parallelism (models.transformer_tp_plan); 9: the
 # activations those replicated modules produce (LayerProfile.activation_bytes_whole); 10: the weight-carrying ops'
 # outputs (LayerProfile.weight_output_bytes); 11: RMSNorm keeps what the GPU's fused kernel keeps (models/norms.py);
 # 12: grouped-query attention keeps K and V unrepeated (SDPA's enable_gqa); 13: no core output recorded (the flash
-# kernel's is the output projection's input, priced with it: memory.layer_activation_bytes)
+# kernel's is the output projection's input, priced with it: memory.layer_activation_bytes); 14: each block's
+# largest parameter tensors (LayerProfile.largest_split_param and the two beside it)
 
 
 def cache_folder() -> Path | None:

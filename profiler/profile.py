@@ -97,6 +97,23 @@ def _param_bytes(block: nn.Module, fqn: str, style_of: Callable[[str], str | Non
     return n, total, sharded
 
 
+def _largest_params(block: nn.Module, fqn: str, style_of: Callable[[str], str | None]) -> tuple[int, int, int]:
+    """Elements of the block's largest parameter tensor that tensor parallelism splits, of its largest kept whole
+    (both outside its routed experts), and of its largest routed-expert tensor."""
+    experts = {id(p) for m in _moes(block) for p in m.experts.parameters()}
+    split = whole = expert = 0
+    for mod_name, mod in block.named_modules():
+        style = style_of(f"{fqn}.{mod_name}" if mod_name else fqn)
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in experts:
+                expert = max(expert, p.numel())
+            elif pname in PARAM_SHARDED.get(style or "", ()):
+                split = max(split, p.numel())
+            else:
+                whole = max(whole, p.numel())
+    return split, whole, expert
+
+
 def _moes(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if hasattr(m, "inactive_parameters") and hasattr(m, "experts")]
 
@@ -202,6 +219,7 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
     params, pbytes, psharded = _param_bytes(block, name, work.style_of)
     tied = sum(p.numel() for p in block.parameters() if id(p) in seen_params)
     experts, inactive = _expert_params(block)
+    largest_split, largest_whole, largest_expert = _largest_params(block, name, work.style_of)
     layer = LayerProfile(
         name=name, kind=work.kinds.get(name, type(block).__name__), params=params, param_bytes=pbytes,
         fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, activation_bytes=trace.saved_bytes,
@@ -219,7 +237,8 @@ def _trace_layer(work: _Workload, name: str, inputs: tuple, last: bool, seen_par
         prologue_dropped_bytes_whole=trace.saved_bytes_prologue_whole,
         weight_output_bytes=sum(trace.weight_op_bytes.values()),
         weight_output_bytes_sharded=trace.weight_op_bytes.get("split", 0),
-        weight_output_bytes_whole=trace.weight_op_bytes.get("whole", 0))
+        weight_output_bytes_whole=trace.weight_op_bytes.get("whole", 0), largest_split_param=largest_split,
+        largest_whole_param=largest_whole, largest_expert_param=largest_expert)
     for t in tp_degrees:
         layer.tp_views[t] = tp_view(
             t, fwd_flops=trace.fwd_flops, bwd_flops=trace.bwd_flops, gemm_flops=trace.fwd_ops.gemm_flops,

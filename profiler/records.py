@@ -119,6 +119,13 @@ class LayerProfile:
     weight_output_bytes: int = 0
     weight_output_bytes_sharded: int = 0
     weight_output_bytes_whole: int = 0
+    # Elements of the block's largest parameter tensor, by how tensor parallelism holds it: split over the tp ranks
+    # (PARAM_SHARDED: column- and row-parallel weights, the vocab-parallel embedding), kept whole, and its largest
+    # routed-expert tensor (the stacked experts' weight, whole over all experts). torch's AdamW updates a DTensor
+    # model one tensor at a time, with two temporaries the size of the tensor it updates (memory.step_bytes).
+    largest_split_param: int = 0
+    largest_whole_param: int = 0
+    largest_expert_param: int = 0
     fwd_ops: OpMix = field(default_factory=OpMix)
     bwd_ops: OpMix = field(default_factory=OpMix)
     tp_views: dict[int, TPView] = field(default_factory=dict)

@@ -13,7 +13,7 @@ from paraplan.planner.dp_sync import DDP_BUCKET_BYTES, dp_exposures
 from paraplan.planner.errors import PlanError
 from paraplan.planner.framework import FRAMEWORKS, framework
 from paraplan.planner.layout import Layout
-from paraplan.planner.memory import state_bytes
+from paraplan.planner.memory import state_bytes, step_bytes
 from paraplan.planner.placement import layout_placement
 from paraplan.planner.workload import Workload
 
@@ -665,3 +665,29 @@ def test_fsdp2_copies_each_gather_out_on_the_compute_stream(fw):
         assert copies[0].traffic(load) == []  # GPU memory, not the network
     lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=1)
     assert not [e for e in _items(_model("megatron-core"), lay) if e.sync.kind == "copy"]
+
+
+def test_adams_step_temporaries_by_stack_and_layout():
+    """What Adam's step allocates beside the states (memory.StateBytes.step_largest / step_all, per element of the
+    rank's largest tensor / per parameter). torch's one-tensor AdamW (this executor over DTensors: FSDP2 wraps
+    every 16-bit layout) computes exp_avg_sq.sqrt() / bias_correction2_sqrt, two temporaries of the tensor in the
+    moments' dtype, 2 x 4 B per element of its ZeRO shard; the foreach implementation (plain tensors: ZeRO-1's
+    views, a single fp32 rank) one copy of every second moment, 4 B per parameter of the rank's share; torchtitan's
+    fused AdamW none; NeMo Automodel's foreach torch Adam over bf16 moments, 2 B per parameter of its shard."""
+    lay = Layout(dp=1, tp=2, pp=1, micro_batch=1, global_batch=8)
+    paraplan = state_bytes(FRAMEWORKS["paraplan"], lay)
+    assert (paraplan.step_largest, paraplan.step_all) == (2 * 4, 0.0)
+    sharded = state_bytes(FRAMEWORKS["paraplan"], lay.replace(dp=4, tp=1, zero=3))
+    assert (sharded.step_largest, sharded.step_all) == (2 * 4 / 4, 0.0)
+    zero1 = state_bytes(FRAMEWORKS["paraplan"], lay.replace(dp=4, tp=1, zero=1))
+    assert (zero1.step_largest, zero1.step_all) == (0.0, 4 / 4)
+    alone = state_bytes(FRAMEWORKS["paraplan"], lay.replace(tp=1, pp=2, dtype="fp32"))
+    assert (alone.step_largest, alone.step_all) == (0.0, 4.0)
+    titan = state_bytes(FRAMEWORKS["torchtitan"], lay)
+    assert (titan.step_largest, titan.step_all) == (0.0, 0.0)
+    automodel = state_bytes(FRAMEWORKS["nemo-automodel"], lay.replace(dp=4, zero=2))
+    assert (automodel.step_largest, automodel.step_all) == (0.0, 2 / 4)
+    # the step's moment: master weights and reduced gradients (ZeRO-3's fp32 shards), the moments, the temporaries
+    got = step_bytes(sharded, params=1000.0, largest_param=100.0)
+    assert got == {"params": 1000 * 4 / 4, "grads": 1000 * 4 / 4, "optimizer": 1000 * 8 / 4 + 100 * 2 * 4 / 4,
+                   "activations": 0.0}

@@ -271,3 +271,20 @@ def test_a_grouped_query_layer_keeps_its_keys_and_values_once(monkeypatch):
     former = profile_model(spec, "meta", micro_batch=b, dtype="bf16").layers[1]
     assert former.activation_bytes_selective - grouped.activation_bytes_selective == 2 * b * s * (a - kv) * d * 2
     assert former.activation_bytes == grouped.activation_bytes
+
+
+def test_largest_parameter_tensors_by_how_tensor_parallelism_holds_them():
+    """Each block's largest parameter tensor, split over tensor-parallel ranks or kept whole (what torch's AdamW
+    allocates two temporaries for as it updates that tensor: memory.step_bytes). llama-tiny (h 128, FFN 352,
+    vocabulary 1,024, untied): the embedding's V x h is split (vocab-parallel); a layer's largest split tensor is an
+    MLP matrix, h x f, and its largest whole one a norm's weight, h; the head block's, V x h and the final norm."""
+    spec = load_model_spec("llama-tiny")
+    h, f, v = spec.hidden_size, spec.ffn_size, spec.vocab_size
+    layers = profile_model(spec, "meta", micro_batch=1, dtype="bf16").layers
+    assert (layers[0].largest_split_param, layers[0].largest_whole_param) == (v * h, 0)
+    assert (layers[1].largest_split_param, layers[1].largest_whole_param) == (h * f, h)
+    assert (layers[-1].largest_split_param, layers[-1].largest_whole_param) == (v * h, h)
+    assert all(x.largest_expert_param == 0 for x in layers)
+    moe = load_model_spec("mixtral-tiny")  # stacked experts: (E, h, f) per projection, whole
+    layer = profile_model(moe, "meta", micro_batch=1, dtype="bf16").layers[1]
+    assert layer.largest_expert_param == moe.num_experts * moe.hidden_size * moe.moe_ffn_size
