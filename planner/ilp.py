@@ -464,15 +464,14 @@ class StageILP:
         step = optimizer_step(self.model, lay)
         expert_step = moe.expert_optimizer_step(self.model, lay)
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
-        # the optimizer step's moment: per parameter, its states and foreach copies; the one-tensor temporaries of
-        # the smallest largest tensor any block has (a rank's own is priced when its stages are: memory.step_bytes)
+        # the optimizer step's moment (memory.step_bytes): per parameter, its states and foreach copies; and per rank
+        # the one-tensor temporaries of its largest tensor
         step_moment = any(x.step_largest or x.step_all for x in (states, expert_states))
 
         def step_per(x) -> float:
             return x.step_weights + x.step_grads + x.optimizer + x.step_all
 
-        least_temporaries = min(max(c.largest_param * states.step_largest,
-                                    c.largest_expert * expert_states.step_largest) for c in self.cost.values())
+        temporaries = self._step_temporaries(prob, assign, states, expert_states) if step_moment else {}
         # zb-v's moments also count, per stage, what its input backward keeps for W (pending_key) and its unfolded
         # 16-bit gradients (unfolded_key; none on the first stage: costmodel.unfolded_bytes): their bytes by key
         extra: dict[int, object] = {}
@@ -559,8 +558,8 @@ class StageILP:
             if states.start_weights or expert_states.start_weights:  # the step's first moment (memory.start_bytes)
                 first = states.start_per_param * load.params + expert_states.start_per_param * load.experts
                 prob += (first + untracked_bytes(gpu, first)) * (1 / 2**30) <= limit, f"mem_start_rank_{r}"
-            if step_moment:  # the optimizer step (memory.step_bytes), its one-tensor temporaries at their least
-                last = step_per(states) * load.params + step_per(expert_states) * load.experts + least_temporaries
+            if step_moment:  # the optimizer step (memory.step_bytes)
+                last = step_per(states) * load.params + step_per(expert_states) * load.experts + temporaries[r]
                 prob += (last + untracked_bytes(gpu, last)) * (1 / 2**30) <= limit, f"mem_step_rank_{r}"
         # Objective in units of a rough iteration time, so CBC's tolerances (absolute ~1e-6) are relative
         scale = 1.0 / max(self._rough_time(), 1e-12)
@@ -611,6 +610,40 @@ class StageILP:
             return [range(self.S)] * self.n
         a, b = self.n // self.S, -(-self.n // self.S)
         return [range(i // b, min(self.S - 1, i // a) + 1) for i in range(self.n)]
+
+    def _step_temporaries(self, prob: pulp.LpProblem, assign: tuple, states, expert_states) -> dict[int, object]:
+        """Per rank, the bytes torch's one-tensor AdamW allocates for the largest tensor it updates (memory.step_bytes:
+        StateBytes.step_largest per element of BlockCost.largest_param, largest_expert): at least the least any
+        block has (every rank holds one), more where its stages hold a block with more, as a variable bounded by
+        each such block's placement (the binary form), or the largest of a layer's and its end blocks' (the counts
+        form: every stage is taken to hold a layer, as every split worth having does)."""
+        S = self.p * self.v
+
+        def temp(c) -> float:
+            return max(c.largest_param * states.step_largest, c.largest_expert * expert_states.step_largest)
+
+        temps = {key: temp(c) for key, c in self.cost.items()}
+        least = min(temps.values())
+        out: dict[int, object] = {}
+        if assign[0] == "binary":
+            rank_of = {s: r for r, stages in enumerate(self._rank_stages) for s in stages}
+            above: dict[int, list] = {r: [] for r in range(self.p)}
+            for (i, s, u), xv in assign[1].items():
+                if temps[(i, u)] > least:
+                    above[rank_of[s]].append((temps[(i, u)], xv))
+            for r, terms in above.items():
+                if not terms:
+                    out[r] = least
+                    continue
+                var = out[r] = pulp.LpVariable(f"step_temporaries_rank_{r}", lowBound=least)
+                for k, (bytes_, xv) in enumerate(terms):
+                    prob += var >= bytes_ * xv, f"step_temporaries_rank_{r}_{k}"
+            return out
+        layer = max(temps[(1, u)] for u in self.modes)  # charged on every rank: a stage without layers is no split
+        for r, stages in enumerate(self._rank_stages):  # worth having (its end block alone)
+            out[r] = max([least, layer] + [temps[(0, "none")] for s in stages if s == 0]
+                         + [temps[(self.n - 1, "none")] for s in stages if s == S - 1])
+        return out
 
     def _warm_start(self, assign, y, start: tuple[list[list[int]], list[str]]) -> None:
         """Give CBC a feasible split to start from (only the assignment; it derives the rest)."""
