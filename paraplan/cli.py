@@ -137,6 +137,11 @@ def _add_workload(p: argparse.ArgumentParser, model_required: bool = True, batch
                         "fp32 master with bf16 moments (8 B; Megatron's precision-aware optimizer), or 16-bit master "
                         "and bf16 moments (6 B; NeMo's distributed_fused_adam with dtype bf16) (overrides the "
                         "framework)")
+    p.add_argument("--optimizer-implementation", choices=("for-loop", "foreach", "fused"),
+                   help="torch's Adam implementation under an FSDP2 stack that picks one (torchtitan's "
+                        "[optimizer] implementation; nemo-automodel): the temporaries its step allocates, two of the "
+                        "tensor it updates (for-loop), a copy of every second moment (foreach) or none (fused) "
+                        "(overrides the framework)")
     p.add_argument("--fused-softmax", choices=("always", "bigscience-2021-10"),
                    help="the unfused attention's fused scale-mask-softmax kernel: always taken, or only where "
                         "bigscience's Megatron-DeepSpeed of 2021-10-21..2022-03-06 (BLOOM's layout sweep) found it "

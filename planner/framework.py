@@ -31,6 +31,7 @@ MOE_ROUTINGS = ("uniform", "consecutive")
 # tensor as it casts it ("dynamic"), which is its tensorwise recipe; it has no delayed scaling.
 FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current"}
 FUSED_SOFTMAX = ("always", "bigscience-2021-10")
+ADAM_STEPS = ("for-loop", "foreach", "fused")  # Framework.adam_step, as --optimizer-implementation sets it
 # Adam's state in 16-bit training (``--optimizer-states``), bytes per parameter as (master weights, both moments):
 # "fp32" = fp32 master weights and moments (ZeRO's K = 12, Rajbhandari et al. 2020 Sec. 3.1; Megatron-LM's
 # distributed optimizer by default); "bf16-moments" = fp32 master weights, bf16 moments (Megatron-Core's
@@ -177,14 +178,15 @@ class Framework:
     # benchmark configs ask (MaskedCrossEntropy fp32_upcast false), its recipe keeping the model's output (the
     # logits) referenced through the backward
     loss_logits: str = "fp32"
-    # Adam's step under the executor's states (memory.step_bytes), what it allocates beside the states: "executor" —
-    # torch's AdamW as this executor builds it (executor/optim.py adamw): one tensor at a time where the parameters
-    # are DTensors, two temporaries the size of the tensor being updated (exp_avg_sq.sqrt(), and its quotient by
-    # the bias correction); torch's foreach implementation over plain tensors (DDP, ZeRO-1's shares, one fp32
-    # rank), one temporary copy of every second moment (torch/optim/adam.py _multi_tensor_adam: _foreach_sqrt);
-    # "foreach" — the foreach implementation always (torch's default on GPUs, DTensors included: NeMo Automodel's
-    # torch.optim.Adam); "fused" — one kernel updating in place, nothing beside the states (torch's fused AdamW:
-    # torchtitan's default optimizer implementation; Apex / Transformer Engine FusedAdam under "zero" states)
+    # Adam's step under the executor's states (memory.step_bytes), what it allocates beside the states, torch's
+    # implementations by torchtitan's names (``--optimizer-implementation``, ADAM_STEPS): "for-loop" — one tensor at
+    # a time, two temporaries the size of the tensor being updated (exp_avg_sq.sqrt(), and its quotient by the bias
+    # correction); "foreach" — one temporary copy of every second moment at once (torch/optim/adam.py
+    # _multi_tensor_adam: _foreach_sqrt; torch's default on GPUs, DTensors included: NeMo Automodel's
+    # torch.optim.Adam); "fused" — one kernel updating in place, nothing beside the states (torchtitan's default;
+    # Apex / Transformer Engine FusedAdam under "zero" states, which do not read this field); "executor" — as this
+    # executor builds AdamW (executor/optim.py adamw): for-loop over DTensors, foreach over plain tensors (DDP,
+    # ZeRO-1's shares, one fp32 rank)
     adam_step: str = "executor"
     source: str = ""
 
@@ -343,12 +345,13 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
               grad_reduce_in_fp32: bool | None = None, optimizer_states: str | None = None,
               fused_softmax: str | None = None, moe_capacity_factor: float | None = None,
               moe_pad_to_capacity: bool | None = None, fp8_recipe: str | None = None,
-              moe_shared_expert_overlap: bool | None = None, moe_routing: str | None = None) -> Framework:
+              moe_shared_expert_overlap: bool | None = None, moe_routing: str | None = None,
+              optimizer_implementation: str | None = None) -> Framework:
     """The named profile (or the given one) with explicit switches on top (``--attention``, ``--overlap-dp``,
     ``--overlap-tp``, ``--moe-dispatcher``, ``--moe-routing``, ``--moe-a2a-overlap``, ``--moe-shared-expert-overlap``,
     ``--grad-reduce-in-fp32``,
     ``--optimizer-states``, ``--fused-softmax``, ``--moe-capacity-factor``, ``--moe-pad-to-capacity``,
-    ``--fp8-recipe``: the settings
+    ``--fp8-recipe``, ``--optimizer-implementation``: the settings
     of a recipe, Megatron-Bridge's names where it has them). Switches a stack cannot run are refused, not priced:
     this executor (and torchtitan) dispatch every token (dropless) with one all-to-all each way, exposed, reduce
     fp32 gradients and keep torch's Adam state in fp32."""
@@ -371,6 +374,17 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
             raise PlanError(f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, "
                             f"got {optimizer_states!r}")
         changes["master_bytes"], changes["moment_bytes"] = OPTIMIZER_STATES[optimizer_states]
+    if optimizer_implementation is not None:
+        if optimizer_implementation not in ADAM_STEPS:
+            raise PlanError(f"--optimizer-implementation must be one of {', '.join(ADAM_STEPS)}, "
+                            f"got {optimizer_implementation!r}")
+        if fw.states != "executor" or fw.adam_step == "executor":
+            runs = "a fused Adam" if fw.states != "executor" else \
+                "torch's AdamW as it builds it (one tensor at a time over DTensors, foreach over plain tensors)"
+            raise PlanError(f"--optimizer-implementation {optimizer_implementation}: the {fw.name} stack runs {runs}; "
+                            "the switch prices torch's implementations under an FSDP2 stack that picks one "
+                            "(--framework torchtitan, nemo-automodel)")
+        changes["adam_step"] = optimizer_implementation
     if fp8_recipe is not None:
         if fp8_recipe not in FP8_RECIPES:
             raise PlanError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
@@ -431,8 +445,9 @@ def framework(profile: str | Framework, attention: str | None = None, overlap_dp
 # The switches framework() takes beside attention (which plans record on their own), as plan.json records them.
 SWITCHES = ("overlap_dp", "overlap_tp", "moe_dispatcher", "moe_a2a_overlap", "grad_reduce_in_fp32", "optimizer_states",
             "fused_softmax", "moe_capacity_factor", "moe_pad_to_capacity", "fp8_recipe", "moe_shared_expert_overlap",
-            "moe_routing")
-NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax", "fp8_recipe", "moe_routing")
+            "moe_routing", "optimizer_implementation")
+NAMED_SWITCHES = ("moe_dispatcher", "optimizer_states", "fused_softmax", "fp8_recipe", "moe_routing",
+                  "optimizer_implementation")
 NUMBER_SWITCHES = ("moe_capacity_factor",)  # the rest are on/off
 
 
@@ -451,6 +466,8 @@ def switches_of(fw: Framework) -> dict:
                                                                                         fw.moment_bytes))
     if fw.fp8_scaling != base.fp8_scaling:
         out["fp8_recipe"] = next(k for k, v in FP8_RECIPES.items() if v == fw.fp8_scaling)
+    if fw.adam_step != base.adam_step:
+        out["optimizer_implementation"] = fw.adam_step
     return out
 
 

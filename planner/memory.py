@@ -335,8 +335,8 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     plain = views or not (mixed or sharded or replicated or dtensors)
     step = framework.adam_step
     if step == "executor":
-        step = "foreach" if plain else "per-tensor"
-    step_largest = optimizer if step == "per-tensor" else 0.0  # two temporaries in the moments' dtype, sharded alike
+        step = "foreach" if plain else "for-loop"
+    step_largest = optimizer if step == "for-loop" else 0.0  # two temporaries in the moments' dtype, sharded alike
     step_all = optimizer / 2 if step == "foreach" else 0.0  # one copy of each second moment
     return StateBytes(weights + fp8, grads, optimizer, unit_weights=unit, unit_grads=staging, unit_wgrads=wgrads,
                       root_weights=root,

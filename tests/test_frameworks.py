@@ -3,6 +3,8 @@ model reads it, pinned to the source of the behaviour."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from paraplan.cli import FRAMEWORK_CHOICES
@@ -691,3 +693,36 @@ def test_adams_step_temporaries_by_stack_and_layout():
     got = step_bytes(sharded, params=1000.0, largest_param=100.0)
     assert got == {"params": 1000 * 4 / 4, "grads": 1000 * 4 / 4, "optimizer": 1000 * 8 / 4 + 100 * 2 * 4 / 4,
                    "activations": 0.0}
+
+
+def test_optimizer_implementation_is_a_switch_of_the_fsdp2_stacks(tmp_path):
+    """--optimizer-implementation (torchtitan's [optimizer] implementation names) sets what Adam's step allocates
+    under a stack that picks it: torchtitan's default fused AdamW nothing, its foreach a copy of every second moment
+    (4 B per parameter of the rank's ZeRO shard), its for-loop two temporaries of the largest tensor. The plan
+    records it, and this executor (whose AdamW is its own) and Megatron's fused optimizer refuse it in one line."""
+    from conftest import assert_one_line_error, run_cli, run_cli_json
+
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, global_batch=64, zero=3)
+    foreach = framework("torchtitan", optimizer_implementation="foreach")
+    assert (state_bytes(foreach, lay).step_all, state_bytes(foreach, lay).step_largest) == (4 / 8, 0.0)
+    loop = framework("torchtitan", optimizer_implementation="for-loop")
+    assert (state_bytes(loop, lay).step_all, state_bytes(loop, lay).step_largest) == (0.0, 8 / 8)
+    from paraplan.planner.framework import switch_flags
+
+    assert switch_flags(foreach) == ["--optimizer-implementation foreach"]
+    args = ["simulate", "--model", "llama-tiny", "--cluster", "dgx-h100", "--global-batch", "8", "--dp", "8", "--tp",
+            "1", "--pp", "1", "--micro-batch", "1", "--zero", "3"]
+    plan = str(tmp_path / "plan.json")
+    run_cli_json(*args, "--framework", "torchtitan", "--optimizer-implementation", "foreach", "--write-plan", plan)
+    assert json.loads(open(plan).read())["framework_switches"] == {"optimizer_implementation": "foreach"}
+    from paraplan.models import load_model_spec
+    from paraplan.planner.exports.torchtitan import job_config
+    from paraplan.planner.plan import Plan
+
+    assert job_config(Plan.read(plan), load_model_spec("llama-tiny"))[0]["optimizer"] == {"implementation": "foreach"}
+    exported = run_cli_json("export", "--plan", plan, "--to", "torchtitan")  # carried: no "runs its own" note
+    assert not any("optimizer_implementation" in note for note in exported["notes"])
+    for framework_name, fragment in (("paraplan", "the paraplan stack runs torch's AdamW as it builds it"),
+                                     ("megatron-core", "the megatron-core stack runs a fused Adam")):
+        p = run_cli(*args, "--framework", framework_name, "--optimizer-implementation", "foreach")
+        assert_one_line_error(p, "--optimizer-implementation foreach", fragment)

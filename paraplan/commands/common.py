@@ -23,7 +23,8 @@ def workload_from_args(args, global_batch: int | None = None) -> Workload:
                            grad_reduce_in_fp32=args.grad_reduce_in_fp32, optimizer_states=args.optimizer_states,
                            fused_softmax=args.fused_softmax, moe_capacity_factor=args.moe_capacity_factor,
                            moe_pad_to_capacity=args.moe_pad_to_capacity, fp8_recipe=args.fp8_recipe,
-                           moe_shared_expert_overlap=args.moe_shared_expert_overlap, moe_routing=args.moe_routing)
+                           moe_shared_expert_overlap=args.moe_shared_expert_overlap, moe_routing=args.moe_routing,
+                           optimizer_implementation=args.optimizer_implementation)
 
 
 def ensure_calibrated(args, work: Workload, validating: bool = False) -> Workload:

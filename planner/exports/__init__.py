@@ -49,10 +49,13 @@ def _export(plan: Plan, target: str, plan_path: str, spec: ModelSpec, **options)
     if target == "megatron" and routing and routing != "uniform":
         result.notes.append(f"--moe-routing {routing} (a benchmark gate's expert choice) is not Megatron-Core's: its "
                             "router picks experts (forced balancing draws them at random)")
-    if plan.framework_switches and target not in ("megatron", "slurm"):  # slurm runs this executor's own stack
-        result.notes.append(f"{target} runs its own settings for {', '.join(sorted(plan.framework_switches))} "
+    # the switches the target's file carries (torchtitan's [optimizer] implementation: exports/torchtitan.py)
+    carried = {"optimizer_implementation"} if target.startswith("torchtitan") else set()
+    left = {k: v for k, v in plan.framework_switches.items() if k not in carried}
+    if left and target not in ("megatron", "slurm"):  # slurm runs this executor's own stack
+        result.notes.append(f"{target} runs its own settings for {', '.join(sorted(left))} "
                             f"(the plan was priced with {plan.framework}'s switches "
-                            + ", ".join(f"{k} {v}" for k, v in sorted(plan.framework_switches.items()))
+                            + ", ".join(f"{k} {v}" for k, v in sorted(left.items()))
                             + "): expect other memory and time than predicted")
     return result
 

@@ -135,6 +135,9 @@ def job_config(plan: Plan, spec: ModelSpec, module: str = "torchtitan_model") ->
               "activation_checkpoint": activation_checkpoint(plan, notes)}
     if lay.dtype == "fp8":
         config["quantize"] = {"linear": {"float8": {"filter_fqns": ["output"]}}}
+    implementation = plan.framework_switches.get("optimizer_implementation")
+    if implementation:  # as priced (--optimizer-implementation); torchtitan's own default is fused
+        config["optimizer"] = {"implementation": implementation}
     if model.needs_module:
         config["experimental"] = {"custom_import": module}
     return config, notes, model
