@@ -820,7 +820,7 @@ class CostModel:
         if layer.kind == "lm_head":
             kept, loss_working = loss_bytes(b * work.tokens_per_sample, work.spec.vocab_size, t, fw, lay.pp > 1)
             acts, working = acts + kept, working + loss_working
-        largest_param, largest_expert = moe.largest_tensors_on_rank(layer, lay, fw)
+        largest_param, largest_expert = moe.largest_tensors_on_rank(layer, lay, fw, t)
         cost = BlockCost(
             fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=recompute_time,
             recompute_flops=rflops, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=working,
@@ -959,7 +959,7 @@ class CostModel:
         return BlockCost(fwd=times.fwd, bwd_input=times.bwd_input, bwd_weight=times.bwd_weight, recompute=0.0,
                          recompute_flops=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, act_bytes=acts, act_working=0.0,
                          params=layer.params * sharded, output_bytes=layer.output_bytes * b, root=True,
-                         largest_param=moe.largest_tensors_on_rank(layer, lay, work.framework)[0])
+                         largest_param=moe.largest_tensors_on_rank(layer, lay, work.framework, k)[0])
 
     def repeated_blocks(self, lay: Layout) -> bool:
         """Is the model embedding + identical layers + head (the ILP's integer-count form)? (Cached per dtype: the

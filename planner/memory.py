@@ -325,13 +325,14 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
     # without a pipeline take the same FSDP2 path (a unit's gradients written, then copied into its reduce buffer),
     # not traced at scale.
     wgrads = copy if staging and mixed and not (start or chunk) else 0.0
-    # The optimizer step (step_bytes): the master weights and the reduced gradients (the fp32 shards under ZeRO 2/3)
-    # beside the moments, and Adam's temporaries (Framework.adam_step). ZeRO-1's optimizer updates plain views of the
-    # rank's share (executor/optim.py ShardedOptimizer), as do DDP and a single fp32 rank without tensor or expert
-    # parallelism (no FSDP2 wrapper: executor/data_parallel.py shard_dp); every other layout's parameters are
-    # DTensors. Traced (executor/trace.py, the live tensors at the peak), gpt-small tp2 pp2 full recomputation in
-    # bf16, rank 0: two fp32 temporaries the size of its vocab-sharded embedding (98 MiB each) beside the fp32
-    # weights, gradients and moments, no activation: the rank's peak (priced 5.1% under it without this moment).
+    # The optimizer step (step_bytes): the master weights and the reduced gradients (in the master's dtype, FSDP2's
+    # cast of its reduction to the sharded parameter's: the fp32 shards under ZeRO 2/3) beside the moments, and Adam's
+    # temporaries (Framework.adam_step). ZeRO-1's optimizer updates plain views of the rank's share
+    # (executor/optim.py ShardedOptimizer), as do DDP and a single fp32 rank without tensor or expert parallelism (no
+    # FSDP2 wrapper: executor/data_parallel.py shard_dp); every other layout's parameters are DTensors. Traced
+    # (executor/trace.py, the live tensors at the peak), gpt-small tp2 pp2 full recomputation in bf16, rank 0: two
+    # fp32 temporaries the size of its vocab-sharded embedding (98 MiB each) beside the fp32 weights, gradients and
+    # moments, no activation: the rank's peak (priced 5.1% under it without this moment).
     plain = views or not (mixed or sharded or replicated or dtensors)
     step = framework.adam_step
     if step == "executor":
@@ -342,7 +343,8 @@ def _state_bytes(framework, dp: int, zero: int, dp_mode: str, dtype: str, pp: in
                       root_weights=root,
                       staging_held=bool(staging) and sharded and not unsharded_sums and pp > 1, unfolded=unfolded,
                       start_weights=start, chunk_gather=chunk, step_weights=master / dp if sharded else float(master),
-                      step_grads=4 / dp if sharded else 4.0, step_largest=step_largest, step_all=step_all)
+                      step_grads=master / dp if sharded else float(master), step_largest=step_largest,
+                      step_all=step_all)
 
 
 def sums_unsharded(framework, pp: int, schedule: str) -> bool:

@@ -187,11 +187,11 @@ def experts_on_rank(layer: LayerProfile, lay: Layout, framework) -> float:
     return layer.expert_params / (lay.ep * lay.etp)
 
 
-def largest_tensors_on_rank(layer: LayerProfile, lay: Layout, framework) -> tuple[float, float]:
-    """Elements of ``layer``'s largest parameter tensor a rank holds outside its expert-parallel experts (the
-    tensor-parallel shard where tp splits it; the stacked experts where they are dense, kept whole over tp: the
-    executor's), and of its largest expert-parallel tensor (its ep x etp shard); before ZeRO's sharding."""
-    t = lay.tp * lay.head_parallel
+def largest_tensors_on_rank(layer: LayerProfile, lay: Layout, framework, t: int) -> tuple[float, float]:
+    """Elements of ``layer``'s largest parameter tensor a rank holds outside its expert-parallel experts (the shard of
+    ``t`` ranks where tensor parallelism, or the hybrid class-sharded head, splits it; the stacked experts where they
+    are dense, kept whole over tp: the executor's), and of its largest expert-parallel tensor (its ep x etp shard);
+    before ZeRO's sharding."""
     ep = bool(layer.largest_expert_param) and expert_parallel(lay, framework)
     dense = max(layer.largest_split_param / t, layer.largest_whole_param,
                 0.0 if ep else layer.largest_expert_param)
