@@ -1189,7 +1189,7 @@ class CostModel:
                                     states[1]).values())
             if first + untracked_bytes(self.work.cluster.gpu, first) > room:
                 return lambda: False
-        if any(x.step_largest or x.step_all for x in states):  # the optimizer step: no mode changes it either
+        if states[0].step_allocates or states[1].step_allocates:  # the optimizer step: no mode changes it either
             experts = sum(costs[s].experts for s in stages)
             last = sum(step_bytes(states[0], sum(costs[s].params for s in stages) - experts,
                                   max(costs[s].largest_param for s in stages), experts,

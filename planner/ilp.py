@@ -466,7 +466,7 @@ class StageILP:
         states, expert_states = state_bytes(work.framework, lay), moe.expert_states(work.framework, lay)
         # the optimizer step's moment (memory.step_bytes): per parameter, its states and foreach copies; and per rank
         # the one-tensor temporaries of its largest tensor
-        step_moment = any(x.step_largest or x.step_all for x in (states, expert_states))
+        step_moment = states.step_allocates or expert_states.step_allocates
 
         def step_per(x) -> float:
             return x.step_weights + x.step_grads + x.optimizer + x.step_all
@@ -641,7 +641,7 @@ class StageILP:
             return out
         layer = max(temps[(1, u)] for u in self.modes)  # charged on every rank: a stage without layers is no split
         for r, stages in enumerate(self._rank_stages):  # worth having (its end block alone)
-            out[r] = max([least, layer] + [temps[(0, "none")] for s in stages if s == 0]
+            out[r] = max([layer] + [temps[(0, "none")] for s in stages if s == 0]
                          + [temps[(self.n - 1, "none")] for s in stages if s == S - 1])
         return out
 

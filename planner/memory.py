@@ -187,6 +187,11 @@ class StateBytes:
     step_all: float = 0.0
 
     @property
+    def step_allocates(self) -> bool:
+        """Does Adam's step allocate beside the states (its moment may then be the peak: step_bytes)?"""
+        return bool(self.step_largest or self.step_all)
+
+    @property
     def per_param(self) -> float:
         return self.weights + self.grads + self.optimizer
 
@@ -396,7 +401,7 @@ def rank_memory(states: StateBytes, params: float, unit_params: float, activatio
         first = start_bytes(states, params, experts, es)
         if sum(first.values()) > sum(out.values()):
             out = first
-    if start_moment and (states.step_largest or states.step_all or es.step_largest or es.step_all):
+    if start_moment and (states.step_allocates or es.step_allocates):
         last = step_bytes(states, params, largest_param, experts, largest_expert, es)
         if sum(last.values()) > sum(out.values()):
             out = last

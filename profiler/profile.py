@@ -84,16 +84,22 @@ def _detach_inputs(x: Any) -> tuple:
     return tuple(out)
 
 
-def _param_bytes(block: nn.Module, fqn: str, style_of: Callable[[str], str | None]) -> tuple[int, int, int]:
-    """(parameters, bytes, bytes a tensor-parallel rank splits) of one block."""
-    n = total = sharded = 0
+def _params_by_split(block: nn.Module, fqn: str, style_of: Callable[[str], str | None]):
+    """Each parameter of one block with whether tensor parallelism splits it (its module's style, PARAM_SHARDED)."""
     for mod_name, mod in block.named_modules():
         style = style_of(f"{fqn}.{mod_name}" if mod_name else fqn)
         for pname, p in mod.named_parameters(recurse=False):
-            n += p.numel()
-            total += p.numel() * p.element_size()
-            if pname in PARAM_SHARDED.get(style or "", ()):
-                sharded += p.numel() * p.element_size()
+            yield p, pname in PARAM_SHARDED.get(style or "", ())
+
+
+def _param_bytes(block: nn.Module, fqn: str, style_of: Callable[[str], str | None]) -> tuple[int, int, int]:
+    """(parameters, bytes, bytes a tensor-parallel rank splits) of one block."""
+    n = total = sharded = 0
+    for p, split in _params_by_split(block, fqn, style_of):
+        n += p.numel()
+        total += p.numel() * p.element_size()
+        if split:
+            sharded += p.numel() * p.element_size()
     return n, total, sharded
 
 
@@ -102,15 +108,13 @@ def _largest_params(block: nn.Module, fqn: str, style_of: Callable[[str], str | 
     (both outside its routed experts), and of its largest routed-expert tensor."""
     experts = {id(p) for m in _moes(block) for p in m.experts.parameters()}
     split = whole = expert = 0
-    for mod_name, mod in block.named_modules():
-        style = style_of(f"{fqn}.{mod_name}" if mod_name else fqn)
-        for pname, p in mod.named_parameters(recurse=False):
-            if id(p) in experts:
-                expert = max(expert, p.numel())
-            elif pname in PARAM_SHARDED.get(style or "", ()):
-                split = max(split, p.numel())
-            else:
-                whole = max(whole, p.numel())
+    for p, is_split in _params_by_split(block, fqn, style_of):
+        if id(p) in experts:
+            expert = max(expert, p.numel())
+        elif is_split:
+            split = max(split, p.numel())
+        else:
+            whole = max(whole, p.numel())
     return split, whole, expert
 
 
