@@ -554,34 +554,48 @@ def _without_gradients(states: tuple) -> tuple[StateBytes, StateBytes]:
     return tuple(dataclasses.replace(x, grads=0.0, unit_grads=0.0, unit_wgrads=0.0) for x in states)
 
 
-def _unpipelined_moments(costs: list[StageCost] | dict[int, StageCost], stages: tuple[int, ...], states: tuple
-                         ) -> list[tuple[tuple, float]] | None:
-    """The two moments that may be the peak of a model without a pipeline (one stage: its blocks all on the rank),
-    each as (the layout's states then, the working set beside the saved activations); None elsewhere (a pipeline, or
-    no loss working set to tell them apart).
+def _loss_moments(costs: list[StageCost] | dict[int, StageCost], stages: tuple[int, ...], states: tuple,
+                  grads_at_peak: bool) -> list[tuple[tuple, float, float | None]] | None:
+    """The two moments that may be the peak of a rank whose one stage holds the loss (the whole model without a
+    pipeline, or a 1F1B or GPipe pipeline's last rank), each as (the layout's states then, the working set beside
+    the saved activations, the reduce buffers' bytes then or None for memory.staged_unit_params'); None elsewhere
+    (a rank of several stages, a stage without the loss, no loss working set to tell them apart).
 
     - The loss's backward (its working set: memory.loss_bytes): no FSDP unit is gathered then (this executor sets
       ZeRO-3's reshard_after_forward itself, so FSDP2 reshards even the root unit after the forward, and gathers it
-      again only when the backward reaches it), no layer has written a gradient yet and no reduce buffer is held
-      (the trainer's every backward is FSDP2's last: its final callback frees them): the states without those
-      transients (StateBytes' unit_weights, root_weights, unit_wgrads, unit_grads).
+      again only when the backward reaches it) and no layer has written a gradient yet: the states without those
+      transients (StateBytes' unit_weights, root_weights, unit_wgrads). Without a pipeline no reduce buffer is held
+      either (the trainer's every backward is FSDP2's last: its final callback frees them); a pipeline's stage that
+      reduces every micro-batch (StateBytes.staging_held) still holds its root unit's, the last it reduced. Where
+      the rank's activation peak comes before its first backward has produced gradients (``grads_at_peak`` False:
+      GPipe, one micro-batch; CostModel.grads_at_activation_peak), the loss's backward has none and no buffer.
     - A layer's backward: every transient, with the layers' largest working set; the head block's saved
-      activations freed by its backward before (its one micro-batch: without a pipeline one is in flight).
+      activations freed by its backward before (the one micro-batch whose backward runs).
     Traced (executor/trace.py, the live tensors at the peak), llama3-8b dp16 ZeRO-3 at 8,192 tokens: the peak in the
     loss's log-softmax backward, the fp32 shards and the activations alone; priced with the transients beside the
     loss it came 4.2 GiB (6.4%) over. llama2-7b dp8 (a 32,000 vocabulary): ZeRO-3's peak in a layer's backward, the
     root and two layer units gathered, the head's activations gone (priced with the loss's working set and the
-    head's: 5.6% over); ZeRO-1's at the loss's, its weight gradients and reduce buffer not yet there."""
-    if tuple(stages) != (0,) or not costs[0].loss_working:  # (stage 0 holds the head: it is the whole model)
+    head's: 5.6% over); ZeRO-1's at the loss's, its weight gradients and reduce buffer not yet there. The demo's pick
+    (llama2-70b dp8 tp2 pp4 1F1B ZeRO-3 sp, 64 ranks), its last stage: at the loss 31.65 GiB of tensors, the 20
+    layers' activations, the loss's, the fp32 shards and the head's 0.49 GiB reduce buffer alone; the peak 33.84 GiB
+    in a layer's backward (its unit gathered, its fp32 reduce buffer, its 16-bit gradients); priced with every
+    transient beside the loss, 35.55 GiB (+4.9% of the rank's traced peak with the allowance)."""
+    if len(stages) != 1 or not costs[stages[0]].loss_working:  # (the loss's stage: the head's working set)
         return None
-    return [(_without_transients(states), costs[0].loss_working),
-            (states, costs[0].layer_working - costs[0].loss_held)]
+    c = costs[stages[0]]
+    if not grads_at_peak:
+        return [(_without_gradients(_without_transients(states)), c.loss_working, 0.0),
+                (states, c.layer_working - c.loss_held, None)]
+    held = states[0].unit_grads * c.root_params if states[0].staging_held else 0.0  # (pipelines alone hold one)
+    return [(_without_transients(states), c.loss_working, held),
+            (states, c.layer_working - c.loss_held, None)]
 
 
 @lru_cache(maxsize=256)
 def _without_transients(states: tuple) -> tuple:
     """``states`` (a layout's: memory.state_bytes, moe.expert_states) without what only a layer's backward holds:
-    gathered units (the root's too), its 16-bit weight gradients, its reduce buffer."""
+    gathered units (the root's too), its 16-bit weight gradients, its reduce buffer (_loss_moments gives a
+    pipeline's held one as bytes)."""
     return tuple(dataclasses.replace(x, unit_weights=0.0, root_weights=0.0, unit_wgrads=0.0, unit_grads=0.0)
                  for x in states)
 
@@ -1132,12 +1146,12 @@ class CostModel:
         peak where there is one (activations, unfolded gradients: SimResult's). With whole-chunk gathers (ZeRO-3
         interleaved: gather_peaks) the larger of the peaks after the rank's first backward and before it, the latter
         without gradients."""
-        moments = _unpipelined_moments(costs, stages, states)
-        if moments is not None:  # without a pipeline: the loss's moment and the layers' backward, the larger
+        moments = _loss_moments(costs, stages, states, grads_at_peak)
+        if moments is not None:  # the loss's stage alone on the rank: the loss's moment and the layers' backward
             acts, unfolded = simulated if simulated is not None else \
                 peak_parts(costs, stages, flights, holding, unfolded_bytes(costs, stages, states))
-            got = [self._rank_bytes_at(costs, stages, acts + extra, held, grads_at_peak, unfolded)
-                   for held, extra in moments]
+            got = [self._rank_bytes_at(costs, stages, acts + extra, held, grads_at_peak, unfolded, buffers=buffers)
+                   for held, extra, buffers in moments]
             return max(got, key=lambda out: sum(out.values()))
         working = max(costs[s].act_working for s in stages)
         if _gather_moments(holding):
@@ -1213,14 +1227,14 @@ class CostModel:
             return fits_gathers
 
         unfolded = unfolded_bytes(costs, stages, states)  # what recomputation does not change
-        moments = _unpipelined_moments(costs, stages, states)
-        if moments is not None:  # without a pipeline: the loss's moment and the layers' backward (_rank_bytes)
-            bases = [sum(self._rank_bytes_at(costs, stages, 0.0, held, True, start_moment=False).values())
-                     for held, _ in moments]
+        moments = _loss_moments(costs, stages, states, True)
+        if moments is not None:  # the loss's stage alone: the loss's moment and the layers' backward (_rank_bytes)
+            bases = [sum(self._rank_bytes_at(costs, stages, 0.0, held, True, start_moment=False,
+                                             buffers=buffers).values()) for held, _, buffers in moments]
 
             def fits_both() -> bool:  # the stage's mode changes its working sets: read at each test
                 acts = held_activations(costs, stages, flights, holding, unfolded)
-                extras = [x for _, x in _unpipelined_moments(costs, stages, states)]
+                extras = [x for _, x, _ in _loss_moments(costs, stages, states, True)]
                 return all(b + per_byte * (acts + x) <= room for b, x in zip(bases, extras, strict=True))
 
             return fits_both

@@ -298,6 +298,11 @@ class StageILP:
         G = {s: 0 for s in range(S)}
         zero_bubble = self.schedule == "zb-v"
         work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
+        # a rank holding the loss's stage alone (1F1B, GPipe) peaks at the loss or in a layer's backward, priced apart
+        # (costmodel._loss_moments): that stage's layers' working set alone, for the latter (set below)
+        loss_working = self.cost[(self.n - 1, "none")].act_working
+        loss_alone = S > 1 and v == 1 and bool(loss_working)
+        layer_work = 0
         big_params = pulp.LpVariable("largest_layer_params", lowBound=0)  # the largest transformer-layer unit
         # the largest unit reducing alone (BlockCost.reduce_unit): the layer's without its experts, or the experts'
         split_units = any(c.experts for c in self.cost.values())
@@ -363,9 +368,13 @@ class StageILP:
             prob += big_params >= self.cost[(1, self.modes[0])].params, "largest_block_layer"
             if split_units:
                 prob += big_reduce >= self.cost[(1, self.modes[0])].reduce_unit, "largest_reduce_unit_layer"
+            if loss_alone:  # the last stage's layers' working set: its mode's (charged where it holds none too)
+                layer_work = pulp.lpSum(self.cost[(1, u)].act_working * y[S - 1, u] for u in self.modes)
             assign = ("counts", cnt)
         else:
             window = self._block_windows()  # the stages each block can be in (all but with chunks, v > 1)
+            if loss_alone:
+                layer_work = pulp.LpVariable(f"layer_working_{S - 1}", lowBound=0)
             x = {(i, s, u): pulp.LpVariable(f"block_{i}_stage_{s}_{u}", cat="Binary")
                  for i in range(self.n) for s in window[i] for u in self.modes}
             for i in range(self.n):
@@ -395,6 +404,8 @@ class StageILP:
                             if coef:
                                 terms[k][s].append((xv, coef))
                         prob += work_vars[s] >= c.act_working * xv, f"working_{i}_{s}_{u}"
+                        if loss_alone and s == S - 1 and i < self.n - 1:
+                            prob += layer_work >= c.act_working * xv, f"layer_working_{i}_{s}_{u}"
                         if not c.root:
                             prob += big_params >= c.params * xv, f"largest_block_{i}_{s}_{u}"
                             if split_units:
@@ -541,14 +552,29 @@ class StageILP:
             for s in ranks[r]:
                 prob += working >= work_vars[s], f"working_rank_{r}_stage_{s}"
             grads = states.grads * load.params + expert_states.grads * load.experts
-            if not gathers and not self.model.grads_at_activation_peak(lay, ranks[r], flights):  # gathers: late
-                arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}", lowBound=0)
-                prob += arriving >= grads - pulp.lpSum(A[s] for s in ranks[r]), f"grads_after_first_backward_{r}"
-                grads = arriving
+            grads_at_peak = self.model.grads_at_activation_peak(lay, ranks[r], flights)
+            if not gathers and not grads_at_peak:  # gathers: late
+                # in GiB, as the memory rows: in bytes beside them, HiGHS's presolve returned as optimal a split 31%
+                # slower than one that fits (gpt-small dp2 tp2 pp2 GPipe ZeRO-3 on 2 GiB GPUs, once the loss's moment
+                # was a row of its own)
+                arriving = pulp.LpVariable(f"grads_at_peak_rank_{r}_GiB", lowBound=0)
+                prob += arriving >= (grads - pulp.lpSum(A[s] for s in ranks[r])) * (1 / 2**30), \
+                    f"grads_after_first_backward_{r}"
+                grads = arriving * 2**30
             units = (states.unit_weights + states.unit_wgrads) * big_params + states.unit_grads * staged \
                 + states.root_weights * pulp.lpSum(Root[s] for s in ranks[r])
-            tensors = (states.weights + states.optimizer) * load.params + units + grads \
-                + (expert_states.weights + expert_states.optimizer) * load.experts + acts + working
+            kept = (states.weights + states.optimizer) * load.params \
+                + (expert_states.weights + expert_states.optimizer) * load.experts + acts
+            if loss_alone and not gathers and ranks[r] == (S - 1,):  # costmodel._loss_moments
+                # the loss's backward: no unit gathered, no layer gradient, the root unit's reduce buffer where held;
+                # before the rank's first backward has produced gradients, none and no buffer
+                at_loss = kept + loss_working
+                if grads_at_peak:
+                    at_loss += grads + (states.unit_grads * Root[S - 1] if states.staging_held else 0)
+                prob += (at_loss + untracked_bytes(gpu, at_loss)) * (1 / 2**30) <= limit, f"mem_loss_rank_{r}"
+                tensors = kept + grads + units - self.cost[(self.n - 1, "none")].act_bytes + layer_work  # a layer's
+            else:
+                tensors = kept + grads + units + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows
             prob += (tensors + untracked_bytes(gpu, tensors)) * (1 / 2**30) <= limit, f"mem_cap_rank_{r}"
             if early:  # before the first backward: no gradient (costmodel.gather_peaks)

@@ -154,7 +154,7 @@ class StateBytes:
     the unit that runs and the one prefetched); ``root_weights``: per parameter of the chunk's root unit
     (embedding, head), which FSDP2 gathers for the whole of each forward and each backward (under ZeRO 3 resharded
     between them, as this executor asks: without a pipeline the loss's backward holds none,
-    costmodel._unpipelined_moments)."""
+    costmodel._loss_moments)."""
 
     weights: float
     grads: float

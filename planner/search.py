@@ -396,7 +396,7 @@ def _block_class(model: CostModel, lay: Layout, place, modes: tuple[str, ...]) -
 
 def _working_alone(table) -> float:
     """What a rank holding every block (pp 1) adds at its peak to the model states and all its activations, at least
-    (costmodel._unpipelined_moments): the loss's working set (the head block's), or a layer's less the head's saved
+    (costmodel._loss_moments): the loss's working set (the head block's), or a layer's less the head's saved
     activations its backward has freed by then; the largest block working set where the head has none. Charging the
     largest working set on top of every activation (the pipelined ranks' rule) came up to 9% over the price of
     llama-small with a 512 vocabulary, fp32, full recomputation: the bound was no bound."""

@@ -70,7 +70,7 @@ def test_torchtitan_llama2_13b_without_recomputation_fits_as_it_ran():
     tokens per GPU, no activation checkpointing, FSDP over 64 A100 80GB, ran. With the composite norm's fp32 copies
     (two norms of 5,120 a token a layer, 6 bytes an element more) it was priced at 95.5 GiB; fused, 75.5 GiB; with the
     flash kernel's output priced once and the gradients of the unit in its backward priced, 72.9 GiB; with its loss's
-    moment and its layers' backward priced apart (costmodel._unpipelined_moments), 69.6 GiB. This executor's dry run of
+    moment and its layers' backward priced apart (costmodel._loss_moments), 69.6 GiB. This executor's dry run of
     the layout (priced alike under --framework paraplan) traced 69.03 GiB: the bound below is 2% under that."""
     from paraplan.planner.costmodel import CostModel
     from paraplan.planner.layout import Layout

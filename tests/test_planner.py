@@ -471,7 +471,7 @@ def test_lower_bound_never_exceeds_the_best_split(small):
 
 def test_memory_bound_of_a_model_without_a_pipeline_never_exceeds_its_price():
     """A rank holding every block (pp 1) peaks at the loss's backward or at a layer's, whose working set comes with
-    the head's saved activations freed (costmodel._unpipelined_moments): the memory bound charges the larger of the
+    the head's saved activations freed (costmodel._loss_moments): the memory bound charges the larger of the
     two (search._working_alone), never the layers' working set on top of every activation. llama-small with a 512
     vocabulary (a layer's working set above the loss's), fp32 and bf16, on two CPU ranks: each layout's bound per
     mode is at most the price of its one stage in that mode, and reaches it without data parallelism (tp2: no
