@@ -344,7 +344,7 @@ class _BlockClass:
     experts: float  # its expert-parallel parameters
     acts: dict[str, float]  # per mode: activation bytes per micro-batch, whole model
     working: dict[str, float]  # per mode: the largest block working set
-    working_alone: dict[str, float]  # per mode: what a one-stage rank adds to all its activations at its peak (least)
+    working_alone: dict[str, float]  # per mode: what the loss's rank adds to all its activations at its peak (least)
     times: dict[str, float]  # per mode: all ranks' time per micro-batch
     total: float  # all ranks' time per micro-batch without recomputation
     table: Any  # the block table without recomputation (fullest_rank, largest_output)
@@ -395,11 +395,12 @@ def _block_class(model: CostModel, lay: Layout, place, modes: tuple[str, ...]) -
 
 
 def _working_alone(table) -> float:
-    """What a rank holding every block (pp 1) adds at its peak to the model states and all its activations, at least
-    (costmodel._loss_moments): the loss's working set (the head block's), or a layer's less the head's saved
-    activations its backward has freed by then; the largest block working set where the head has none. Charging the
-    largest working set on top of every activation (the pipelined ranks' rule) came up to 9% over the price of
-    llama-small with a 512 vocabulary, fp32, full recomputation: the bound was no bound."""
+    """What the rank holding the loss's stage alone (every block at pp 1; a 1F1B or GPipe pipeline's last) adds at its
+    peak to its model states and all its activations, at least (costmodel._loss_moments): the loss's working set (the
+    head block's), or a layer's less the head's saved activations its backward has freed by then; the largest block
+    working set where the head has none. Charging the largest working set on top of every activation (the rule ranks
+    of several chunks keep) came up to 9% over the price of llama-small with a 512 vocabulary, fp32, full recomputation
+    at pp 1: the bound was no bound."""
     loss = table.working[-1]
     if not loss:
         return max(table.working)
@@ -454,7 +455,9 @@ def _bound_parts(model: CostModel, lay: Layout, modes: tuple[str, ...], capacity
     equalised = _equalised_bytes(states, least, counts, [acts[u] for u in modes])
     floor = _start_floor(per, per_e, params, experts, p) if first else 0.0
     memory = {}
-    working = cls.working_alone if p == 1 else cls.working
+    # the rank of the loss's stage alone (pp 1; 1F1B's and GPipe's last: costmodel._loss_moments) adds at least
+    # working_alone; a rank of several chunks, the largest of its blocks' working sets
+    working = cls.working_alone if v == 1 else cls.working
     for u, held_bytes in zip(modes, equalised, strict=True):
         tensors = max(held_bytes + working[u], floor)
         memory[u] = tensors + untracked_bytes(gpu, tensors)
