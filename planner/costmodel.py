@@ -583,12 +583,12 @@ def _loss_moments(costs: list[StageCost] | dict[int, StageCost], stages: tuple[i
     if len(stages) != 1 or not costs[stages[0]].loss_working:  # (the loss's stage: the head's working set)
         return None
     c = costs[stages[0]]
-    if not grads_at_peak:
-        return [(_without_gradients(_without_transients(states)), c.loss_working, 0.0),
-                (states, c.layer_working - c.loss_held, None)]
-    held = states[0].unit_grads * c.root_params if states[0].staging_held else 0.0  # (pipelines alone hold one)
-    return [(_without_transients(states), c.loss_working, held),
-            (states, c.layer_working - c.loss_held, None)]
+    if grads_at_peak:
+        at_loss = _without_transients(states)
+        held = states[0].unit_grads * c.root_params if states[0].staging_held else 0.0  # (pipelines alone hold one)
+    else:
+        at_loss, held = _without_gradients(_without_transients(states)), 0.0
+    return [(at_loss, c.loss_working, held), (states, c.layer_working - c.loss_held, None)]
 
 
 @lru_cache(maxsize=256)

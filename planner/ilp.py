@@ -300,7 +300,8 @@ class StageILP:
         work_vars = {s: pulp.LpVariable(f"working_{s}", lowBound=0) for s in range(S)}
         # a rank holding the loss's stage alone (1F1B, GPipe) peaks at the loss or in a layer's backward, priced apart
         # (costmodel._loss_moments): that stage's layers' working set alone, for the latter (set below)
-        loss_working = self.cost[(self.n - 1, "none")].act_working
+        head = self.cost[(self.n - 1, "none")]  # embeddings and the head are never recomputed
+        loss_working = head.act_working
         loss_alone = S > 1 and v == 1 and bool(loss_working)
         layer_work = 0
         big_params = pulp.LpVariable("largest_layer_params", lowBound=0)  # the largest transformer-layer unit
@@ -364,7 +365,7 @@ class StageILP:
                     G[s] += self.cost[(1, self.modes[0])].output_bytes if zero_bubble else 0
             tied = self.prof.layers[-1].tied_params
             if S == 1 and tied:  # one copy of a tied embedding/head weight (the cost model's rule)
-                P[0] -= tied * self.cost[(self.n - 1, "none")].params / self.prof.layers[-1].params
+                P[0] -= tied * head.params / self.prof.layers[-1].params
             prob += big_params >= self.cost[(1, self.modes[0])].params, "largest_block_layer"
             if split_units:
                 prob += big_reduce >= self.cost[(1, self.modes[0])].reduce_unit, "largest_reduce_unit_layer"
@@ -452,7 +453,7 @@ class StageILP:
             B[s] += host / 2
         if zero_bubble and S > 1:  # the last stage's: its excess over the loss's working set (the cost model's rule)
             excess = pulp.LpVariable("pending_over_loss_working", lowBound=0)
-            prob += excess >= G[S - 1] - self.cost[(self.n - 1, "none")].act_working, "pending_over_loss_working"
+            prob += excess >= G[S - 1] - loss_working, "pending_over_loss_working"
             G[S - 1] = excess
         ranks = self._rank_stages
         T = {r: pulp.lpSum(F[s] + B[s] + W[s] for s in ranks[r]) for r in range(p)}
@@ -572,7 +573,7 @@ class StageILP:
                 if grads_at_peak:
                     at_loss += grads + (states.unit_grads * Root[S - 1] if states.staging_held else 0)
                 prob += (at_loss + untracked_bytes(gpu, at_loss)) * (1 / 2**30) <= limit, f"mem_loss_rank_{r}"
-                tensors = kept + grads + units - self.cost[(self.n - 1, "none")].act_bytes + layer_work  # a layer's
+                tensors = kept + grads + units - head.act_bytes + layer_work  # a layer's backward
             else:
                 tensors = kept + grads + units + working
             # in GiB: bytes (1e9) beside seconds (1e-4) would leave CBC badly scaled rows

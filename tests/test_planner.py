@@ -469,6 +469,27 @@ def test_lower_bound_never_exceeds_the_best_split(small):
     assert checked > 50 and forced > 5 and waits > 5 and whole > 20 and sends > 20
 
 
+def _small_vocab_memory_bounds(keep):
+    """llama-small with a 512-token vocabulary (a layer's working set above the loss's), fp32 and bf16, on two CPU
+    ranks: (cost model, layout, its block count, its recomputation modes, the search's memory bound per mode) of each
+    valid layout ``keep`` accepts."""
+    from paraplan.models import load_model_spec
+
+    work = Workload.create(load_model_spec("benchmarks/data/llama-small.yaml").replace(vocab_size=512), "local", 16)
+    model = CostModel(work)
+    for dtype in ("fp32", "bf16"):
+        n = len(work.profile(dtype).layers)
+        for lay in enumerate_layouts(work, 2, dtype):
+            if not keep(lay):
+                continue
+            try:
+                validate_layout(model, lay)
+            except InvalidLayout:
+                continue
+            modes = modes_for(model, None, dtype, lay)
+            yield model, lay, n, modes, lower_bound(model, lay, modes)[1]
+
+
 def test_memory_bound_of_a_model_without_a_pipeline_never_exceeds_its_price():
     """A rank holding every block (pp 1) peaks at the loss's backward or at a layer's, whose working set comes with
     the head's saved activations freed (costmodel._loss_moments): the memory bound charges the larger of the
@@ -477,29 +498,15 @@ def test_memory_bound_of_a_model_without_a_pipeline_never_exceeds_its_price():
     mode is at most the price of its one stage in that mode, and reaches it without data parallelism (tp2: no
     gradient or gather the bound leaves out). Charged the pipelined way it came up to 9.4% over (dp1 tp2 mb16, full
     recomputation): a layout fitting by less than that was rejected out of memory."""
-    from paraplan.models import load_model_spec
-
-    work = Workload.create(load_model_spec("benchmarks/data/llama-small.yaml").replace(vocab_size=512), "local", 16)
-    model = CostModel(work)
     checked = reached = 0
-    for dtype in ("fp32", "bf16"):
-        blocks = list(range(len(work.profile(dtype).layers)))
-        for lay in enumerate_layouts(work, 2, dtype):
-            if lay.pp != 1:
-                continue
-            try:
-                validate_layout(model, lay)
-            except InvalidLayout:
-                continue
-            modes = modes_for(model, None, dtype, lay)
-            _, memory = lower_bound(model, lay, modes)
-            for u in modes:
-                priced = model.evaluate(lay, [blocks], [u]).peak_memory_gib * 2**30
-                assert memory[u] <= priced * (1 + 1e-9), (lay.short(), u)
-                checked += 1
-                if lay.dp == 1:
-                    assert memory[u] >= priced * (1 - 1e-6), (lay.short(), u)
-                    reached += 1
+    for model, lay, n, modes, memory in _small_vocab_memory_bounds(lambda lay: lay.pp == 1):
+        for u in modes:
+            priced = model.evaluate(lay, [list(range(n))], [u]).peak_memory_gib * 2**30
+            assert memory[u] <= priced * (1 + 1e-9), (lay.short(), u)
+            checked += 1
+            if lay.dp == 1:
+                assert memory[u] >= priced * (1 - 1e-6), (lay.short(), u)
+                reached += 1
     assert checked > 100 and reached > 30
 
 
@@ -510,27 +517,13 @@ def test_memory_bound_of_a_two_rank_pipeline_never_exceeds_its_least_memory_spli
     layer's working set above the loss's), fp32 and bf16, pp2 on two CPU ranks: each layout's bound per mode is at
     most the least peak over every split in that mode. With the largest working set on top it came up to 2.2% over
     (dp1 tp1 pp2 mb16 GPipe, full recomputation)."""
-    from paraplan.models import load_model_spec
-
-    work = Workload.create(load_model_spec("benchmarks/data/llama-small.yaml").replace(vocab_size=512), "local", 16)
-    model = CostModel(work)
     checked = 0
-    for dtype in ("fp32", "bf16"):
-        n = len(work.profile(dtype).layers)
-        for lay in enumerate_layouts(work, 2, dtype):
-            if lay.pp != 2 or lay.virtual_stages != 1:
-                continue
-            try:
-                validate_layout(model, lay)
-            except InvalidLayout:
-                continue
-            modes = modes_for(model, None, dtype, lay)
-            _, memory = lower_bound(model, lay, modes)
-            for u in modes:
-                least = min(model.evaluate(lay, [list(range(k)), list(range(k, n))], [u, u]).peak_memory_gib
-                            for k in range(1, n))
-                assert memory[u] <= least * 2**30 * (1 + 1e-9), (lay.short(), u)
-                checked += 1
+    for model, lay, n, modes, memory in _small_vocab_memory_bounds(lambda lay: lay.pp == 2 and lay.virtual_stages == 1):
+        for u in modes:
+            least = min(model.evaluate(lay, [list(range(k)), list(range(k, n))], [u, u]).peak_memory_gib
+                        for k in range(1, n))
+            assert memory[u] <= least * 2**30 * (1 + 1e-9), (lay.short(), u)
+            checked += 1
     assert checked > 40
 
 
